@@ -1,0 +1,55 @@
+"""Built-in plugin "core": the plain residual and the unfused completion, ranked last."""
+
+from __future__ import annotations
+
+import functools
+
+from ..contracts import FusedMlpInput
+from ..plugin.hookspecs import hookimpl
+from ..plugin.records import FusionProvider, Priority, ResidualKind
+from ..residual.add_norm import PLAIN_RESIDUAL, add_rms_norm
+
+
+def _complete_then_add_norm(norm, owed, residual, forward):
+    """Complete the owed sum or finalize unfused, then add + norm with FP32 accumulation."""
+    return add_rms_norm(norm, owed.complete(), residual)
+
+
+class UnfusedCompletion:
+    """The last-resort consumer candidate: it never declines."""
+
+    def attention_input(self, plan):
+        return (
+            FusedMlpInput(
+                run=functools.partial(_complete_then_add_norm, plan.norm),
+                name="core.unfused",
+                always=True,
+                preserves_residual=True,
+            ),
+        )
+
+    ffn_input = attention_input
+
+
+_UNFUSED = UnfusedCompletion()
+
+
+@hookimpl
+def layer_boundary_fusion_providers():
+    yield FusionProvider(
+        name="core.unfused",
+        factory=lambda stage: _UNFUSED,
+        priority=Priority.BUILTIN,
+        description="complete the sum (or the producer's finalize), then add + RMSNorm in FP32; never declines",
+    )
+
+
+@hookimpl
+def layer_boundary_residual_kinds():
+    yield ResidualKind(
+        name="core.plain",
+        kind="plain",
+        factory=lambda: PLAIN_RESIDUAL,
+        priority=Priority.BUILTIN,
+        description="residual + output, then the stage's RMSNorm",
+    )

@@ -1,0 +1,39 @@
+"""The plugin registry: pluggy hooks that yield typed records, ordered by priority."""
+
+from .hookspecs import PROJECT, hookimpl, hookspec
+from .manager import (
+    ENTRY_POINT_GROUP,
+    LoadReport,
+    PluginError,
+    PluginLoadError,
+    Registry,
+    get_plugin_manager,
+    get_registry,
+    reset_registry,
+)
+from .records import (
+    Adapter,
+    FusionProvider,
+    Priority,
+    Registered,
+    ResidualKind,
+)
+
+__all__ = [
+    "PROJECT",
+    "ENTRY_POINT_GROUP",
+    "hookimpl",
+    "hookspec",
+    "Adapter",
+    "FusionProvider",
+    "ResidualKind",
+    "Registered",
+    "Priority",
+    "Registry",
+    "LoadReport",
+    "PluginError",
+    "PluginLoadError",
+    "get_plugin_manager",
+    "get_registry",
+    "reset_registry",
+]
