@@ -1,0 +1,105 @@
+"""layer-boundary: the layer boundaries of tensor-parallel transformer inference.
+
+A model declares its stages once (`declare_attn`, `declare_ffn`, `make_stages`) and keeps only
+its compute; the boundaries complete outstanding sums, move token rows between parallel
+layouts, apply residual updates and prepare normalized inputs, with fused kernels from plugins
+where they apply and correct unfused code where they do not.
+"""
+
+from ._errors import Messages, MissingPluginError
+from .collectives import Collectives, CollectiveCounter, CountingCollectives, SingleRankCollectives, TorchCollectives, split_sizes
+from .construction import StagePlan
+from .contracts import FusedMlpInput, ProducerReduction, ReductionPolicy, StageDescription, StageKind
+from .exit import FfnExit, MixerExit
+from .factories import (
+    StageDeclaration,
+    declare_attn,
+    declare_ffn,
+    layer_stack,
+    make_attn_stage,
+    make_ffn_stage,
+    make_stages,
+)
+from .forward import BatchFactsError, BatchVariant, ComputeFlags, DpPadding, Forward, ForwardMode, get_forward
+from .fusions import FusionError
+from .layers import ColumnParallelLinear, MoeFinalizeHandoff, RowParallelLinear, reduce_output
+from .layout import Layout, SumGroup, TokenAxis
+from .output import HandoffOutput, OutputTransform, UnreducedOutput
+from .parallel import Parallel, Topology, TopologyError
+from .plugin import Adapter, FusionProvider, Priority, ResidualKind, get_registry, hookimpl
+from .policy import resolve_reduction
+from .residual import ResidualOps, StageRead, StageUpdate, residual_kind
+from .residual import batch as residual_batch
+from .residual.add_norm import NORM_READ, PLAIN_ADD, PLAIN_RESIDUAL, GemmaRMSNorm, RMSNorm
+from .residual.stream import Contribution, OwedOutput, ResidualStream
+from .stage import StageBoundary
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "Adapter",
+    "BatchFactsError",
+    "BatchVariant",
+    "Collectives",
+    "CollectiveCounter",
+    "ColumnParallelLinear",
+    "ComputeFlags",
+    "Contribution",
+    "CountingCollectives",
+    "DpPadding",
+    "FfnExit",
+    "Forward",
+    "ForwardMode",
+    "FusedMlpInput",
+    "FusionError",
+    "FusionProvider",
+    "GemmaRMSNorm",
+    "HandoffOutput",
+    "Layout",
+    "Messages",
+    "MissingPluginError",
+    "MixerExit",
+    "MoeFinalizeHandoff",
+    "NORM_READ",
+    "OutputTransform",
+    "OwedOutput",
+    "PLAIN_ADD",
+    "PLAIN_RESIDUAL",
+    "Parallel",
+    "Priority",
+    "ProducerReduction",
+    "RMSNorm",
+    "ReductionPolicy",
+    "ResidualKind",
+    "ResidualOps",
+    "ResidualStream",
+    "RowParallelLinear",
+    "SingleRankCollectives",
+    "StageBoundary",
+    "StageDeclaration",
+    "StageDescription",
+    "StageKind",
+    "StagePlan",
+    "StageRead",
+    "StageUpdate",
+    "SumGroup",
+    "TokenAxis",
+    "Topology",
+    "TopologyError",
+    "TorchCollectives",
+    "UnreducedOutput",
+    "declare_attn",
+    "declare_ffn",
+    "get_forward",
+    "get_registry",
+    "hookimpl",
+    "layer_stack",
+    "make_attn_stage",
+    "make_ffn_stage",
+    "make_stages",
+    "reduce_output",
+    "residual_batch",
+    "residual_kind",
+    "resolve_reduction",
+    "split_sizes",
+]

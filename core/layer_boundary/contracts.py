@@ -1,0 +1,107 @@
+"""Declarations' vocabulary and the frozen descriptions handed to plugins.
+
+Nothing here holds a tensor: these values are built once at model construction.
+"""
+
+from __future__ import annotations
+
+import enum
+from typing import Any, Callable, Optional
+
+import attrs
+
+from .layout import SumGroup
+
+__all__ = [
+    "ProducerReduction",
+    "StageKind",
+    "ReductionPolicy",
+    "FusedMlpInput",
+    "StageDescription",
+]
+
+
+class ProducerReduction(enum.Enum):
+    """How a producer's compute cooperates with the boundary's reduction decision."""
+
+    #: attention only: compute always returns a contribution that still needs its sum
+    PARTIAL = "partial"
+    #: compute obeys the exit's decision (FFN default; a single-stage mixer)
+    SCOPED = "scoped"
+    #: FFN only: compute adds a replicated component after its internal sum; never deferred
+    LOCAL_TAIL = "local_tail"
+
+    def __repr__(self) -> str:
+        return self.name
+
+
+class StageKind(enum.Enum):
+    ATTENTION = "attention"
+    MIXER = "mixer"  #: a token mixer declared with declare_attn(reduction=SCOPED)
+    FFN = "ffn"
+
+    def __repr__(self) -> str:
+        return self.name
+
+
+class ReductionPolicy(enum.Enum):
+    """Permissions for optional FFN output transport (never commands)."""
+
+    AR = "ar"
+    RS = "rs"
+    RSV = "rsv"
+    RS_RSV = "rs+rsv"
+    AUTO = "auto"
+
+    @property
+    def allows_rs(self) -> bool:
+        return self in (ReductionPolicy.RS, ReductionPolicy.RS_RSV)
+
+    @property
+    def allows_rsv(self) -> bool:
+        return self in (ReductionPolicy.RSV, ReductionPolicy.RS_RSV)
+
+
+@attrs.frozen(kw_only=True)
+class FusedMlpInput:
+    """A consumer candidate that completes an owed value together with the add + norm.
+
+    `run(owed, residual, forward)` receives the owed value (an `UnreducedOutput` whose sum
+    runs over `completes`, or a `HandoffOutput` when `handoff=True`) and returns
+    `(compute_input, new_residual)`, or None, before touching anything, to decline.
+    `preserves_residual` says the candidate never writes the old residual in place.
+    """
+
+    run: Callable[..., Any]
+    completes: Optional[SumGroup] = None
+    handoff: bool = False
+    name: str = ""
+    preserves_residual: bool = False
+    #: set by the core for its own last-resort candidate, which never declines
+    always: bool = False
+
+
+@attrs.frozen(kw_only=True)
+class StageDescription:
+    """What a fusion provider's factory may look at to decide whether it applies."""
+
+    kind: StageKind
+    label: str
+    sparse: bool
+    terminal: bool
+    enters_stack: bool
+    topology: Any
+    #: the sum an arriving output may owe at this stage's input (None when it never owes one)
+    incoming_sum: Optional[SumGroup]
+    #: the arriving update is a plain add
+    plain_update: bool
+    #: this stage's read is a plain norm
+    plain_read: bool
+    #: "rms", "gemma_rms" or "other"
+    norm_kind: str
+    hidden_size: Optional[int]
+    eps: Optional[float]
+    residual: str
+    reduction: ReductionPolicy
+    #: the output sum group this stage's own output owes (None when always complete)
+    output_sum: Optional[SumGroup]

@@ -1,0 +1,221 @@
+"""The producer side: decide once per batch how a stage's output completes, publish the flags
+compute needs, and apply exactly the completion that matches them.
+
+A decision is made when the exit scope opens and never revisited after compute: the flags
+(`fuse_mlp_allreduce`, `mlp_reduce_scatter`, `defer_moe_finalize`) and the completion action
+come from the same decision, so no skip flag is ever set without its completion.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ._errors import Messages
+from .forward import BatchVariant, ComputeFlags, DpPadding, _FLAGS
+from .ops import dp_reduce_scatter, dp_scatter, reduce_scatter_slices, take_slice
+from .output import HandoffOutput, UnreducedOutput
+from .residual.stream import Contribution
+
+__all__ = ["FfnExit", "MixerExit", "ExitDecision", "record_complete", "record_attention"]
+
+
+class ExitDecision:
+    __slots__ = ("flags", "defer_sum", "reduce_scatter", "declared")
+
+    def __init__(self, flags: ComputeFlags, *, defer_sum=False, reduce_scatter=False, declared=False):
+        self.flags = flags
+        self.defer_sum = defer_sum
+        self.reduce_scatter = reduce_scatter
+        self.declared = declared
+
+    def __repr__(self) -> str:
+        return f"ExitDecision({self.flags}, defer_sum={self.defer_sum}, reduce_scatter={self.reduce_scatter}, declared={self.declared})"
+
+
+_NO_SKIP = ComputeFlags()
+
+
+def _stream(fwd):
+    stream = fwd.residual_stream
+    if stream is None:
+        raise RuntimeError(Messages.NOT_STARTED)
+    return stream
+
+
+def record_complete(plan, value, rows, fwd):
+    """Record a complete contribution; an update applied at the producer writes the stream now."""
+    stream = _stream(fwd)
+    update = plan.declaration.update
+    if update.at_producer:
+        new_residual = update.apply(value, stream.residual)
+        stream.write(new_residual, rows, handle=new_residual)
+        return new_residual
+    return stream.record(Contribution(value, update, rows=rows))
+
+
+def record_attention(plan, out, fwd):
+    """A PARTIAL attention output: its attention-TP sum is always left to the next input."""
+    decl = plan.declaration
+    ex = plan.path_for(fwd).exit
+    owed = UnreducedOutput(out, ex.group, ex.sum_group, declared=True)
+    return _stream(fwd).record(Contribution(None, decl.update, owed=owed, transform=decl.output_transform))
+
+
+def complete_reduced(plan, path, out, fwd):
+    """Output that compute already reduced: transform, move back to the residual's rows, record."""
+    transform = plan.declaration.output_transform
+    if transform is not None:
+        out = transform(out)
+    move = path.exit.complete_move
+    if move == "dp_scatter":
+        out = dp_scatter(out, fwd)
+    elif move == "slice":
+        out = take_slice(out, fwd)
+    return record_complete(plan, out, path.exit.output_rows, fwd)
+
+
+class _ExitScope:
+    __slots__ = ("plan", "path", "fwd", "decision", "_token", "_finished")
+
+    def __init__(self, plan, path, fwd, decision: ExitDecision):
+        self.plan = plan
+        self.path = path
+        self.fwd = fwd
+        self.decision = decision
+        self._token = None
+        self._finished = False
+
+    @property
+    def flags(self) -> ComputeFlags:
+        return self.decision.flags
+
+    @property
+    def fuse_mlp_allreduce(self) -> bool:
+        return self.decision.flags.fuse_mlp_allreduce
+
+    @property
+    def mlp_reduce_scatter(self) -> bool:
+        return self.decision.flags.mlp_reduce_scatter
+
+    @property
+    def defer_moe_finalize(self) -> bool:
+        return self.decision.flags.defer_moe_finalize
+
+    def __enter__(self):
+        if self._token is not None:
+            raise RuntimeError("an exit scope is entered once; open a new one with boundary.exit(forward)")
+        self._token = _FLAGS.set(self.decision.flags)
+        return self
+
+    def __exit__(self, *exc):
+        _FLAGS.reset(self._token)
+        return False
+
+    def _begin_finish(self):
+        if self._finished:
+            raise RuntimeError("finish() was already called for this exit; open a new exit for the next forward")
+        self._finished = True
+
+
+class FfnExit(_ExitScope):
+    """An FFN's exit scope; `finish(output)` applies the decided completion once."""
+
+    __slots__ = ()
+
+    @classmethod
+    def open(cls, plan, fwd) -> "FfnExit":
+        path = plan.path_for(fwd)
+        _stream(fwd)
+        ex = path.exit
+        if ex.role == "adapter":
+            return ex.adapter.ffn_exit(plan, path, fwd)
+        defer_finalize = False
+        if ex.handoff_ok and fwd.num_tokens > 0:
+            defer_finalize = any(p.can_defer_finalize(plan, fwd) for p in plan.finalize_providers)
+        if ex.rs_kind == "dp":
+            padded = fwd.dp_padding is DpPadding.MAX_LEN
+            rs = (ex.rs_allowed and padded) or (ex.rsv_allowed and not padded)
+            return cls(plan, path, fwd, _scatter_decision(plan, fwd, rs))
+        if ex.rs_kind == "slice":
+            sizes = fwd.slice_sizes
+            rs = ex.rsv_allowed or (ex.rs_allowed and min(sizes) == max(sizes))
+            return cls(plan, path, fwd, _scatter_decision(plan, fwd, rs))
+        defer = ex.may_defer and fwd.num_tokens > 0
+        if defer and plan.fused_consumer_only:
+            defer = any(p.can_defer_all_reduce(plan, fwd) for p in plan.all_reduce_providers)
+        if defer or defer_finalize:
+            flags = ComputeFlags(fuse_mlp_allreduce=defer, defer_moe_finalize=defer_finalize)
+            return cls(plan, path, fwd, ExitDecision(flags, defer_sum=defer))
+        return cls(plan, path, fwd, ExitDecision(_NO_SKIP))
+
+    def finish(self, out):
+        self._begin_finish()
+        plan, path, fwd, decision = self.plan, self.path, self.fwd, self.decision
+        stream = _stream(fwd)
+        decl = plan.declaration
+        if isinstance(out, HandoffOutput):
+            if not decision.flags.defer_moe_finalize:
+                raise RuntimeError(
+                    f"stage {plan.label} returned a HandoffOutput but its exit did not publish defer_moe_finalize; "
+                    "finalize inside the MoE unless get_forward().defer_moe_finalize is set"
+                )
+            return stream.record(Contribution(None, decl.update, owed=out))
+        if not isinstance(out, torch.Tensor):
+            raise TypeError(f"stage {plan.label}: compute must return a tensor or a HandoffOutput, got {type(out).__name__}")
+        if decision.defer_sum:
+            owed = UnreducedOutput(out, path.exit.group, path.exit.sum_group, declared=False)
+            return stream.record(Contribution(None, decl.update, owed=owed))
+        if decision.reduce_scatter:
+            transform = decl.output_transform
+            if transform is not None:
+                out = transform(out)  # allowed only when declared before_reduce_scatter
+            if path.exit.rs_kind == "dp":
+                value = dp_reduce_scatter(out, fwd)
+            else:
+                value = reduce_scatter_slices(out, fwd)
+            return record_complete(plan, value, path.exit.output_rows, fwd)
+        return complete_reduced(plan, path, out, fwd)
+
+
+def _scatter_decision(plan, fwd, rs: bool) -> ExitDecision:
+    if not rs:
+        return ExitDecision(_NO_SKIP)
+    owns_tail = fwd.parallel.tp_rank == 0
+    return ExitDecision(ComputeFlags(mlp_reduce_scatter=True, owns_local_tail=owns_tail), reduce_scatter=True)
+
+
+class MixerExit(_ExitScope):
+    """A single-stage mixer's exit scope. `skips_reduction` says whether compute must leave
+    its attention-TP sum (before an FFN always; before another mixer per batch, never under
+    attention DP)."""
+
+    __slots__ = ()
+
+    @classmethod
+    def open(cls, plan, fwd) -> "MixerExit":
+        path = plan.path_for(fwd)
+        _stream(fwd)
+        ex = path.exit
+        if ex.role == "adapter":
+            return ex.adapter.mixer_exit(plan, path, fwd)
+        if ex.leaves_declared:
+            return cls(plan, path, fwd, ExitDecision(ComputeFlags(fuse_mlp_allreduce=True), declared=True))
+        if ex.may_defer and fwd.num_tokens > 0 and fwd.variant is BatchVariant.ORDINARY:
+            return cls(plan, path, fwd, ExitDecision(ComputeFlags(fuse_mlp_allreduce=True), defer_sum=True))
+        return cls(plan, path, fwd, ExitDecision(_NO_SKIP))
+
+    @property
+    def skips_reduction(self) -> bool:
+        return self.decision.flags.fuse_mlp_allreduce
+
+    def finish(self, out):
+        self._begin_finish()
+        plan, path, fwd, decision = self.plan, self.path, self.fwd, self.decision
+        if not isinstance(out, torch.Tensor):
+            raise TypeError(f"stage {plan.label}: a mixer returns a tensor, got {type(out).__name__}")
+        decl = plan.declaration
+        if decision.declared or decision.defer_sum:
+            owed = UnreducedOutput(out, path.exit.group, path.exit.sum_group, declared=decision.declared)
+            return _stream(fwd).record(Contribution(None, decl.update, owed=owed, transform=decl.output_transform))
+        return complete_reduced(plan, path, out, fwd)
+

@@ -1,0 +1,369 @@
+"""Model-facing declarations and the factories that turn them into stage boundaries.
+
+A model declares each stage's compute facts once (`declare_attn`, `declare_ffn`) and assembles
+the stages of a layer with `make_stages`, naming the real neighbours outside the call
+(`previous`, `following`) and whether the call ends the stack (`terminal`). Construction
+resolves every supported batch variant into bound paths; impossible combinations fail here,
+never mid-forward.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+from typing import Any, Iterator, Optional, Sequence
+
+import attrs
+
+from ._errors import Messages
+from .contracts import ProducerReduction, ReductionPolicy, StageKind
+from .output import OutputTransform
+from .residual import READ_FLAGS, UPDATE_FLAGS, ResidualOps, check_capabilities
+from .residual.add_norm import PLAIN_RESIDUAL
+
+__all__ = [
+    "StageDeclaration",
+    "declare_attn",
+    "declare_ffn",
+    "make_stages",
+    "make_attn_stage",
+    "make_ffn_stage",
+    "layer_stack",
+    "LayerStack",
+    "ATTENTION_OPTIONS",
+    "FFN_OPTIONS",
+]
+
+ATTENTION_OPTIONS = frozenset({"qkv_latent_func", "fusions"})
+FFN_OPTIONS = frozenset({"fusions"})
+
+
+@attrs.frozen(kw_only=True, eq=False)
+class StageDeclaration:
+    """A stage's compute facts: its read and update, reduction cooperation and neighbours.
+
+    It owns no norm and no plan. `previous` / `prepared_from` / `terminal` / `following` are
+    filled in by the assembler (`make_stages`) or given to `make_attn_stage` /
+    `make_ffn_stage`.
+    """
+
+    kind: StageKind
+    reduction: ProducerReduction
+    read: Any
+    update: Any
+    residual: str = "core.plain"
+    residual_ops: Optional[ResidualOps] = None
+    sparse: bool = False
+    next_sparse: bool = False
+    gathers_tp_input: bool = True
+    output_transform: Optional[OutputTransform] = None
+    previous: Optional["StageDeclaration"] = None
+    prepared_from: Optional["StageDeclaration"] = None
+    following: Optional["StageDeclaration"] = None
+    terminal: bool = False
+
+    def __attrs_post_init__(self):
+        check_capabilities(self.read, READ_FLAGS, "StageRead")
+        check_capabilities(self.update, UPDATE_FLAGS, "StageUpdate")
+        if self.previous is not None and self.prepared_from is not None:
+            raise ValueError("choose a previous output or a prepared branch input")
+        for source in (self.previous, self.prepared_from, self.following):
+            if source is not None and not isinstance(source, StageDeclaration):
+                raise TypeError("stage sources must be declarations")
+
+    @property
+    def is_attention_like(self) -> bool:
+        return self.kind in (StageKind.ATTENTION, StageKind.MIXER)
+
+    def facts(self) -> tuple:
+        """What a neighbour may rely on: compared when two calls describe the same edge."""
+        return (
+            self.kind,
+            self.reduction,
+            self.sparse,
+            self.next_sparse,
+            self.residual,
+            tuple(getattr(self.update, f) for f in UPDATE_FLAGS),
+            tuple(getattr(self.read, f) for f in READ_FLAGS),
+            self.output_transform is not None,
+        )
+
+    def describe(self) -> str:
+        name = self.kind.value
+        extras = []
+        if self.kind is StageKind.FFN and self.sparse:
+            extras.append("sparse")
+        if self.reduction is ProducerReduction.LOCAL_TAIL:
+            extras.append("local_tail")
+        if self.residual != "core.plain":
+            extras.append(self.residual)
+        return name + (f"[{','.join(extras)}]" if extras else "")
+
+
+def _ops(residual: Optional[ResidualOps]) -> ResidualOps:
+    if residual is None:
+        return PLAIN_RESIDUAL
+    if not isinstance(residual, ResidualOps):
+        raise TypeError(f"residual must be a ResidualOps (from residual_kind(...)), got {type(residual).__name__}")
+    return residual
+
+
+def declare_attn(
+    *,
+    reduction: ProducerReduction = ProducerReduction.PARTIAL,
+    residual: Optional[ResidualOps] = None,
+    read=None,
+    update=None,
+    gathers_tp_input: bool = True,
+    output_transform: Optional[OutputTransform] = None,
+) -> StageDeclaration:
+    """An attention stage (PARTIAL: always leaves its attention-TP sum) or, with
+    `reduction=SCOPED`, a single-stage token mixer that obeys its exit's decision.
+
+    `gathers_tp_input=False` says the compute cannot take input gathered over attention TP, so
+    the stage has no sequence-parallel or input-scattered path.
+    """
+    reduction = ProducerReduction(reduction)
+    if reduction is ProducerReduction.LOCAL_TAIL:
+        raise ValueError(Messages.LOCAL_TAIL_ATTN)
+    ops = _ops(residual)
+    kind = StageKind.ATTENTION if reduction is ProducerReduction.PARTIAL else StageKind.MIXER
+    return StageDeclaration(
+        kind=kind,
+        reduction=reduction,
+        read=ops.attn_read if read is None else read,
+        update=ops.attn_update if update is None else update,
+        residual=ops.name,
+        residual_ops=ops,
+        gathers_tp_input=gathers_tp_input,
+        output_transform=output_transform,
+    )
+
+
+def declare_ffn(
+    *,
+    reduction: ProducerReduction = ProducerReduction.SCOPED,
+    sparse: bool = False,
+    next_sparse: bool = False,
+    residual: Optional[ResidualOps] = None,
+    read=None,
+    update=None,
+    output_transform: Optional[OutputTransform] = None,
+) -> StageDeclaration:
+    """An FFN stage (dense, or `sparse=True` for MoE). `next_sparse` describes the next layer's
+    FFN, from which two-batch-overlap handoff rows derive."""
+    reduction = ProducerReduction(reduction)
+    if reduction is ProducerReduction.PARTIAL:
+        raise ValueError(Messages.PARTIAL_FFN)
+    ops = _ops(residual)
+    return StageDeclaration(
+        kind=StageKind.FFN,
+        reduction=reduction,
+        read=ops.ffn_read if read is None else read,
+        update=ops.ffn_update if update is None else update,
+        residual=ops.name,
+        residual_ops=ops,
+        sparse=sparse,
+        next_sparse=next_sparse,
+        output_transform=output_transform,
+    )
+
+
+# ---------------------------------------------------------------------------------------------
+# construction context
+# ---------------------------------------------------------------------------------------------
+
+
+class LayerStack:
+    """Construction context: the topology and resolved policy, and neighbour checks.
+
+    Stages built in one `layer_stack` are checked against each other as they are made: a call's
+    `previous` must describe the stage the call before it ended with, and that call's
+    `following` (when given) must describe this call's first stage.
+    """
+
+    def __init__(self, parallel, reduction):
+        from .policy import require_resolved
+
+        self.parallel = parallel
+        self.reduction = require_resolved(reduction)
+        self.last: Optional[StageDeclaration] = None
+        self.last_following: Optional[StageDeclaration] = None
+        self.ended = False
+        self.count = 0
+
+    def admit(self, first: StageDeclaration, previous, last: StageDeclaration, following, terminal: bool) -> None:
+        label = f"stage call {self.count}"
+        if previous is None and self.last is not None and not self.ended:
+            raise ValueError(
+                f"{label} starts a new stack (previous=None) but the stack before it did not end; pass "
+                "previous= the declaration of the stage before, or mark the last stage terminal=True"
+            )
+        if previous is not None and self.last is not None:
+            if previous.facts() != self.last.facts():
+                raise ValueError(
+                    f"{label}: previous={previous.describe()} does not describe the stage built before it "
+                    f"({self.last.describe()}); both neighbours must describe the same edge"
+                )
+            if self.last_following is not None and self.last_following.facts() != first.facts():
+                raise ValueError(
+                    f"{label}: the stage before declared following={self.last_following.describe()}, but this call "
+                    f"starts with {first.describe()}; both neighbours must describe the same edge"
+                )
+        self.last = last
+        self.last_following = following
+        self.ended = terminal
+        self.count += 1
+
+
+_STACK: contextvars.ContextVar[Optional[LayerStack]] = contextvars.ContextVar("layer_boundary_stack", default=None)
+
+
+@contextlib.contextmanager
+def layer_stack(parallel, *, reduction="ar") -> Iterator[LayerStack]:
+    """Build a model's stages inside this block: they share `parallel` and the reduction policy.
+
+    `reduction` must already be resolved (`resolve_reduction("auto", config)` gives the
+    per-architecture default).
+    """
+    stack = LayerStack(parallel, reduction)
+    token = _STACK.set(stack)
+    try:
+        yield stack
+    finally:
+        _STACK.reset(token)
+
+
+def _context(parallel, reduction) -> tuple[Any, ReductionPolicy, Optional[LayerStack]]:
+    stack = _STACK.get()
+    if parallel is None:
+        if stack is None:
+            raise RuntimeError(
+                "no topology for these stages: build them inside `with layer_stack(parallel, reduction=...)` "
+                "or pass parallel= and reduction="
+            )
+        parallel = stack.parallel
+    if reduction is None:
+        reduction = stack.reduction if stack is not None else "ar"
+    from .policy import require_resolved
+
+    return parallel, require_resolved(reduction), stack
+
+
+# ---------------------------------------------------------------------------------------------
+# assemblers
+# ---------------------------------------------------------------------------------------------
+
+
+def _split_item(item) -> tuple[StageDeclaration, Any, dict]:
+    if not isinstance(item, tuple) or len(item) not in (2, 3):
+        raise TypeError("a stage needs (declaration, norm[, options])")
+    decl, norm = item[0], item[1]
+    options = dict(item[2]) if len(item) == 3 and item[2] is not None else {}
+    if not isinstance(decl, StageDeclaration):
+        raise TypeError("make_stages requires stage declarations")
+    if decl.previous is not None or decl.prepared_from is not None:
+        raise ValueError("a declaration passed to make_stages takes its source from make_stages (previous= or prepared_from=)")
+    if decl.terminal:
+        raise ValueError("a declaration passed to make_stages takes terminal from make_stages (terminal=)")
+    if decl.following is not None:
+        raise ValueError("a declaration passed to make_stages takes following from make_stages (following=)")
+    allowed = ATTENTION_OPTIONS if decl.is_attention_like else FFN_OPTIONS
+    unknown = sorted(set(options) - allowed)
+    if unknown:
+        raise TypeError(f"unsupported {decl.kind.value} stage options: {unknown}")
+    return decl, norm, options
+
+
+def make_stages(
+    *items,
+    previous: Optional[StageDeclaration] = None,
+    following: Optional[StageDeclaration] = None,
+    terminal: bool = False,
+    prepared_from: Optional[StageDeclaration] = None,
+    parallel=None,
+    reduction=None,
+    label: Optional[str] = None,
+):
+    """Connect local stages in order and return one `StageBoundary` per item.
+
+    Each item is `(declaration, norm)` or `(declaration, norm, options)`. `previous` describes
+    the real producer before the first item (None only where the stack starts); `following`
+    the consumer after the last; `terminal=True` when the last item ends the model's stack.
+    `prepared_from` starts a branch from another stage's already-read input.
+    """
+    from .stage import build_boundaries
+
+    if not items:
+        raise ValueError("make_stages needs at least one stage")
+    if previous is not None and prepared_from is not None:
+        raise ValueError("choose a previous output or a prepared branch input")
+    for source in (previous, following, prepared_from):
+        if source is not None and not isinstance(source, StageDeclaration):
+            raise TypeError("stage sources must be declarations")
+    split = [_split_item(item) for item in items]
+    resolved: list[StageDeclaration] = []
+    for i, (decl, _, _) in enumerate(split):
+        is_last = i == len(split) - 1
+        source_prev = resolved[i - 1] if i else previous
+        source_branch = prepared_from if i == 0 else None
+        nxt = split[i + 1][0] if not is_last else following
+        resolved.append(
+            attrs.evolve(
+                decl,
+                previous=source_prev,
+                prepared_from=source_branch,
+                following=nxt,
+                terminal=terminal and is_last,
+            )
+        )
+    if terminal and following is not None:
+        raise ValueError("a terminal stage has no following stage; drop following= or terminal=True")
+    parallel, policy, stack = _context(parallel, reduction)
+    if stack is not None and prepared_from is None:  # a branch is a side line, not the stack's chain
+        stack.admit(resolved[0], previous, resolved[-1], following, terminal)
+    label = label or (f"call{stack.count - 1}" if stack is not None else "stages")
+    return build_boundaries(
+        [(d, norm, opts) for d, (_, norm, opts) in zip(resolved, split)], parallel=parallel, policy=policy, label=label
+    )
+
+
+def _single(declaration: StageDeclaration, norm, options, parallel, reduction, label):
+    from .stage import build_boundaries
+
+    if declaration.following is not None and declaration.following.previous is not None:
+        if declaration.following.previous.facts() != declaration.facts():
+            raise ValueError(
+                f"following={declaration.following.describe()} names a previous stage "
+                f"({declaration.following.previous.describe()}) that is not this {declaration.describe()} stage"
+            )
+    parallel, policy, stack = _context(parallel, reduction)
+    if stack is not None and declaration.prepared_from is None:
+        stack.admit(declaration, declaration.previous, declaration, declaration.following, declaration.terminal)
+    (boundary,) = build_boundaries([(declaration, norm, dict(options or {}))], parallel=parallel, policy=policy, label=label or "stage")
+    return boundary
+
+
+def make_attn_stage(declaration: StageDeclaration, norm, options: Optional[dict] = None, *, parallel=None, reduction=None, label=None):
+    """One independently constructed attention or mixer stage; the declaration carries its
+    source (`previous`/`prepared_from`), `following` and `terminal`."""
+    if not declaration.is_attention_like:
+        raise TypeError("make_attn_stage needs an attention declaration (declare_attn)")
+    unknown = sorted(set(options or {}) - ATTENTION_OPTIONS)
+    if unknown:
+        raise TypeError(f"unsupported attention stage options: {unknown}")
+    return _single(declaration, norm, options, parallel, reduction, label)
+
+
+def make_ffn_stage(declaration: StageDeclaration, norm, options: Optional[dict] = None, *, parallel=None, reduction=None, label=None):
+    """One independently constructed FFN stage (see `make_attn_stage`)."""
+    if declaration.kind is not StageKind.FFN:
+        raise TypeError("make_ffn_stage needs an FFN declaration (declare_ffn)")
+    unknown = sorted(set(options or {}) - FFN_OPTIONS)
+    if unknown:
+        raise TypeError(f"unsupported ffn stage options: {unknown}")
+    return _single(declaration, norm, options, parallel, reduction, label)
+
+
+def stage_sequence(declarations: Sequence[StageDeclaration]) -> str:
+    return " -> ".join(d.describe() for d in declarations)

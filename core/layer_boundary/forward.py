@@ -1,0 +1,231 @@
+"""Per-forward batch facts (`Forward`) and the scoped compute flags (`get_forward()`).
+
+`Forward` plays the role an engine's forward-batch object plays: the boundary reads batch
+facts from it and keeps the residual stream on it. Every fact that chooses a collective
+(`dp_counts`, padding, the batch variant) must be the same on every rank; `num_tokens` is this
+rank's own row count and must agree with `dp_counts`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+import enum
+from typing import Any, Iterator, Optional, Sequence
+
+import attrs
+
+from .collectives import split_sizes
+
+__all__ = [
+    "BatchVariant",
+    "ForwardMode",
+    "DpPadding",
+    "Forward",
+    "ComputeFlags",
+    "get_forward",
+    "publish_flags",
+    "BatchFactsError",
+]
+
+
+class BatchFactsError(ValueError):
+    """Batch facts that contradict the topology or each other."""
+
+
+class BatchVariant(enum.Enum):
+    ORDINARY = "ordinary"
+    CONTEXT_PARALLEL = "context_parallel"
+    INPUT_SCATTERED = "input_scattered"
+    SEQUENCE_PARALLEL = "sequence_parallel"
+
+    def __repr__(self) -> str:
+        return self.name
+
+
+class ForwardMode(enum.Enum):
+    EXTEND = "extend"  #: prefill / chunked prefill
+    DECODE = "decode"
+    IDLE = "idle"  #: a rank with no tokens that still joins collectives
+
+
+class DpPadding(enum.Enum):
+    """How attention-DP token sets are laid out on the gathered (full) rows."""
+
+    SUM_LEN = "sum_len"  #: concatenated exactly
+    MAX_LEN = "max_len"  #: each set padded to the longest (a multiple of attn_tp), so equal shares exist
+
+
+class Forward:
+    """Batch facts of one forward pass and its residual stream.
+
+    Derived row counts are computed once here, so boundaries only read attributes.
+    """
+
+    __slots__ = (
+        "parallel",
+        "num_tokens",
+        "dp_counts",
+        "dp_padding",
+        "mode",
+        "variant",
+        "cp",
+        "residual_stream",
+        "extras",
+        "microbatch",
+        "slot_rows",
+        "full_rows",
+        "dp_offset",
+        "slice_sizes",
+        "slice_offset",
+        "tp_share_sizes",
+    )
+
+    def __init__(
+        self,
+        parallel,
+        num_tokens: int,
+        *,
+        dp_counts: Optional[Sequence[int]] = None,
+        dp_padding: DpPadding = DpPadding.SUM_LEN,
+        mode: ForwardMode = ForwardMode.EXTEND,
+        sequence_parallel: bool = False,
+        input_scattered: bool = False,
+        cp: Any = None,
+        extras: Optional[dict] = None,
+        microbatch: Optional[int] = None,
+    ):
+        topo = parallel.topology
+        if num_tokens < 0:
+            raise BatchFactsError(f"num_tokens must be >= 0, got {num_tokens}")
+        if dp_counts is None:
+            if topo.attn_dp > 1:
+                raise BatchFactsError(
+                    f"attention DP of {topo.attn_dp} needs dp_counts (the token count of every DP rank, the same list on every rank)"
+                )
+            dp_counts = (num_tokens,)
+        dp_counts = tuple(int(c) for c in dp_counts)
+        if len(dp_counts) != topo.attn_dp:
+            raise BatchFactsError(f"dp_counts has {len(dp_counts)} entries but attn_dp is {topo.attn_dp}")
+        if dp_counts[parallel.attn_dp_rank] != num_tokens:
+            raise BatchFactsError(
+                f"dp_counts[{parallel.attn_dp_rank}] = {dp_counts[parallel.attn_dp_rank]} disagrees with this rank's "
+                f"num_tokens = {num_tokens}"
+            )
+        if sum(1 for v in (sequence_parallel, input_scattered, cp is not None) if v) > 1:
+            raise BatchFactsError("a batch has at most one of sequence_parallel, input_scattered and cp")
+        if (sequence_parallel or input_scattered) and topo.attn_dp > 1:
+            raise BatchFactsError("sequence-parallel and input-scattered batches require attn_dp == 1")
+        dp_padding = DpPadding(dp_padding)
+        self.parallel = parallel
+        self.num_tokens = num_tokens
+        self.dp_counts = dp_counts
+        self.dp_padding = dp_padding
+        self.mode = ForwardMode(mode)
+        if cp is not None:
+            self.variant = BatchVariant.CONTEXT_PARALLEL
+        elif input_scattered:
+            self.variant = BatchVariant.INPUT_SCATTERED
+        elif sequence_parallel:
+            self.variant = BatchVariant.SEQUENCE_PARALLEL
+        else:
+            self.variant = BatchVariant.ORDINARY
+        self.cp = cp
+        self.residual_stream = None
+        self.extras = {} if extras is None else extras
+        self.microbatch = microbatch
+
+        attn_tp = topo.attn_tp
+        dp_rank = parallel.attn_dp_rank
+        if dp_padding is DpPadding.MAX_LEN:
+            longest = max(dp_counts)
+            self.slot_rows = -(-longest // attn_tp) * attn_tp
+            self.full_rows = self.slot_rows * len(dp_counts)
+            self.dp_offset = self.slot_rows * dp_rank
+        else:
+            self.slot_rows = None
+            self.full_rows = sum(dp_counts)
+            self.dp_offset = sum(dp_counts[:dp_rank])
+        self.slice_sizes = split_sizes(num_tokens, attn_tp)
+        self.slice_offset = sum(self.slice_sizes[: parallel.attn_tp_rank])
+        # The share of the full rows each TP rank gets from a reduce-scatter under attention DP:
+        # DP slot by DP slot, each split over that slot's attention-TP ranks (tp rank order).
+        if dp_padding is DpPadding.MAX_LEN:
+            self.tp_share_sizes = (self.slot_rows // attn_tp,) * topo.tp if topo.attn_cp == 1 else None
+        elif topo.attn_cp == 1:
+            self.tp_share_sizes = tuple(s for c in dp_counts for s in split_sizes(c, attn_tp))
+        else:
+            self.tp_share_sizes = None
+
+    @property
+    def is_decode(self) -> bool:
+        return self.mode is ForwardMode.DECODE
+
+    @property
+    def global_tokens(self) -> int:
+        return sum(self.dp_counts)
+
+    def describe(self) -> dict:
+        return {
+            "num_tokens": self.num_tokens,
+            "dp_counts": list(self.dp_counts),
+            "dp_padding": self.dp_padding.value,
+            "mode": self.mode.value,
+            "variant": self.variant.value,
+        }
+
+    def child(self, num_tokens: int, *, dp_counts=None, microbatch=None, **overrides) -> "Forward":
+        """A Forward for part of this batch (a TBO microbatch, a branch) with its own stream."""
+        kwargs = dict(
+            dp_padding=self.dp_padding,
+            mode=self.mode,
+            sequence_parallel=self.variant is BatchVariant.SEQUENCE_PARALLEL,
+            input_scattered=self.variant is BatchVariant.INPUT_SCATTERED,
+            cp=self.cp,
+            extras=dict(self.extras),
+            microbatch=microbatch,
+        )
+        kwargs.update(overrides)
+        return Forward(self.parallel, num_tokens, dp_counts=dp_counts, **kwargs)
+
+    def __repr__(self) -> str:
+        return f"Forward({self.describe()})"
+
+
+@attrs.frozen
+class ComputeFlags:
+    """Flags an open `exit()` scope publishes to the compute inside it.
+
+    - `fuse_mlp_allreduce`: skip the output all-reduce; the boundary owns the sum.
+    - `mlp_reduce_scatter`: skip the sum; the boundary reduce-scatters it.
+    - `defer_moe_finalize`: a MoE may return a `HandoffOutput` instead of finalizing.
+    - `owns_local_tail`: this rank adds a replicated component (LOCAL_TAIL) to its output.
+    """
+
+    fuse_mlp_allreduce: bool = False
+    mlp_reduce_scatter: bool = False
+    defer_moe_finalize: bool = False
+    owns_local_tail: bool = True
+
+    @property
+    def skips_reduction(self) -> bool:
+        return self.fuse_mlp_allreduce or self.mlp_reduce_scatter
+
+
+_DEFAULT_FLAGS = ComputeFlags()
+_FLAGS: contextvars.ContextVar[ComputeFlags] = contextvars.ContextVar("layer_boundary_flags", default=_DEFAULT_FLAGS)
+
+
+def get_forward() -> ComputeFlags:
+    """The flags of the innermost open exit scope (defaults when none is open)."""
+    return _FLAGS.get()
+
+
+@contextlib.contextmanager
+def publish_flags(flags: ComputeFlags) -> Iterator[ComputeFlags]:
+    """Publish flags for the compute inside the block; restore the previous ones after."""
+    token = _FLAGS.set(flags)
+    try:
+        yield flags
+    finally:
+        _FLAGS.reset(token)

@@ -1,0 +1,130 @@
+"""The fusion-provider chain of a stage: explicit `fusions=` first, then the registry, then the
+core's unfused completion (registered by the built-in plugin, ranked last).
+
+Providers are plain objects with any of:
+
+- `attention_input(plan)` / `ffn_input(plan)`: ordered consumer candidates (callables or
+  `FusedMlpInput`), asked once when the plan is built;
+- `can_defer_finalize(plan, forward)`: may this FFN's MoE return a `HandoffOutput`;
+- `can_defer_all_reduce(plan, forward)`: may an FFN whose sum is not a single all-reduce leave
+  it to the next input.
+
+Every decision a provider makes per batch must be the same on all ranks.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any, Optional
+
+import attrs
+
+from .contracts import FusedMlpInput, StageKind
+from .layout import SumGroup
+
+__all__ = ["Candidate", "FusionError", "build_providers", "consumer_candidates", "DEBUG"]
+
+#: debug mode: check that a declining candidate left its inputs untouched
+DEBUG = os.environ.get("LAYER_BOUNDARY_DEBUG", "").strip().lower() in ("1", "true", "yes", "on")
+
+
+class FusionError(RuntimeError):
+    """A fusion candidate or provider broke its contract or raised."""
+
+
+@attrs.frozen
+class Candidate:
+    """A consumer candidate bound to one plan, with where it came from."""
+
+    fused: FusedMlpInput
+    source: str  #: "plugin 'x' record 'x.y'" or "the stage's fusions= provider"
+    accepts: Optional[frozenset]  #: sum groups it can complete (None: any)
+
+    @property
+    def name(self) -> str:
+        return self.fused.name or getattr(self.fused.run, "__name__", "candidate")
+
+
+def build_providers(explicit: Any, description, registry) -> list[tuple[Any, str]]:
+    """(provider, source) pairs: the explicit provider, then every registry provider whose
+    factory accepts this stage, in (-priority, name) order."""
+    out: list[tuple[Any, str]] = []
+    if explicit is not None:
+        for p in explicit if isinstance(explicit, (list, tuple)) else (explicit,):
+            out.append((p, f"the stage's fusions= provider {type(p).__name__}"))
+    for item in registry.fusion_providers:
+        try:
+            provider = item.record.factory(description)
+        except Exception as exc:
+            raise FusionError(
+                f"fusion provider {item.name!r} of plugin {item.plugin!r} (distribution {item.distribution}) raised while "
+                f"building stage {description.label}: {type(exc).__name__}: {exc}; set LAYER_BOUNDARY_DISABLE_PLUGINS={item.plugin} "
+                "to run without it"
+            ) from exc
+        if provider is not None:
+            out.append((provider, f"record {item.name!r} of plugin {item.plugin!r} (distribution {item.distribution})"))
+    return out
+
+
+def _equivalent_groups(topology) -> dict[SumGroup, frozenset]:
+    """Sum groups that run over the same ranks under this topology."""
+    same_tp = topology.attn_tp == topology.tp
+    tp_like = {SumGroup.TP, SumGroup.MOE_OUTPUT} | ({SumGroup.ATTN_TP} if same_tp else set())
+    out = {g: frozenset({g}) for g in SumGroup}
+    for g in tp_like:
+        out[g] = frozenset(tp_like)
+    return out
+
+
+def consumer_candidates(plan, providers) -> tuple[Candidate, ...]:
+    """The ordered consumer candidates of `plan`'s input; the last one never declines."""
+    method = "ffn_input" if plan.kind is StageKind.FFN else "attention_input"
+    groups = _equivalent_groups(plan.parallel.topology)
+    out: list[Candidate] = []
+    for provider, source in providers:
+        fn = getattr(provider, method, None)
+        if fn is None:
+            continue
+        for raw in fn(plan) or ():
+            fused = raw if isinstance(raw, FusedMlpInput) else FusedMlpInput(run=raw)
+            accepts = None if fused.completes is None else groups[fused.completes]
+            out.append(Candidate(fused, source, accepts))
+            if fused.always:
+                return tuple(out)
+    raise FusionError("the candidate chain has no last-resort candidate; the built-in 'core' plugin must be registered")
+
+
+def run_candidates(candidates, owed, residual, fwd, is_handoff: bool):
+    """Try candidates in order; the first non-None result wins."""
+    sum_group = owed.sum_group
+    for cand in candidates:
+        fused = cand.fused
+        if fused.handoff != is_handoff and not fused.always:
+            continue
+        if cand.accepts is not None and not fused.always and sum_group not in cand.accepts:
+            continue
+        if DEBUG and not fused.always:
+            before = _versions(owed, residual)
+        try:
+            out = fused.run(owed, residual, fwd)
+        except Exception as exc:
+            raise FusionError(
+                f"fusion candidate {cand.name!r} from {cand.source} raised: {type(exc).__name__}: {exc}"
+            ) from exc
+        if out is not None:
+            return out
+        if DEBUG and not fused.always and _versions(owed, residual) != before:
+            raise FusionError(
+                f"fusion candidate {cand.name!r} from {cand.source} declined after modifying its inputs; a candidate "
+                "must return None before it touches an input or starts a collective"
+            )
+    raise FusionError("every fusion candidate declined, including the last-resort one")  # pragma: no cover
+
+
+def _versions(owed, residual):
+    tensors = []
+    partial = getattr(owed, "partial", None)
+    if partial is not None:
+        tensors.append(partial)
+    tensors.extend(residual if isinstance(residual, tuple) else (residual,))
+    return tuple(t._version for t in tensors if t is not None)

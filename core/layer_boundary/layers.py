@@ -1,0 +1,128 @@
+"""Tensor-parallel building blocks that honour the flags an exit scope publishes.
+
+`RowParallelLinear(reduce_results=True)` all-reduces its output unless the open exit scope
+says the boundary owns the sum (`fuse_mlp_allreduce` or `mlp_reduce_scatter`). An attention
+output projection is built with `reduce_results=False`: its sum is always the boundary's.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+from torch import nn
+
+from .forward import get_forward
+from .output import HandoffOutput
+
+__all__ = ["ColumnParallelLinear", "RowParallelLinear", "reduce_output", "MoeFinalizeHandoff", "shard_rows", "shard_cols"]
+
+
+def shard_rows(weight: torch.Tensor, rank: int, size: int) -> torch.Tensor:
+    """Dim-0 shard of a weight (column-parallel layers: output features)."""
+    if weight.shape[0] % size:
+        raise ValueError(f"cannot split {weight.shape[0]} output features over {size} ranks")
+    n = weight.shape[0] // size
+    return weight[rank * n : (rank + 1) * n]
+
+
+def shard_cols(weight: torch.Tensor, rank: int, size: int) -> torch.Tensor:
+    """Dim-1 shard of a weight (row-parallel layers: input features)."""
+    if weight.shape[1] % size:
+        raise ValueError(f"cannot split {weight.shape[1]} input features over {size} ranks")
+    n = weight.shape[1] // size
+    return weight[:, rank * n : (rank + 1) * n]
+
+
+class ColumnParallelLinear(nn.Module):
+    """y = x W^T with W's output features split over `group`; no communication."""
+
+    def __init__(self, in_features: int, out_features: int, group, *, bias: bool = False, dtype=None, device=None):
+        super().__init__()
+        if out_features % group.size:
+            raise ValueError(f"out_features={out_features} is not divisible by the {group.name} size {group.size}")
+        self.group = group
+        self.in_features = in_features
+        self.out_features = out_features
+        self.weight = nn.Parameter(torch.empty(out_features // group.size, in_features, dtype=dtype, device=device))
+        self.bias = nn.Parameter(torch.zeros(out_features // group.size, dtype=dtype, device=device)) if bias else None
+
+    def load_full(self, weight: torch.Tensor, bias: Optional[torch.Tensor] = None) -> None:
+        with torch.no_grad():
+            self.weight.copy_(shard_rows(weight, self.group.rank, self.group.size))
+            if self.bias is not None and bias is not None:
+                self.bias.copy_(shard_rows(bias[:, None], self.group.rank, self.group.size)[:, 0])
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return nn.functional.linear(x, self.weight, self.bias)
+
+
+class RowParallelLinear(nn.Module):
+    """y = x W^T with W's input features split over `group`; the partial products are summed
+    over `group` unless `reduce_results=False` or an open exit scope leaves the sum to the
+    boundary. A bias is added once: after the sum, or on rank 0 when the sum is left."""
+
+    def __init__(self, in_features: int, out_features: int, group, *, bias: bool = False, reduce_results: bool = True, dtype=None, device=None):
+        super().__init__()
+        if in_features % group.size:
+            raise ValueError(f"in_features={in_features} is not divisible by the {group.name} size {group.size}")
+        self.group = group
+        self.in_features = in_features
+        self.out_features = out_features
+        self.reduce_results = reduce_results
+        self.weight = nn.Parameter(torch.empty(out_features, in_features // group.size, dtype=dtype, device=device))
+        self.bias = nn.Parameter(torch.zeros(out_features, dtype=dtype, device=device)) if bias else None
+
+    def load_full(self, weight: torch.Tensor, bias: Optional[torch.Tensor] = None) -> None:
+        with torch.no_grad():
+            self.weight.copy_(shard_cols(weight, self.group.rank, self.group.size))
+            if self.bias is not None and bias is not None:
+                self.bias.copy_(bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = nn.functional.linear(x, self.weight)
+        reduces = self.reduce_results and not get_forward().skips_reduction
+        if reduces:
+            y = self.group.all_reduce(y)
+        if self.bias is not None and (reduces or self.group.rank == 0):
+            y = y + self.bias
+        return y
+
+
+def reduce_output(output: torch.Tensor, group) -> torch.Tensor:
+    """The MoE output reduction: all-reduce over `group` unless the exit leaves the sum."""
+    if get_forward().skips_reduction:
+        return output
+    return group.all_reduce(output)
+
+
+class MoeFinalizeHandoff(HandoffOutput):
+    """An unfinalized MoE output: expert rows per (token, k) still to be weighted and summed.
+
+    `expert_rows[i, k]` is token i's output from its k-th chosen expert (zeros for experts on
+    other ranks), `weights[i, k]` the routing weight; `shared` an optional shared-expert partial.
+    `complete()` is the MoE's own unfused tail: weighted sum, shared add, all-reduce.
+    """
+
+    __slots__ = ("expert_rows", "weights", "indices", "shared", "group", "sum_group")
+
+    def __init__(self, expert_rows, weights, indices, shared, group, sum_group):
+        self.expert_rows = expert_rows
+        self.weights = weights
+        self.indices = indices
+        self.shared = shared
+        self.group = group
+        self.sum_group = sum_group
+
+    @property
+    def rows(self) -> int:
+        return self.expert_rows.shape[0]
+
+    def finalize_local(self) -> torch.Tensor:
+        out = (self.expert_rows * self.weights.unsqueeze(-1).to(self.expert_rows.dtype)).sum(dim=1)
+        if self.shared is not None:
+            out = out + self.shared
+        return out
+
+    def complete(self) -> torch.Tensor:
+        return self.group.all_reduce(self.finalize_local())

@@ -1,0 +1,86 @@
+"""Collective and token-row movement primitives, each with its padding and row-order contract.
+
+Row orders:
+- attention rows: this rank's attention-DP token set (replicated over attention TP);
+- slice rows: this attention-TP rank's contiguous share of the attention rows
+  (`split_sizes(num_tokens, attn_tp)`, earlier ranks take the extra row);
+- full rows: every DP token set in DP-rank order, each exactly (SUM_LEN) or padded to
+  `slot_rows` with zeros (MAX_LEN).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .forward import DpPadding, Forward
+
+__all__ = [
+    "dp_gather",
+    "dp_scatter",
+    "dp_partial_sum",
+    "dp_reduce_scatter",
+    "take_slice",
+    "gather_slices",
+    "reduce_scatter_slices",
+]
+
+
+def dp_gather(x: torch.Tensor, fwd: Forward) -> torch.Tensor:
+    """Attention rows (replicated over attention TP) -> full rows, over the attention-DP group."""
+    group = fwd.parallel.groups["attn_dp"]
+    if fwd.dp_padding is DpPadding.MAX_LEN:
+        padded = x.new_zeros((fwd.slot_rows,) + tuple(x.shape[1:]))
+        padded[: x.shape[0]] = x
+        return group.all_gather(padded)
+    return group.all_gatherv(x, fwd.dp_counts)
+
+
+def dp_scatter(full: torch.Tensor, fwd: Forward) -> torch.Tensor:
+    """Full rows -> this rank's attention rows (a view; no communication)."""
+    return full[fwd.dp_offset : fwd.dp_offset + fwd.num_tokens]
+
+
+def dp_partial_sum(partial: torch.Tensor, fwd: Forward) -> torch.Tensor:
+    """One TP all-reduce that both completes an attention-TP partial sum and gathers over DP.
+
+    Each rank places its partial in its DP slot of a zeroed full-rows buffer; the sum over the
+    TP group adds the attention-TP partials of every slot.
+    """
+    buffer = partial.new_zeros((fwd.full_rows,) + tuple(partial.shape[1:]))
+    buffer[fwd.dp_offset : fwd.dp_offset + partial.shape[0]] = partial
+    return fwd.parallel.groups["tp"].all_reduce(buffer)
+
+
+def dp_reduce_scatter(full_partial: torch.Tensor, fwd: Forward) -> torch.Tensor:
+    """Full-row partials -> complete attention rows: a TP reduce-scatter (each rank gets its
+    attention-TP share of its DP slot), then an all-gather of the shares over attention TP."""
+    parallel = fwd.parallel
+    share = parallel.groups["tp"].reduce_scatterv(full_partial, fwd.tp_share_sizes)
+    attn_tp = parallel.groups["attn_tp"]
+    if fwd.dp_padding is DpPadding.MAX_LEN:
+        rows = attn_tp.all_gather(share)
+        return rows[: fwd.num_tokens]
+    return attn_tp.all_gatherv(share, fwd.slice_sizes)
+
+
+def take_slice(x: torch.Tensor, fwd: Forward) -> torch.Tensor:
+    """Attention rows -> this attention-TP rank's slice (a view)."""
+    rank = fwd.parallel.attn_tp_rank
+    return x[fwd.slice_offset : fwd.slice_offset + fwd.slice_sizes[rank]]
+
+
+def gather_slices(x: torch.Tensor, fwd: Forward) -> torch.Tensor:
+    """Slices -> attention rows, over attention TP."""
+    return fwd.parallel.groups["attn_tp"].all_gatherv(x, fwd.slice_sizes)
+
+
+def reduce_scatter_slices(partial: torch.Tensor, fwd: Forward) -> torch.Tensor:
+    """Attention-row partials over attention TP -> this rank's complete slice."""
+    return fwd.parallel.groups["attn_tp"].reduce_scatterv(partial, fwd.slice_sizes)
+
+
+def move_residual(residual, fn):
+    """Apply a row move to a residual that is a tensor or a tuple of row tensors."""
+    if isinstance(residual, tuple):
+        return tuple(fn(r) for r in residual)
+    return fn(residual)

@@ -1,0 +1,115 @@
+"""Executing a bound entry path: complete what is owed, apply the producer's update, read,
+and move the input, in the order the plan chose.
+"""
+
+from __future__ import annotations
+
+from ._errors import Messages
+from .fusions import run_candidates
+from .ops import dp_partial_sum, dp_scatter, gather_slices, move_residual, reduce_scatter_slices, take_slice
+from .output import HandoffOutput, UnreducedOutput
+from .residual.stream import ATTENTION_ROWS, SLICE_ROWS
+
+__all__ = ["run_entry", "align_rows"]
+
+
+def align_rows(value, rows_from: str, rows_to: str, fwd):
+    """Move a tensor (or residual tuple) between attention rows and this rank's slice."""
+    if rows_from == rows_to:
+        return value
+    if rows_to == SLICE_ROWS:
+        return move_residual(value, lambda t: take_slice(t, fwd))
+    return move_residual(value, lambda t: gather_slices(t, fwd))
+
+
+def _capture(callback, value, owned: bool) -> None:
+    if callback is not None:
+        (callback.capture if hasattr(callback, "capture") and not callable(callback) else callback)(value, owned=owned)
+
+
+def run_entry(plan, path, hidden, fwd, capture_output=None, captured=None):
+    stream = fwd.residual_stream
+    if stream is None:
+        raise RuntimeError(Messages.NOT_STARTED)
+    entry = path.entry
+    read = plan.declaration.read
+    norm = plan.norm
+    state = stream.state
+    if state == "initial":
+        if not plan.enters_stack:
+            raise RuntimeError(
+                f"stage {plan.label} has a producer (previous=...) but the residual stream is empty; call "
+                "residual_batch.start() once, before the first layer, in the segment that runs it"
+            )
+        _capture(capture_output, hidden, owned=False)
+        h = take_slice(hidden, fwd) if entry.slices_on_entry else hidden
+        inp, residual = read.read(read.enter(h), norm)
+        stream.write(residual, entry.residual_rows)
+        return _finish_entry(plan, entry, inp, residual, fwd, captured, owned=False)
+    if state == "written":
+        stream.check(hidden)
+        residual = align_rows(stream.residual, stream.rows, entry.residual_rows, fwd)
+        _capture(capture_output, _to_producer_rows(residual, entry, fwd), owned=entry.capture_allocates)
+        inp, residual = read.read(residual, norm)
+        stream.write(residual, entry.residual_rows)
+        return _finish_entry(plan, entry, inp, residual, fwd, captured, owned=False)
+
+    contribution, residual = stream.take(hidden)
+    if entry.arrives_plain is not None and contribution.update.plain_add != entry.arrives_plain:
+        raise RuntimeError(
+            f"producer update does not match the boundary's capability at stage {plan.label}: "
+            f"{contribution.update!r} arrived where plain_add={entry.arrives_plain} was declared by previous="
+        )
+    if capture_output is not None:
+        contribution.complete()  # a capture completes the main output unfused
+    mode = entry.mode
+    owed = contribution.owed
+    if mode == "dp_partial" and isinstance(owed, UnreducedOutput) and owed.declared and contribution.transform is None:
+        partial = owed.partial
+        if fwd.parallel.attn_tp_rank == 0:
+            partial = partial + residual
+        full = dp_partial_sum(partial, fwd)
+        residual = dp_scatter(full, fwd)
+        stream.write(residual, ATTENTION_ROWS)
+        # the sum already sits on the gathered rows: the read runs there, no further move
+        return _finish_entry(plan, entry, norm(full), residual, fwd, captured, owned=False, skip_move=True)
+    if mode == "scatter":
+        if isinstance(owed, UnreducedOutput) and contribution.rows == ATTENTION_ROWS:
+            value = reduce_scatter_slices(owed.partial, fwd)
+            contribution.owed = None
+            if contribution.transform is not None:
+                value = contribution.transform(value)
+                contribution.transform = None
+        else:
+            value = align_rows(contribution.complete(), contribution.rows, SLICE_ROWS, fwd)
+        residual = align_rows(residual, stream.rows, SLICE_ROWS, fwd)
+        inp, residual = read.update_and_read(contribution.update, value, residual, norm)
+        stream.write(residual, SLICE_ROWS)
+        _capture(capture_output, _to_producer_rows(residual, entry, fwd), owned=True)
+        return _finish_entry(plan, entry, inp, residual, fwd, captured, owned=False)
+    if mode in ("branch", "adapter"):  # pragma: no cover - dispatched by StageBoundary
+        raise AssertionError(mode)
+    # "local" (and "dp_partial" when the sum arrived complete)
+    if owed is not None and entry.candidates and contribution.transform is None:
+        inp, residual = run_candidates(entry.candidates, owed, residual, fwd, isinstance(owed, HandoffOutput))
+    else:
+        value = contribution.complete()
+        inp, residual = read.update_and_read(contribution.update, value, residual, norm)
+    stream.write(residual, ATTENTION_ROWS)
+    _capture(capture_output, residual, owned=plan.capture_owned)
+    return _finish_entry(plan, entry, inp, residual, fwd, captured, owned=plan.capture_owned)
+
+
+def _to_producer_rows(residual, entry, fwd):
+    return gather_slices(residual, fwd) if entry.residual_rows == SLICE_ROWS else residual
+
+
+def _finish_entry(plan, entry, inp, residual, fwd, captured, *, owned, skip_move=False):
+    if captured is not None:
+        if entry.residual_rows == SLICE_ROWS:
+            _capture(captured, gather_slices(residual, fwd), owned=True)
+        else:
+            _capture(captured, residual, owned=owned)
+    if entry.input_move is not None and not skip_move:
+        inp = entry.input_move(inp, fwd)
+    return inp

@@ -1,0 +1,148 @@
+"""The plain residual: add, then RMSNorm, with the add accumulated in at least FP32.
+
+`add_rms_norm` is the unfused reference every fused kernel is checked against: the sum is
+formed in max(dtype, fp32), rounded once into the new residual, and the norm reads the
+unrounded sum (as fused add+norm kernels do). The norm statistic runs in `compute_dtype`
+(fp32 by default, like fused kernels and Hugging Face's RMSNorm).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from . import ResidualOps
+
+__all__ = [
+    "RMSNorm",
+    "GemmaRMSNorm",
+    "PlainAdd",
+    "NormRead",
+    "PLAIN_ADD",
+    "NORM_READ",
+    "PLAIN_RESIDUAL",
+    "add_rms_norm",
+    "is_rms_norm",
+]
+
+
+def _acc_dtype(dtype: torch.dtype) -> torch.dtype:
+    return torch.promote_types(dtype, torch.float32)
+
+
+class RMSNorm(nn.Module):
+    """RMSNorm, `weight * normalize(x)` (the Llama/Qwen order: round, then scale).
+
+    `gemma_weight` is the multiplier as applied, which fused kernels take as gamma.
+    """
+
+    offset = 0.0
+
+    def __init__(self, hidden_size: int, eps: float = 1e-6, *, dtype=None, device=None, compute_dtype=torch.float32):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(hidden_size, dtype=dtype, device=device))
+        self.eps = float(eps)
+        self.compute_dtype = compute_dtype
+
+    @property
+    def hidden_size(self) -> int:
+        return self.weight.shape[0]
+
+    @property
+    def gemma_weight(self) -> torch.Tensor:
+        """The multiplier as applied (`w`, or `1 + w` for Gemma)."""
+        return self.weight + self.offset if self.offset else self.weight
+
+    def _normalize(self, x: torch.Tensor) -> torch.Tensor:
+        xc = x.to(self.compute_dtype)
+        return xc * torch.rsqrt(xc.pow(2).mean(-1, keepdim=True) + self.eps)
+
+    def _scale(self, normalized: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
+        return self.weight * normalized.to(out_dtype)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.shape[0] == 0:
+            return x.new_empty(x.shape)
+        return self._scale(self._normalize(x), x.dtype)
+
+    def add_forward(self, contribution: torch.Tensor, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(norm(c + r), c + r): the sum in max(dtype, fp32), rounded once into the residual."""
+        total = contribution.to(_acc_dtype(contribution.dtype)) + residual.to(_acc_dtype(residual.dtype))
+        new_residual = total.to(residual.dtype)
+        if total.shape[0] == 0:
+            return new_residual.new_empty(new_residual.shape), new_residual
+        return self._scale(self._normalize(total), residual.dtype), new_residual
+
+    def extra_repr(self) -> str:
+        return f"{self.hidden_size}, eps={self.eps}"
+
+
+class GemmaRMSNorm(RMSNorm):
+    """RMSNorm with a `(1 + w)` multiplier, scaled before rounding (the Gemma order)."""
+
+    offset = 1.0
+
+    def __init__(self, hidden_size: int, eps: float = 1e-6, *, dtype=None, device=None, compute_dtype=torch.float32):
+        super().__init__(hidden_size, eps, dtype=dtype, device=device, compute_dtype=compute_dtype)
+        with torch.no_grad():
+            self.weight.zero_()
+
+    def _scale(self, normalized: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
+        return (normalized * (1.0 + self.weight.to(normalized.dtype))).to(out_dtype)
+
+
+def is_rms_norm(norm) -> bool:
+    """Whether `norm` is an RMSNorm whose add+norm the core (and fused kernels) can run."""
+    return isinstance(norm, RMSNorm)
+
+
+def add_rms_norm(norm, contribution, residual):
+    """Unfused add + norm for any norm module; fused FP32 accumulation for an `RMSNorm`."""
+    if is_rms_norm(norm):
+        return norm.add_forward(contribution, residual)
+    new_residual = PLAIN_ADD.apply(contribution, residual)
+    return norm(new_residual), new_residual
+
+
+class PlainAdd:
+    """residual + contribution."""
+
+    plain_add = True
+    at_producer = False
+    outlives_layer = True
+
+    def apply(self, contribution, residual):
+        total = contribution.to(_acc_dtype(contribution.dtype)) + residual.to(_acc_dtype(residual.dtype))
+        return total.to(residual.dtype)
+
+    def __repr__(self) -> str:
+        return "PLAIN_ADD"
+
+
+class NormRead:
+    """The consumer's norm of the residual; the update and the norm fuse when both are plain."""
+
+    plain_norm = True
+    before_gather = False
+
+    def enter(self, hidden):
+        return hidden
+
+    def read(self, residual, norm):
+        return norm(residual), residual
+
+    def update_and_read(self, update, contribution, residual, norm):
+        if update.plain_add:
+            return add_rms_norm(norm, contribution, residual)
+        new_residual = update.apply(contribution, residual)
+        return norm(new_residual), new_residual
+
+    def __repr__(self) -> str:
+        return "NORM_READ"
+
+
+PLAIN_ADD = PlainAdd()
+NORM_READ = NormRead()
+PLAIN_RESIDUAL = ResidualOps(
+    name="core.plain", attn_read=NORM_READ, attn_update=PLAIN_ADD, ffn_read=NORM_READ, ffn_update=PLAIN_ADD
+)

@@ -1,0 +1,211 @@
+"""Stack-level helpers on the stream a `Forward` owns: entry, final norm, pipeline transport,
+snapshots and extra contributions.
+
+Always keep the value each helper returns and pass exactly that value on.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .._errors import Messages
+from ..ops import gather_slices
+from ..output import HandoffOutput, UnreducedOutput
+from ..prepare import align_rows
+from .add_norm import is_rms_norm
+from .stream import ATTENTION_ROWS, SLICE_ROWS, ResidualStream
+
+__all__ = [
+    "start",
+    "stream_of",
+    "complete_output",
+    "fold",
+    "written",
+    "take_output",
+    "norm",
+    "to_pp",
+    "snapshot",
+    "add_to_output",
+]
+
+
+def start(forward) -> ResidualStream:
+    """Open a fresh stream for this forward (once, on the embedding path)."""
+    stream = ResidualStream()
+    forward.residual_stream = stream
+    return stream
+
+
+def stream_of(forward) -> ResidualStream:
+    stream = forward.residual_stream
+    if stream is None:
+        raise RuntimeError(Messages.NOT_STARTED)
+    return stream
+
+
+def complete_output(hidden_states, forward):
+    """Finish outstanding communication or finalize work; the residual update stays pending."""
+    return stream_of(forward).complete(hidden_states)
+
+
+def fold(hidden_states, forward):
+    """Complete the pending contribution and fold it into the residual (a written stream)."""
+    stream = stream_of(forward)
+    stream.check(hidden_states)
+    pending = stream.pending
+    if pending is not None:
+        value = align_rows(pending.complete(), pending.rows, stream.rows, forward)
+        new_residual = value if stream.residual is None else pending.update.apply(value, stream.residual)
+        stream.write(new_residual, stream.rows, handle=new_residual)
+    return stream.handle
+
+
+def written(hidden_states, forward):
+    """Replace the stream with a written one whose residual is `hidden_states` (attention rows).
+
+    Discards any pending contribution: call `fold()` first when one may be pending.
+    """
+    stream = stream_of(forward)
+    stream.write(hidden_states, ATTENTION_ROWS, handle=hidden_states)
+    return hidden_states
+
+
+def take_output(hidden_states, forward):
+    """Release the stream at a terminal exit whose output is already written."""
+    stream = stream_of(forward)
+    stream.check(hidden_states)
+    if stream.pending is not None:
+        raise RuntimeError(Messages.PENDING_AT_TAKE)
+    residual = stream.residual
+    if stream.rows == SLICE_ROWS:
+        residual = gather_slices(residual, forward)
+    forward.residual_stream = None
+    return residual
+
+
+def _call(callback, value, owned):
+    (callback.capture if hasattr(callback, "capture") and not callable(callback) else callback)(value, owned=owned)
+
+
+def norm(hidden_states, forward, layernorm, *, skip_empty: bool = False, capture_output=None, handoff_norm=None):
+    """Leave the stack: complete what is owed, apply the last update, run the final norm.
+
+    `skip_empty` still completes owed work on an empty batch (other ranks may wait in that
+    collective) and skips only the norm. With `handoff_norm`, a finalize handoff goes to
+    `handoff_norm.finalize(handoff, residual, gamma)` (fused finalize + sum + add + norm).
+    Releases the stream.
+    """
+    stream = stream_of(forward)
+    state = stream.state
+    if state == "initial":
+        normed, new_residual = layernorm(hidden_states), hidden_states
+    elif state == "written":
+        stream.check(hidden_states)
+        new_residual = stream.residual
+        normed = _maybe_empty(layernorm, new_residual, skip_empty)
+    else:
+        contribution, residual = stream.take(hidden_states)
+        owed = contribution.owed
+        if isinstance(owed, HandoffOutput) and handoff_norm is not None:
+            if capture_output is not None:
+                raise RuntimeError(
+                    "norm(handoff_norm=...) received a finalize handoff, which it fuses; capture_output needs the unfused "
+                    "path: drop handoff_norm or capture elsewhere"
+                )
+            normed, new_residual = handoff_norm.finalize(owed, residual, layernorm.gemma_weight)
+        else:
+            value = align_rows(contribution.complete(), contribution.rows, stream.rows, forward)
+            update = contribution.update
+            if skip_empty and value.shape[0] == 0:
+                new_residual = update.apply(value, residual)
+                normed = new_residual
+            elif update.plain_add and is_rms_norm(layernorm):
+                normed, new_residual = layernorm.add_forward(value, residual)
+            else:
+                new_residual = update.apply(value, residual)
+                normed = layernorm(new_residual)
+    if stream.rows == SLICE_ROWS:
+        normed = gather_slices(normed, forward)
+        if capture_output is not None:
+            _call(capture_output, gather_slices(new_residual, forward), True)
+    elif capture_output is not None:
+        _call(capture_output, new_residual, False)
+    forward.residual_stream = None
+    return normed
+
+
+def _maybe_empty(layernorm, x, skip_empty):
+    if skip_empty and x.shape[0] == 0:
+        return x
+    return layernorm(x)
+
+
+def to_pp(hidden_states, forward, *, preserve_declared: bool = True) -> dict:
+    """Export the stream for the next pipeline rank and release it.
+
+    Dynamic work (a deferred sum, a finalize) completes here; a statically declared partial sum
+    is kept for the receiver's `from_pp()` to complete, unless `preserve_declared=False`.
+    Rows travel as attention rows.
+    """
+    stream = stream_of(forward)
+    state = stream.state
+    if state == "initial":
+        raise RuntimeError(Messages.NOT_STARTED)
+    if state == "written":
+        stream.check(hidden_states)
+        out = {"hidden_states": align_rows(stream.residual, stream.rows, ATTENTION_ROWS, forward), "residual": None}
+    else:
+        contribution, residual = stream.take(hidden_states)
+        update = contribution.update
+        if not (update.plain_add or update.at_producer):
+            raise NotImplementedError("pipeline boundaries require a plain add or a producer-written residual")
+        owed = contribution.owed
+        if isinstance(owed, UnreducedOutput) and owed.declared and preserve_declared and contribution.transform is None:
+            value = owed.partial
+        else:
+            value = align_rows(contribution.complete(), contribution.rows, ATTENTION_ROWS, forward)
+        out = {"hidden_states": value, "residual": align_rows(residual, stream.rows, ATTENTION_ROWS, forward)}
+    forward.residual_stream = None
+    return out
+
+
+def snapshot(hidden_states, forward) -> torch.Tensor:
+    """An owned residual snapshot (residual plus the completed contribution) on attention rows.
+
+    A sum still owed runs on a copy, so the main contribution keeps its pending work.
+    """
+    stream = stream_of(forward)
+    stream.check(hidden_states)
+    pending = stream.pending
+    residual = align_rows(stream.residual, stream.rows, ATTENTION_ROWS, forward)
+    if pending is None:
+        return residual.clone() if stream.rows == ATTENTION_ROWS else residual
+    if isinstance(pending.owed, HandoffOutput):
+        raise NotImplementedError("a finalize handoff requires main-output capture")
+    if not pending.update.plain_add:
+        raise NotImplementedError(Messages.SNAPSHOT_PLAIN)
+    if isinstance(pending.owed, UnreducedOutput):
+        value = pending.owed.group.all_reduce(pending.owed.partial.clone())
+    else:
+        value = pending.value
+    if pending.transform is not None:
+        value = pending.transform(value)
+    value = align_rows(value, pending.rows, ATTENTION_ROWS, forward)
+    if residual is None:
+        return value.clone()
+    return pending.update.apply(value, residual)
+
+
+def add_to_output(hidden_states, forward, extra):
+    """Complete the contribution, add `extra` (attention rows) once; the update stays pending."""
+    stream = stream_of(forward)
+    stream.check(hidden_states)
+    pending = stream.pending
+    if pending is None:
+        new_residual = stream.residual + align_rows(extra, ATTENTION_ROWS, stream.rows, forward)
+        stream.write(new_residual, stream.rows, handle=new_residual)
+        return new_residual
+    value = pending.complete()
+    pending.value = value + align_rows(extra, ATTENTION_ROWS, pending.rows, forward)
+    stream.handle = pending.value
+    return pending.value

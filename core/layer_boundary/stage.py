@@ -1,0 +1,154 @@
+"""`StageBoundary`: the model-facing object of one stage."""
+
+from __future__ import annotations
+
+from typing import Mapping
+
+from ._errors import Messages
+from .contracts import StageKind
+from .construction import StagePlan, arriving_sum, plan_stage
+from .forward import BatchVariant
+from .exit import FfnExit, MixerExit, complete_reduced, record_attention
+from .output import UnreducedOutput
+from .plugin.manager import get_registry
+from .prepare import align_rows, run_entry
+from .residual.stream import ATTENTION_ROWS, SLICE_ROWS, ResidualStream
+
+__all__ = ["StageBoundary", "build_boundaries"]
+
+
+class StageBoundary:
+    """Prepare a stage's input, take its output, and leave the rest to the next boundary."""
+
+    __slots__ = ("plan", "declaration")
+
+    def __init__(self, plan: StagePlan):
+        self.plan = plan
+        self.declaration = plan.declaration
+
+    # consumer side ----------------------------------------------------------------------------
+    def prepare(self, hidden_states, forward, *, capture_output=None, captured_last_layer_outputs=None):
+        """Complete what the previous output owes, apply its update, read, move the input.
+
+        Returns the compute input in the consumer read's format.
+        """
+        plan = self.plan
+        path = plan.path_for(forward)
+        entry = path.entry
+        if entry.mode == "branch":
+            raise RuntimeError(Messages.BRANCH_PREPARE)
+        if (capture_output is not None or captured_last_layer_outputs is not None) and plan.kind is StageKind.FFN:
+            raise TypeError("FFN prepare() does not accept capture_output; capture at an attention input or the final norm")
+        if entry.mode == "adapter":
+            return entry.adapter.prepare(plan, path, hidden_states, forward, capture_output, captured_last_layer_outputs)
+        return run_entry(plan, path, hidden_states, forward, capture_output, captured_last_layer_outputs)
+
+    # producer side ----------------------------------------------------------------------------
+    def finish(self, output, forward):
+        """Register a PARTIAL attention's contribution; returns the handle to pass on."""
+        if self.plan.kind is not StageKind.ATTENTION:
+            raise RuntimeError(
+                f"a {self.plan.kind.value} stage publishes its output through exit(): "
+                "`with boundary.exit(forward) as out: h = compute(h)` then `h = out.finish(h)`"
+            )
+        path = self.plan.path_for(forward)
+        if path.exit.role == "adapter":
+            return path.exit.adapter.finish_attention(self.plan, path, output, forward)
+        return record_attention(self.plan, output, forward)
+
+    def exit(self, forward):
+        """Open the exit scope of an FFN (`FfnExit`) or a single-stage mixer (`MixerExit`)."""
+        kind = self.plan.kind
+        if kind is StageKind.FFN:
+            return FfnExit.open(self.plan, forward)
+        if kind is StageKind.MIXER:
+            return MixerExit.open(self.plan, forward)
+        raise RuntimeError("an attention stage (PARTIAL) publishes its output with finish(), not exit()")
+
+    def postprocess(self, output, forward):
+        """For compute run without an exit scope (operation-scheduled overlap): the output is
+        fully reduced; apply the output transform, move it back to the handoff rows, owe nothing."""
+        if self.plan.kind is StageKind.ATTENTION:
+            raise RuntimeError("postprocess() is for FFN and mixer stages; attention publishes with finish()")
+        return complete_reduced(self.plan, self.plan.path_for(forward), output, forward)
+
+    # capture and pipeline ---------------------------------------------------------------------
+    def capture_output(self, hidden_states, forward):
+        """(handle, snapshot): completes dynamic work on the main output, snapshots a declared sum
+        on a copy (the main output still owes it)."""
+        from .residual import batch
+
+        stream = forward.residual_stream
+        if stream is None:
+            raise RuntimeError(Messages.NOT_STARTED)
+        pending = stream.pending
+        if pending is not None and not (isinstance(pending.owed, UnreducedOutput) and pending.owed.declared):
+            hidden_states = stream.complete(hidden_states)
+        return hidden_states, batch.snapshot(hidden_states, forward)
+
+    def from_pp(self, tensors: Mapping, forward):
+        """Rebuild the stream on the first local stage of a pipeline rank from `to_pp()`'s tensors."""
+        plan = self.plan
+        if plan.enters_stack or plan.is_branch:
+            raise RuntimeError("from_pp() belongs on the first stage after a pipeline cut (a stage with previous=)")
+        hidden = tensors["hidden_states"]
+        residual = tensors.get("residual")
+        path = plan.path_for(forward)
+        rows = SLICE_ROWS if path.entry.residual_rows == SLICE_ROWS else ATTENTION_ROWS
+        update = plan.declaration.previous.update
+        if residual is None:
+            stream, handle = ResidualStream.arrive(align_rows(hidden, ATTENTION_ROWS, rows, forward), None, None, rows=rows)
+        else:
+            if not (update.plain_add or update.at_producer):
+                raise NotImplementedError("pipeline boundaries require a plain add or a producer-written residual")
+            expects, sum_group = arriving_sum(plan.declaration)
+            owed_sum = None
+            if expects == "declared":
+                group = plan.group(sum_group)
+                owed_sum = lambda h: UnreducedOutput(h, group, sum_group, declared=True)  # noqa: E731
+            stream, handle = ResidualStream.arrive(
+                hidden, align_rows(residual, ATTENTION_ROWS, rows, forward), update, owed_sum=owed_sum, rows=rows
+            )
+        forward.residual_stream = stream
+        return handle
+
+    # facts ------------------------------------------------------------------------------------
+    @property
+    def fusions(self):
+        return self.plan.fusions
+
+    @property
+    def label(self) -> str:
+        return self.plan.label
+
+    def describe(self) -> dict:
+        return self.plan.describe()
+
+    def __repr__(self) -> str:
+        return f"StageBoundary({self.plan.label}: {self.declaration.describe()})"
+
+
+def build_boundaries(items, *, parallel, policy, label: str, registry=None) -> tuple[StageBoundary, ...]:
+    """Plans for locally connected stages; the capture certificate flows producer-ward."""
+    registry = registry if registry is not None else get_registry()
+    plans = []
+    for i, (decl, norm, options) in enumerate(items):
+        stage_label = label if len(items) == 1 else f"{label}.{i}:{decl.kind.value}"
+        plans.append(plan_stage(decl, norm, options, parallel=parallel, policy=policy, label=stage_label, registry=registry))
+    _check_mixer_neighbours(plans)
+    for current, nxt in zip(plans, plans[1:]):
+        # the residual `current` reads is consumed next by `nxt`'s input path (after current's compute)
+        entry = nxt.paths[BatchVariant.ORDINARY].entry
+        current.capture_owned = entry.mode == "local" and entry.preserves_residual
+    return tuple(StageBoundary(p) for p in plans)
+
+
+def _check_mixer_neighbours(plans) -> None:
+    last = plans[-1]
+    decl = last.declaration
+    if decl.kind is StageKind.MIXER and not decl.terminal and decl.following is None:
+        raise ValueError(
+            f"stage {last.label}: a mixer that ends its make_stages call needs following= (the declaration of the next "
+            "stage), unless it is terminal; the next stage derives whether the mixer's sum is left to it from the same fact"
+        )
+
