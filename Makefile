@@ -1,0 +1,29 @@
+# The two set-up commands: `make demo` and `make test`. Both create .venv from scratch when needed.
+PYTHON ?= python3
+VENV ?= .venv
+PY := $(VENV)/bin/python
+PLUGINS := flashinfer cutedsl mhc cp tbo lora
+STAMP := $(VENV)/.installed
+export HF_HUB_OFFLINE := 1
+export TRANSFORMERS_OFFLINE := 1
+export PIP_DISABLE_PIP_VERSION_CHECK := 1
+
+.PHONY: demo test env clean
+
+env: $(STAMP)
+
+$(STAMP): pyproject.toml $(foreach p,$(PLUGINS),plugins/$(p)/pyproject.toml)
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip setuptools wheel
+	$(PY) -m pip install -q torch==2.13.0
+	$(PY) -m pip install -q -e ".[test]" $(foreach p,$(PLUGINS),-e plugins/$(p))
+	touch $(STAMP)
+
+demo: $(STAMP)
+	$(VENV)/bin/layer-boundary plugins
+
+test: $(STAMP)
+	LAYER_BOUNDARY_STRICT_PLUGINS=1 $(PY) -m pytest -q
+
+clean:
+	rm -rf $(VENV)

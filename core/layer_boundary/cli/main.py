@@ -1,0 +1,64 @@
+"""`layer-boundary` (and `python -m layer_boundary`): plugins, run, plan, bench.
+
+Bad input exits with status 2 and one line naming the fix, never a traceback.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from typing import Optional, Sequence
+
+__all__ = ["main", "UsageError"]
+
+
+class UsageError(Exception):
+    """Bad input: printed as one line, exit status 2."""
+
+
+def _parser() -> argparse.ArgumentParser:
+    from . import plugins_cmd
+
+    parser = argparse.ArgumentParser(
+        prog="layer-boundary",
+        description="Layer boundaries for tensor-parallel transformer inference.",
+    )
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    plugins_cmd.add_parser(sub)
+    for module in _optional_commands():
+        module.add_parser(sub)
+    return parser
+
+
+def _optional_commands():
+    """Subcommands whose modules exist (each lands with its issue)."""
+    import importlib
+
+    out = []
+    for name in ("run_cmd", "plan_cmd", "bench_cmd"):
+        try:
+            out.append(importlib.import_module(f"{__package__}.{name}"))
+        except ModuleNotFoundError as exc:
+            if exc.name != f"{__package__}.{name}":
+                raise
+    return out
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    parser = _parser()
+    args = parser.parse_args(argv)
+    if not getattr(args, "command", None):
+        parser.print_help()
+        return 2
+    try:
+        return int(args.handler(args) or 0)
+    except UsageError as exc:
+        print(f"layer-boundary {args.command}: error: {exc}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("interrupted", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit(main())

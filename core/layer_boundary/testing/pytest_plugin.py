@@ -1,0 +1,69 @@
+"""Opt-in pytest plugin: `pytest_plugins = ["layer_boundary.testing.pytest_plugin"]`.
+
+Fixtures:
+- `thread_world(size)`: a fresh threaded world of `size` ranks (a factory);
+- `gloo_world(size)`: a gloo world of `size` processes, started once per session and reused;
+- `fresh_registry`: forget the cached registry before and after the test;
+- `inline_plugin(obj, name=...)`: register hook implementations for the test's duration.
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import pytest
+
+from ..plugin.manager import get_plugin_manager, reset_registry
+from .threaded import ThreadWorld
+
+
+@pytest.fixture
+def thread_world():
+    return lambda size, timeout=30.0: ThreadWorld(size, timeout=timeout)
+
+
+@pytest.fixture(scope="session")
+def gloo_world():
+    from .gloo import GlooWorld
+
+    worlds: dict[int, GlooWorld] = {}
+
+    def get(size: int) -> GlooWorld:
+        if size not in worlds:
+            worlds[size] = GlooWorld(size)
+        return worlds[size].start()
+
+    yield get
+    for world in worlds.values():
+        world.close()
+
+
+@pytest.fixture
+def fresh_registry():
+    reset_registry()
+    yield
+    reset_registry()
+
+
+@contextlib.contextmanager
+def registered(obj, name: str):
+    """Register `obj`'s hook implementations in this process's plugin manager for the block."""
+    from ..plugin.manager import get_registry
+
+    pm, _, provenance = get_plugin_manager()
+    pm.register(obj, name=name)
+    provenance[name] = ("test:" + name, None)
+    get_registry.cache_clear()
+    try:
+        yield
+    finally:
+        pm.unregister(name=name)
+        provenance.pop(name, None)
+        get_registry.cache_clear()
+
+
+@pytest.fixture
+def inline_plugin():
+    stack = contextlib.ExitStack()
+    yield lambda obj, name="inline": stack.enter_context(registered(obj, name))
+    stack.close()
