@@ -385,6 +385,7 @@ def _exit(plan: StagePlan, variant: BatchVariant) -> ExitPath:
         and decl.reduction is ProducerReduction.SCOPED
         and deferrable_update
         and topo.attn_cp == 1
+        and group.size > 1
     )
     return ExitPath(
         role="ffn",

@@ -57,8 +57,19 @@ def record_attention(plan, out, fwd):
     """A PARTIAL attention output: its attention-TP sum is always left to the next input."""
     decl = plan.declaration
     ex = plan.path_for(fwd).exit
-    owed = UnreducedOutput(out, ex.group, ex.sum_group, declared=True)
-    return _stream(fwd).record(Contribution(None, decl.update, owed=owed, transform=decl.output_transform))
+    return _leave_sum(plan, ex, out, fwd, declared=True)
+
+
+def _leave_sum(plan, ex, out, fwd, *, declared: bool):
+    """Record an output whose sum over `ex.group` is left to the next input (complete at once
+    when the group has one rank: nothing is owed then)."""
+    decl = plan.declaration
+    stream = _stream(fwd)
+    if ex.group.size == 1:
+        transform = decl.output_transform
+        return stream.record(Contribution(out if transform is None else transform(out), decl.update))
+    owed = UnreducedOutput(out, ex.group, ex.sum_group, declared=declared)
+    return stream.record(Contribution(None, decl.update, owed=owed, transform=decl.output_transform))
 
 
 def complete_reduced(plan, path, out, fwd):
@@ -213,9 +224,7 @@ class MixerExit(_ExitScope):
         plan, path, fwd, decision = self.plan, self.path, self.fwd, self.decision
         if not isinstance(out, torch.Tensor):
             raise TypeError(f"stage {plan.label}: a mixer returns a tensor, got {type(out).__name__}")
-        decl = plan.declaration
         if decision.declared or decision.defer_sum:
-            owed = UnreducedOutput(out, path.exit.group, path.exit.sum_group, declared=decision.declared)
-            return _stream(fwd).record(Contribution(None, decl.update, owed=owed, transform=decl.output_transform))
+            return _leave_sum(plan, path.exit, out, fwd, declared=decision.declared)
         return complete_reduced(plan, path, out, fwd)
 

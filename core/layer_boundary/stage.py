@@ -101,13 +101,19 @@ class StageBoundary:
         else:
             if not (update.plain_add or update.at_producer):
                 raise NotImplementedError("pipeline boundaries require a plain add or a producer-written residual")
-            expects, sum_group = arriving_sum(plan.declaration)
-            owed_sum = None
-            if expects == "declared":
+            _, sum_group = arriving_sum(plan.declaration)
+            owed_sum = transform = None
+            if path.entry.expects == "declared":
+                transform = plan.declaration.previous.output_transform
                 group = plan.group(sum_group)
                 owed_sum = lambda h: UnreducedOutput(h, group, sum_group, declared=True)  # noqa: E731
             stream, handle = ResidualStream.arrive(
-                hidden, align_rows(residual, ATTENTION_ROWS, rows, forward), update, owed_sum=owed_sum, rows=rows
+                hidden,
+                align_rows(residual, ATTENTION_ROWS, rows, forward),
+                update,
+                owed_sum=owed_sum,
+                transform=transform,
+                rows=rows,
             )
         forward.residual_stream = stream
         return handle

@@ -160,7 +160,8 @@ def to_pp(hidden_states, forward, *, preserve_declared: bool = True) -> dict:
         if not (update.plain_add or update.at_producer):
             raise NotImplementedError("pipeline boundaries require a plain add or a producer-written residual")
         owed = contribution.owed
-        if isinstance(owed, UnreducedOutput) and owed.declared and preserve_declared and contribution.transform is None:
+        if isinstance(owed, UnreducedOutput) and owed.declared and preserve_declared:
+            # the receiver's from_pp() completes the sum and applies the producer's transform
             value = owed.partial
         else:
             value = align_rows(contribution.complete(), contribution.rows, ATTENTION_ROWS, forward)

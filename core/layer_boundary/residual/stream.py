@@ -163,12 +163,14 @@ class ResidualStream:
         return self.handle
 
     @classmethod
-    def arrive(cls, hidden, residual, update, *, owed_sum=None, rows: str = ATTENTION_ROWS) -> tuple["ResidualStream", Any]:
+    def arrive(
+        cls, hidden, residual, update, *, owed_sum=None, transform=None, rows: str = ATTENTION_ROWS
+    ) -> tuple["ResidualStream", Any]:
         """A stream rebuilt from handed-off parts (pipeline receive, TBO microbatches).
 
         `hidden` is the producer's contribution (or, when `update` is None, the written
         residual); `owed_sum` is an `UnreducedOutput`-compatible factory for a declared sum the
-        receiver still completes. Returns (stream, handle).
+        receiver still completes, with the producer's `transform` after it. Returns (stream, handle).
         """
         stream = cls()
         stream.rows = rows
@@ -177,7 +179,7 @@ class ResidualStream:
             return stream, hidden
         stream.residual = residual
         if owed_sum is not None:
-            handle = stream.record(Contribution(None, update, owed=owed_sum(hidden)))
+            handle = stream.record(Contribution(None, update, owed=owed_sum(hidden), transform=transform))
         else:
             handle = stream.record(Contribution(hidden, update))
         return stream, handle

@@ -219,6 +219,7 @@ def grid_inputs(spec: GridSpec, dp_counts: Sequence[int], seed: int = 1) -> list
     return [_weights(gen, n, spec.hidden) * 4 for n in dp_counts]
 
 
+@torch.inference_mode()
 def reference(spec: GridSpec, inputs: Sequence[torch.Tensor], *, captures: Sequence[int] = ()) -> tuple[list, list]:
     """A single rank's outputs (and captures) for each DP token set, run separately."""
     model = GridModel(spec, Parallel.single())
@@ -231,6 +232,7 @@ def reference(spec: GridSpec, inputs: Sequence[torch.Tensor], *, captures: Seque
     return outs, caps
 
 
+@torch.inference_mode()
 def run_grid_rank(
     parallel: Parallel,
     spec: GridSpec,
