@@ -20,7 +20,7 @@ $(STAMP): pyproject.toml $(foreach p,$(PLUGINS),plugins/$(p)/pyproject.toml)
 	touch $(STAMP)
 
 demo: $(STAMP)
-	$(VENV)/bin/layer-boundary plugins
+	$(VENV)/bin/layer-boundary run --model qwen3 --tp 2 --check hf
 
 test: $(STAMP)
 	LAYER_BOUNDARY_STRICT_PLUGINS=1 $(PY) -m pytest -q

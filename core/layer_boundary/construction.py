@@ -285,6 +285,8 @@ def _entry(plan: StagePlan, variant: BatchVariant, candidates) -> EntryPath:
     source = decl.previous
     arrives_plain = None if source is None else bool(source.update.plain_add)
     slices = variant in SLICE_VARIANTS
+    if expects == "dynamic" and (topo.attn_dp > 1 or topo.attn_cp > 1 or variant is not BatchVariant.ORDINARY):
+        expects = "nothing"  # producers defer sums and finalizes only on ordinary rows without DP/CP
     if slices:
         if decl.is_attention_like and variant is BatchVariant.INPUT_SCATTERED and plan.qkv_latent_func is not None:
             latent = plan.qkv_latent_func

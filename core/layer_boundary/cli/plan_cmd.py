@@ -1,0 +1,79 @@
+"""`layer-boundary plan`: what every boundary of a model does per batch variant, built without
+running a forward or starting a process group."""
+
+from __future__ import annotations
+
+import json
+
+from ..collectives import CollectivesBase
+from ..parallel import Parallel, Topology, TopologyError
+from ..policy import resolve_reduction
+from .main import UsageError
+
+
+class PlanningCollectives(CollectivesBase):
+    """A group that knows its size and ranks but refuses to communicate (plans only)."""
+
+    def __init__(self, name, ranks, rank):
+        self.name = name
+        self.ranks = tuple(ranks)
+        self.size = len(self.ranks)
+        self.rank = self.ranks.index(rank)
+
+    def _refuse(self, *args):
+        raise RuntimeError("a planning group cannot communicate")
+
+    _all_reduce = _reduce_scatter = _all_gather = _refuse
+
+
+def add_parser(sub) -> None:
+    p = sub.add_parser("plan", help="show what each boundary does for a model and topology")
+    p.add_argument("--model", default="qwen3")
+    p.add_argument("--hf-config")
+    p.add_argument("--tp", type=int, default=2)
+    p.add_argument("--attn-dp", type=int, default=1)
+    p.add_argument("--attn-cp", type=int, default=1)
+    p.add_argument("--moe-ep", type=int, default=1)
+    p.add_argument("--reduction", default="auto", choices=["ar", "rs", "rsv", "rs+rsv", "auto"])
+    p.add_argument("--rank", type=int, default=0, help="whose view to show (default 0)")
+    p.add_argument("--json", action="store_true")
+    p.set_defaults(handler=run)
+
+
+def build_plans(model_name: str, hf_config, topology: Topology, reduction: str, rank: int = 0):
+    from .._errors import MissingPluginError
+    from ..models import ConfigError, build_model, load_hf_config, model_config
+
+    try:
+        config = model_config(model_name, load_hf_config(hf_config) if hf_config else None)
+        config.check_topology(topology)
+        policy = resolve_reduction(reduction, dict(config.hf))
+        parallel = Parallel.create(topology, rank, lambda name, ranks: PlanningCollectives(name, ranks, rank))
+        model = build_model(config, parallel, reduction=policy, device="meta")
+    except (ConfigError, TopologyError, MissingPluginError, ValueError) as exc:
+        raise UsageError(str(exc)) from None
+    boundaries = [b for layer in model.layers for b in (layer.attn_boundary, layer.ffn_boundary)]
+    return config, policy, [b.plan.describe() for b in boundaries]
+
+
+def run(args) -> int:
+    try:
+        topology = Topology(tp=args.tp, attn_dp=args.attn_dp, attn_cp=args.attn_cp, moe_ep=args.moe_ep)
+    except TopologyError as exc:
+        raise UsageError(str(exc)) from None
+    if not 0 <= args.rank < topology.world_size:
+        raise UsageError(f"--rank {args.rank} is outside a world of {topology.world_size}")
+    config, policy, plans = build_plans(args.model, args.hf_config, topology, args.reduction, args.rank)
+    if args.json:
+        print(json.dumps({"model": args.model, "topology": topology.describe(), "reduction": policy.value, "boundaries": plans}, indent=2))
+        return 0
+    print(f"{args.model}: {config.num_layers} layers, {topology.describe()}, reduction={policy.value}, rank {args.rank}'s view")
+    for plan in plans:
+        print(f"\n{plan['label']}  {plan['stage']}  (producer: {plan['producer']}; consumer: {plan['consumer']})")
+        for variant, paths in plan["variants"].items():
+            print(f"  [{variant}]")
+            for step in paths["entry"]:
+                print(f"    in:  {step}")
+            for step in paths["exit"]:
+                print(f"    out: {step}")
+    return 0

@@ -1,0 +1,285 @@
+"""`layer-boundary run`: spawn ranks, run a reference model through the boundaries (prefill then
+decode steps), check the logits against Hugging Face or a single rank, report timings and the
+collectives each step issued.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+from ..parallel import Topology, TopologyError
+from ..policy import resolve_reduction
+from .main import UsageError
+
+#: the largest relative error each dtype may show against the reference
+TOLERANCES = {"float64": 1e-10, "float32": 1e-4, "bfloat16": 3e-2, "float16": 1e-2}
+
+
+def add_parser(sub) -> None:
+    p = sub.add_parser("run", help="run a reference model through the boundaries and check it")
+    p.add_argument("--model", default="qwen3", help="qwen3, qwen3_moe or gemma (default qwen3)")
+    p.add_argument("--hf-config", help="a Hugging Face config: inline JSON, a config.json or a folder (default: embedded tiny)")
+    p.add_argument("--checkpoint", help="a checkpoint folder (config.json + *.safetensors) to load")
+    p.add_argument("--tp", type=int, default=2, help="tensor-parallel size (default 2)")
+    p.add_argument("--attn-dp", type=int, default=1, help="attention data-parallel size")
+    p.add_argument("--attn-cp", type=int, default=1, help="attention context-parallel size (needs layer-boundary-cp)")
+    p.add_argument("--moe-ep", type=int, default=1, help="expert-parallel size of MoE layers")
+    p.add_argument("--reduction", default="auto", choices=["ar", "rs", "rsv", "rs+rsv", "auto"])
+    p.add_argument("--dp-padding", default="sum_len", choices=["sum_len", "max_len"])
+    p.add_argument("--sequence-parallel", action="store_true", help="run prefill as a sequence-parallel batch")
+    p.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
+    p.add_argument("--dtype", default=None, choices=["float32", "float64", "bfloat16"], help="default float32 (cpu), bfloat16 (cuda)")
+    p.add_argument("--batch", type=int, default=3, help="requests (default 3, lengths uneven)")
+    p.add_argument("--prompt-tokens", type=int, default=7, help="prompt length around which requests vary")
+    p.add_argument("--decode-steps", type=int, default=4)
+    p.add_argument("--check", default="hf", choices=["hf", "single", "none"])
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--timeout", type=float, default=600.0, help="seconds before a hung rank fails the run")
+    p.add_argument("--json", action="store_true", help="print one JSON object")
+    p.set_defaults(handler=run)
+
+
+def _config(args):
+    from ..models import ConfigError, load_hf_config, model_config
+
+    try:
+        raw = None
+        if args.checkpoint:
+            folder = Path(args.checkpoint)
+            if not (folder / "config.json").is_file():
+                raise ConfigError(f"checkpoint folder {folder} has no config.json; save it with save_pretrained()")
+            if not list(folder.glob("*.safetensors")):
+                raise ConfigError(f"checkpoint folder {folder} has no *.safetensors files; save it with safe_serialization=True")
+            raw = load_hf_config(str(folder))
+        if args.hf_config:
+            raw = load_hf_config(args.hf_config)
+        config = model_config(args.model, raw)
+        topology = Topology(tp=args.tp, attn_dp=args.attn_dp, attn_cp=args.attn_cp, moe_ep=args.moe_ep)
+        config.check_topology(topology)
+    except (ConfigError, TopologyError) as exc:
+        raise UsageError(str(exc)) from None
+    return config, topology
+
+
+def _require_features(args, topology) -> None:
+    from .._errors import missing_feature
+    from ..plugin.manager import get_registry
+
+    if topology.attn_cp > 1 and not get_registry().adapters_of("cp"):
+        raise UsageError(str(missing_feature(f"--attn-cp {topology.attn_cp}", "cp")))
+    if args.sequence_parallel and (topology.attn_dp > 1 or topology.attn_tp < 2):
+        raise UsageError("--sequence-parallel needs attention TP > 1 and no attention DP")
+    if args.device == "cuda":
+        if not torch.cuda.is_available():
+            raise UsageError("--device cuda: no CUDA device is visible; run on a GPU machine or use --device cpu")
+        if torch.cuda.device_count() < topology.world_size:
+            raise UsageError(f"--device cuda needs {topology.world_size} GPUs, {torch.cuda.device_count()} visible; lower --tp/--attn-dp")
+
+
+def _reference(args, config, job, dtype):
+    """Per request: a list of per-step logits, or None for --check none."""
+    from ..models import oracle
+    from ..models.runner import run_rank
+    from ..parallel import Parallel
+
+    if args.check == "none":
+        return None
+    if args.check == "single":
+        single = run_rank(Parallel.single(), _with(job, topology=Topology(), device="cpu", progress=False))
+        return [single["logits"][r] for r in range(len(job.prompts))]
+    if args.checkpoint:
+        model = oracle.hf_from_checkpoint(args.checkpoint, dtype)
+    else:
+        model = oracle.hf_from_state(dict(config.hf), torch.load(job.weights), dtype)
+    prompts = [torch.tensor(p) for p in job.prompts]
+    out = oracle.hf_logits(model, prompts, job.decode_tokens)
+    return [[t.float() if t.dtype in (torch.bfloat16, torch.float16) else t for t in steps] for steps in out]
+
+
+def _with(job, **changes):
+    import attrs
+
+    return attrs.evolve(job, **changes)
+
+
+def _verdict(args, results, reference):
+    got: dict[int, list] = {}
+    for res in results:
+        got.update(res["logits"])
+    n = len(got)
+    report = {"reference": args.check, "max_abs_err": None, "rel_err": None, "passed": None}
+    if reference is None:
+        return report
+    max_abs = 0.0
+    scale = 0.0
+    for r in range(n):
+        for ours, theirs in zip(got[r], reference[r]):
+            ours64, theirs64 = ours.double(), theirs.double().reshape(ours.shape)
+            max_abs = max(max_abs, (ours64 - theirs64).abs().max().item())
+            scale = max(scale, theirs64.abs().max().item())
+    rel = max_abs / scale if scale else max_abs
+    report.update(max_abs_err=max_abs, rel_err=rel, tolerance=TOLERANCES[args.dtype], passed=rel < TOLERANCES[args.dtype])
+    return report
+
+
+def _summaries(results, job):
+    rank0 = min(results, key=lambda r: r["rank"])
+    steps = list(rank0["timings"])
+    prefill = steps[0]
+    decodes = steps[1:]
+    total_tokens = sum(rank0["tokens"].values())
+    wall = max(sum(r["timings"].values()) for r in results)
+    timings = {
+        "build_s": max(r["build_s"] for r in results),
+        "prefill_s": max(r["timings"][prefill] for r in results),
+        "decode_step_s": (sum(max(r["timings"][s] for r in results) for s in decodes) / len(decodes)) if decodes else None,
+        "tokens_per_s": total_tokens / wall if wall else None,
+        "per_step_s": {s: max(r["timings"][s] for r in results) for s in steps},
+    }
+    collectives = {"prefill": rank0["collectives"][prefill]}
+    if decodes:
+        collectives["decode_step"] = rank0["collectives"][decodes[0]]
+    return timings, collectives
+
+
+def run(args) -> int:
+    from ..models.runner import RunJob, make_requests
+    from ..models.weights import random_weights
+
+    args.dtype = args.dtype or ("bfloat16" if args.device == "cuda" else "float32")
+    config, topology = _config(args)
+    _require_features(args, topology)
+    try:
+        policy = resolve_reduction(args.reduction, dict(config.hf)).value
+    except ValueError as exc:
+        raise UsageError(str(exc)) from None
+    from ..models.runner import DTYPES
+
+    dtype = DTYPES[args.dtype]
+    if args.check == "hf":
+        from ..models import ConfigError
+        from ..models.oracle import require_transformers
+
+        try:
+            require_transformers()
+        except ConfigError as exc:
+            raise UsageError(str(exc)) from None
+    prompts, decode = make_requests(config.vocab_size, args.batch, args.prompt_tokens, args.decode_steps, args.seed)
+    quiet = args.json or int(os.environ.get("RANK", "0")) != 0  # under torchrun only rank 0 talks
+    say = (lambda *a: None) if quiet else (lambda msg: print(msg, file=sys.stderr, flush=True))
+    with tempfile.TemporaryDirectory(prefix="layer-boundary-") as tmp:
+        weights = None
+        if not args.checkpoint:
+            weights = os.path.join(tmp, "weights.pt")
+            torch.save(random_weights(config, torch.float64 if dtype == torch.float64 else torch.float32, args.seed), weights)
+        job = RunJob(
+            model=args.model,
+            hf_config=dict(config.hf),
+            topology=topology,
+            reduction=policy,
+            dtype=args.dtype,
+            device=args.device,
+            weights=weights,
+            checkpoint=args.checkpoint,
+            prompts=prompts,
+            decode_tokens=decode,
+            sequence_parallel=args.sequence_parallel,
+            dp_padding=args.dp_padding,
+            progress=not args.json,
+        )
+        say(f"layer-boundary run: {args.model} ({config.num_layers} layers), {topology.describe()}, reduction={policy}, {args.dtype}, {args.device}")
+        start = time.perf_counter()
+        results = _launch(job, topology, args, say)
+        elapsed = time.perf_counter() - start
+        say(f"  reference: {args.check}")
+        reference = _reference(args, config, job, dtype)
+    check = _verdict(args, results, reference)
+    timings, collectives = _summaries(results, job)
+    timings["wall_s"] = elapsed
+    out = {
+        "check": check,
+        "config": {
+            "model": args.model,
+            "architecture": config.architecture,
+            "layers": config.num_layers,
+            "hidden": config.hidden_size,
+            "topology": {k: getattr(topology, k) for k in ("tp", "attn_tp", "attn_dp", "attn_cp", "moe_ep", "moe_tp", "pp")},
+            "reduction": policy,
+            "dtype": args.dtype,
+            "device": args.device,
+            "batch": args.batch,
+            "prompt_lengths": [len(p) for p in prompts],
+            "decode_steps": args.decode_steps,
+            "sequence_parallel": args.sequence_parallel,
+        },
+        "timings": timings,
+        "collectives": collectives,
+    }
+    if args.json:
+        print(json.dumps(out, indent=2))
+    else:
+        _print_human(out)
+    return 0 if check["passed"] in (True, None) else 1
+
+
+def _launch(job, topology, args, say):
+    from ..launch import ProcessWorld, RankError, RankTimeout
+    from ..models.runner import run_rank
+
+    if os.environ.get("TORCHELASTIC_RUN_ID") or os.environ.get("LOCAL_RANK") is not None and os.environ.get("WORLD_SIZE"):
+        return _under_torchrun(job, topology)
+    backend = "nccl" if args.device == "cuda" else "gloo"
+    say(f"  spawning {topology.world_size} ranks ({backend})")
+    world = ProcessWorld(topology.world_size, backend=backend, timeout=args.timeout, collective_timeout=args.timeout)
+    try:
+        return world.run(run_rank, topology, job)
+    except (RankError, RankTimeout) as exc:
+        raise UsageError(f"a rank failed: {exc}") from None
+    finally:
+        world.close()
+
+
+def _under_torchrun(job, topology):
+    """Inside torchrun: this process is one rank; rank 0 gathers every rank's results."""
+    import torch.distributed as dist
+
+    from ..models.runner import run_rank
+    from ..parallel import Parallel
+
+    if not dist.is_initialized():
+        dist.init_process_group("nccl" if job.device == "cuda" else "gloo")
+    if job.device == "cuda":
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
+    result = run_rank(Parallel.from_torch(topology), job)
+    gathered = [None] * dist.get_world_size() if dist.get_rank() == 0 else None
+    dist.gather_object(result, gathered, dst=0)
+    if dist.get_rank() != 0:
+        dist.destroy_process_group()
+        sys.exit(0)
+    return gathered
+
+
+def _print_human(out):
+    check, t, c = out["check"], out["timings"], out["collectives"]
+    if check["passed"] is None:
+        print("check: none")
+    else:
+        verdict = "PASS" if check["passed"] else "FAIL"
+        print(
+            f"check vs {check['reference']}: {verdict}  max abs err {check['max_abs_err']:.3e}  "
+            f"rel err {check['rel_err']:.3e} (tolerance {check['tolerance']:.0e})"
+        )
+    decode = f"{t['decode_step_s'] * 1e3:.2f} ms" if t["decode_step_s"] is not None else "-"
+    print(f"time: prefill {t['prefill_s'] * 1e3:.2f} ms, decode step {decode}, {t['tokens_per_s']:.1f} tokens/s (wall {t['wall_s']:.1f} s)")
+    for step, counts in c.items():
+        text = ", ".join(f"{k} x{v}" for k, v in counts.items()) or "none"
+        print(f"collectives per {step} (rank 0): {text}")
+
+

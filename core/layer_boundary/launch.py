@@ -1,0 +1,191 @@
+"""Ranks as spawned processes over `torch.distributed` (gloo on CPU, NCCL on GPU), reused
+across calls: the launcher of `layer-boundary run` and the gloo test world.
+
+`ProcessWorld(n).run(fn, topology, *args)` calls `fn(parallel, *args)` on every rank and returns
+the per-rank results. `fn` must be importable by name (a module-level function). Each call has
+a timeout: a rank that hangs or dies makes the call fail with a message naming the ranks, and
+the world is torn down (the next call starts a fresh one).
+"""
+
+from __future__ import annotations
+
+import datetime
+import multiprocessing as mp
+import os
+import socket
+import sys
+import time
+import traceback
+from typing import Any, Callable, Optional
+
+from .parallel import Parallel, Topology
+
+__all__ = ["ProcessWorld", "RankError", "RankTimeout", "worker_parallel"]
+
+
+class RankError(RuntimeError):
+    """A rank raised; the message carries its traceback."""
+
+
+class RankTimeout(TimeoutError):
+    """Ranks did not answer in time (a hang, or a dead rank)."""
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+_PARALLEL_CACHE: dict = {}
+
+
+def worker_parallel(topology: Topology) -> Parallel:
+    """In a worker: the Parallel of `topology` on the initialised world (groups made once)."""
+    key = topology
+    if key not in _PARALLEL_CACHE:
+        _PARALLEL_CACHE[key] = Parallel.from_torch(topology)
+    return _PARALLEL_CACHE[key]
+
+
+def _worker(rank: int, size: int, port: int, conn, path: list, env: dict, collective_timeout: float, backend: str) -> None:
+    sys.path[:] = path
+    os.environ.update(env)
+    import torch
+    import torch.distributed as dist
+
+    if backend == "nccl":
+        torch.cuda.set_device(rank % torch.cuda.device_count())
+    else:
+        torch.set_num_threads(1)
+    try:
+        dist.init_process_group(
+            backend,
+            init_method=f"tcp://127.0.0.1:{port}",
+            rank=rank,
+            world_size=size,
+            timeout=datetime.timedelta(seconds=collective_timeout),
+        )
+        conn.send(("ready", None))
+    except Exception:  # noqa: BLE001
+        conn.send(("error", traceback.format_exc()))
+        return
+    while True:
+        try:
+            message = conn.recv()
+        except EOFError:
+            break
+        if message is None:
+            break
+        fn, topology, args, kwargs = message
+        try:
+            parallel = worker_parallel(topology) if topology is not None else rank
+            conn.send(("ok", fn(parallel, *args, **kwargs)))
+        except BaseException:  # noqa: BLE001
+            conn.send(("error", traceback.format_exc()))
+    try:
+        dist.destroy_process_group()
+    except Exception:  # noqa: BLE001
+        pass
+
+
+class ProcessWorld:
+    def __init__(
+        self,
+        size: int,
+        *,
+        backend: str = "gloo",
+        timeout: float = 120.0,
+        collective_timeout: float = 60.0,
+        env: Optional[dict] = None,
+    ):
+        self.size = size
+        self.backend = backend
+        self.timeout = timeout
+        self.collective_timeout = collective_timeout
+        self.env = dict(env or {})
+        self._procs: list = []
+        self._conns: list = []
+
+    # lifecycle --------------------------------------------------------------------------------
+    def start(self) -> "GlooWorld":
+        if self._procs:
+            return self
+        ctx = mp.get_context("spawn")
+        port = _free_port()
+        env = {k: v for k, v in os.environ.items() if k.startswith(("LAYER_BOUNDARY_", "HF_", "TRANSFORMERS_", "NCCL_", "TORCH_"))}
+        env.update(self.env)
+        for rank in range(self.size):
+            parent, child = ctx.Pipe()
+            p = ctx.Process(
+                target=_worker,
+                args=(rank, self.size, port, child, list(sys.path), env, self.collective_timeout, self.backend),
+                daemon=True,
+                name=f"{self.backend}-rank{rank}",
+            )
+            p.start()
+            child.close()
+            self._procs.append(p)
+            self._conns.append(parent)
+        self._collect("start")
+        return self
+
+    def close(self) -> None:
+        for conn in self._conns:
+            try:
+                conn.send(None)
+            except (BrokenPipeError, OSError):
+                pass
+        for p in self._procs:
+            p.join(5)
+            if p.is_alive():
+                p.kill()
+                p.join(5)
+        self._procs, self._conns = [], []
+
+    def __enter__(self):
+        return self.start()
+
+    def __exit__(self, *exc):
+        self.close()
+
+    # calls --------------------------------------------------------------------------------------
+    def run(self, fn: Callable, topology: Optional[Topology], *args, timeout: Optional[float] = None, **kwargs) -> list:
+        if topology is not None and topology.world_size != self.size:
+            raise ValueError(f"topology needs {topology.world_size} ranks; this world has {self.size}")
+        self.start()
+        for conn in self._conns:
+            conn.send((fn, topology, args, kwargs))
+        return self._collect(getattr(fn, "__name__", "call"), timeout)
+
+    def _collect(self, what: str, timeout: Optional[float] = None) -> list:
+        deadline = timeout if timeout is not None else self.timeout
+        results: list[Any] = [None] * self.size
+        errors: list[str] = []
+        missing: list[int] = []
+        end = time.monotonic() + deadline
+        for rank, conn in enumerate(self._conns):
+            left = max(0.0, end - time.monotonic())
+            if not conn.poll(left):
+                missing.append(rank)
+                continue
+            try:
+                status, payload = conn.recv()
+            except (EOFError, OSError):
+                missing.append(rank)
+                continue
+            if status == "error":
+                errors.append(f"rank {rank}:\n{payload}")
+            else:
+                results[rank] = payload
+        if missing:
+            dead = [r for r in missing if not self._procs[r].is_alive()]
+            self.close()
+            raise RankTimeout(
+                f"{self.backend} world: {what} got no answer from ranks {missing} within {deadline:.0f}s"
+                + (f" (ranks {dead} died)" if dead else " (a hang: a rank waits in a collective the others never issued)")
+            )
+        if errors:
+            self.close()
+            raise RankError(f"{self.backend} world: {what} failed on {len(errors)} rank(s)\n" + "\n".join(errors))
+        return results

@@ -1,0 +1,146 @@
+"""Tensor-parallel attention with rotary embeddings and a simple per-request KV cache.
+
+Arithmetic mirrors Hugging Face's eager attention (cos/sin in fp32 then cast, softmax in fp32,
+the causal mask added as the dtype's minimum), so float64 runs agree to ~1e-12.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+from torch import nn
+
+from ..layers import ColumnParallelLinear, RowParallelLinear
+from ..residual.add_norm import RMSNorm
+
+__all__ = ["RotaryEmbedding", "KVCache", "TPAttention", "StepLayout"]
+
+
+class StepLayout:
+    """Which rows of a step belong to which request, and how long each request's past is."""
+
+    __slots__ = ("rids", "starts", "counts", "past", "positions")
+
+    def __init__(self, rids, counts, past, device=None):
+        self.rids = list(rids)
+        self.counts = list(counts)
+        self.past = list(past)
+        self.starts = [sum(self.counts[:i]) for i in range(len(self.counts))]
+        pos = [torch.arange(p, p + c) for p, c in zip(self.past, self.counts)]
+        self.positions = torch.cat(pos).to(device) if pos else torch.zeros(0, dtype=torch.long, device=device)
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(self.counts)
+
+
+class RotaryEmbedding(nn.Module):
+    def __init__(self, head_dim: int, theta: float):
+        super().__init__()
+        inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float) / head_dim))
+        self.register_buffer("inv_freq", inv_freq, persistent=False)
+
+    def forward(self, positions: torch.Tensor, dtype: torch.dtype):
+        freqs = positions[:, None].float() * self.inv_freq.to(positions.device)[None, :]
+        emb = torch.cat((freqs, freqs), dim=-1)
+        return emb.cos().to(dtype), emb.sin().to(dtype)
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x: [tokens, heads, head_dim]; cos/sin: [tokens, head_dim]."""
+    cos, sin = cos[:, None, :], sin[:, None, :]
+    return (x * cos) + (_rotate_half(x) * sin)
+
+
+class KVCache:
+    """Keys and values per layer per request: [kv_heads_local, length, head_dim]."""
+
+    def __init__(self, num_layers: int):
+        self.layers: list[dict] = [dict() for _ in range(num_layers)]
+
+    def append(self, layer: int, rid, k: torch.Tensor, v: torch.Tensor):
+        store = self.layers[layer]
+        if rid in store:
+            pk, pv = store[rid]
+            k, v = torch.cat((pk, k), dim=1), torch.cat((pv, v), dim=1)
+        store[rid] = (k, v)
+        return k, v
+
+    def length(self, rid) -> int:
+        entry = self.layers[0].get(rid)
+        return 0 if entry is None else entry[0].shape[1]
+
+    def clear(self) -> None:
+        for store in self.layers:
+            store.clear()
+
+
+class TPAttention(nn.Module):
+    """Heads split over the attention-TP group; KV heads split, or replicated when fewer than
+    the group. The output projection never reduces: the boundary owns its sum (PARTIAL)."""
+
+    def __init__(self, config, parallel, layer: int, *, dtype=None, device=None):
+        super().__init__()
+        group = parallel.groups["attn_tp"]
+        self.layer = layer
+        self.head_dim = config.head_dim
+        self.heads = config.num_heads // group.size
+        kv = config.num_kv_heads
+        self.kv_heads = max(1, kv // group.size)
+        self.kv_replicated = kv < group.size
+        self.kv_index = group.rank // (group.size // kv) if self.kv_replicated else None
+        self.group = group
+        self.scaling = config.head_dim**-0.5
+        H, D = config.hidden_size, config.head_dim
+        self.q_proj = ColumnParallelLinear(H, config.num_heads * D, group, dtype=dtype, device=device)
+        self.kv_width = self.kv_heads * D
+        self.k_proj = nn.Linear(H, self.kv_width, bias=False, dtype=dtype, device=device)
+        self.v_proj = nn.Linear(H, self.kv_width, bias=False, dtype=dtype, device=device)
+        self.o_proj = RowParallelLinear(config.num_heads * D, H, group, reduce_results=False, dtype=dtype, device=device)
+        self.q_norm = RMSNorm(D, config.rms_norm_eps, dtype=dtype, device=device) if config.qk_norm else None
+        self.k_norm = RMSNorm(D, config.rms_norm_eps, dtype=dtype, device=device) if config.qk_norm else None
+
+    def load_kv(self, k_full: torch.Tensor, v_full: torch.Tensor) -> None:
+        """Take this rank's KV heads from the full [kv_heads * D, H] projections."""
+        D = self.head_dim
+        if self.kv_replicated:
+            rows = slice(self.kv_index * D, (self.kv_index + 1) * D)
+        else:
+            rows = slice(self.group.rank * self.kv_width, (self.group.rank + 1) * self.kv_width)
+        with torch.no_grad():
+            self.k_proj.weight.copy_(k_full[rows])
+            self.v_proj.weight.copy_(v_full[rows])
+
+    def forward(self, x: torch.Tensor, step: StepLayout, rope: tuple, cache: Optional[KVCache]) -> torch.Tensor:
+        T, D = x.shape[0], self.head_dim
+        q = self.q_proj(x).view(T, self.heads, D)
+        k = self.k_proj(x).view(T, self.kv_heads, D)
+        v = self.v_proj(x).view(T, self.kv_heads, D)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        cos, sin = rope
+        q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+        out = x.new_empty(T, self.heads, D)
+        groups = self.heads // self.kv_heads
+        for rid, start, count, past in zip(step.rids, step.starts, step.counts, step.past):
+            qs = q[start : start + count].transpose(0, 1)  # [heads, count, D]
+            ks = k[start : start + count].transpose(0, 1)
+            vs = v[start : start + count].transpose(0, 1)
+            if cache is not None:
+                ks, vs = cache.append(self.layer, rid, ks, vs)
+            ks = ks.repeat_interleave(groups, dim=0)
+            vs = vs.repeat_interleave(groups, dim=0)
+            scores = torch.matmul(qs, ks.transpose(1, 2)) * self.scaling
+            if count > 1:
+                total = ks.shape[1]
+                mask = torch.ones(count, total, dtype=torch.bool, device=x.device).tril(total - count)
+                scores = scores + torch.zeros_like(mask, dtype=scores.dtype).masked_fill(~mask, torch.finfo(scores.dtype).min)
+            probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(qs.dtype)
+            out[start : start + count] = torch.matmul(probs, vs).transpose(0, 1)
+        return self.o_proj(out.reshape(T, self.heads * D))

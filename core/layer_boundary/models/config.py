@@ -1,0 +1,146 @@
+"""The decoder configuration the reference models read, parsed from a Hugging Face config.
+
+Only what the reference models implement is accepted; anything else (sliding windows, biases,
+other rope types) is rejected with a message instead of silently computing something else.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any, Mapping, Optional
+
+import attrs
+
+__all__ = ["DecoderConfig", "ConfigError", "load_hf_config"]
+
+
+class ConfigError(ValueError):
+    """A model configuration the reference models cannot run, or that a topology cannot split."""
+
+
+@attrs.frozen(kw_only=True)
+class DecoderConfig:
+    model_type: str
+    architecture: str
+    vocab_size: int
+    hidden_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    intermediate_size: int
+    rms_norm_eps: float
+    rope_theta: float
+    hidden_act: str
+    qk_norm: bool
+    gemma_norm: bool
+    embed_scale: Optional[float]
+    tie_word_embeddings: bool
+    # MoE
+    num_experts: int = 0
+    top_k: int = 0
+    moe_intermediate_size: int = 0
+    norm_topk_prob: bool = False
+    sparse_layers: frozenset = frozenset()
+    shared_expert_intermediate_size: int = 0
+    hf: Mapping[str, Any] = attrs.field(factory=dict, repr=False)
+
+    def is_sparse(self, layer: int) -> bool:
+        return 0 <= layer < self.num_layers and layer in self.sparse_layers
+
+    @classmethod
+    def from_hf(cls, raw: Mapping[str, Any]) -> "DecoderConfig":
+        cfg = dict(raw)
+        model_type = cfg.get("model_type")
+        if model_type not in ("qwen3", "qwen3_moe", "gemma"):
+            raise ConfigError(f"model_type {model_type!r} is not a reference model; use qwen3, qwen3_moe or gemma")
+        for key in ("attention_bias",):
+            if cfg.get(key):
+                raise ConfigError(f"{key}=true is not supported by the reference models")
+        if cfg.get("use_sliding_window") or (model_type == "gemma" and cfg.get("sliding_window")):
+            raise ConfigError("sliding-window attention is not supported by the reference models; set use_sliding_window=false")
+        rope = cfg.get("rope_parameters") or {}
+        if rope.get("rope_type", "default") != "default":
+            raise ConfigError(f"rope_type {rope.get('rope_type')!r} is not supported; the reference models use default RoPE")
+        theta = rope.get("rope_theta", cfg.get("rope_theta", 10000.0))
+        hidden = int(cfg["hidden_size"])
+        heads = int(cfg["num_attention_heads"])
+        head_dim = int(cfg.get("head_dim") or hidden // heads)
+        layers = int(cfg["num_hidden_layers"])
+        moe = model_type == "qwen3_moe"
+        sparse: frozenset = frozenset()
+        if moe:
+            step = int(cfg.get("decoder_sparse_step", 1) or 1)
+            mlp_only = set(cfg.get("mlp_only_layers") or ())
+            sparse = frozenset(i for i in range(layers) if i not in mlp_only and (i + 1) % step == 0)
+        gemma = model_type == "gemma"
+        archs = cfg.get("architectures") or [
+            {"qwen3": "Qwen3ForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM", "gemma": "GemmaForCausalLM"}[model_type]
+        ]
+        return cls(
+            model_type=model_type,
+            architecture=archs[0],
+            vocab_size=int(cfg["vocab_size"]),
+            hidden_size=hidden,
+            num_layers=layers,
+            num_heads=heads,
+            num_kv_heads=int(cfg.get("num_key_value_heads") or heads),
+            head_dim=head_dim,
+            intermediate_size=int(cfg["intermediate_size"]),
+            rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
+            rope_theta=float(theta),
+            hidden_act=cfg.get("hidden_act") or cfg.get("hidden_activation") or "silu",
+            qk_norm=model_type in ("qwen3", "qwen3_moe"),
+            gemma_norm=gemma,
+            embed_scale=hidden**0.5 if gemma else None,
+            tie_word_embeddings=bool(cfg.get("tie_word_embeddings", gemma)),
+            num_experts=int(cfg.get("num_experts") or cfg.get("num_local_experts") or 0) if moe else 0,
+            top_k=int(cfg.get("num_experts_per_tok", 0) or 0) if moe else 0,
+            moe_intermediate_size=int(cfg.get("moe_intermediate_size", 0) or 0) if moe else 0,
+            norm_topk_prob=bool(cfg.get("norm_topk_prob", False)),
+            sparse_layers=sparse,
+            shared_expert_intermediate_size=int(cfg.get("shared_expert_intermediate_size", 0) or 0) if moe else 0,
+            hf=cfg,
+        )
+
+    def check_topology(self, topology) -> None:
+        """Raise `ConfigError` naming the fix when the topology cannot split this model."""
+        attn_tp, tp = topology.attn_tp, topology.tp
+        if self.num_heads % attn_tp:
+            raise ConfigError(
+                f"num_attention_heads={self.num_heads} is not divisible by attention TP {attn_tp}; choose --tp/--attn-dp so that attention TP divides it"
+            )
+        kv = self.num_kv_heads
+        if kv % attn_tp and attn_tp % kv:
+            raise ConfigError(
+                f"num_key_value_heads={kv} and attention TP {attn_tp} must divide one another (split or replicate KV heads)"
+            )
+        if self.intermediate_size % tp:
+            raise ConfigError(f"intermediate_size={self.intermediate_size} is not divisible by TP {tp}")
+        if self.sparse_layers:
+            if self.num_experts % topology.moe_ep:
+                raise ConfigError(f"num_experts={self.num_experts} is not divisible by moe_ep={topology.moe_ep}")
+            if self.moe_intermediate_size % topology.moe_tp:
+                raise ConfigError(f"moe_intermediate_size={self.moe_intermediate_size} is not divisible by moe_tp={topology.moe_tp}")
+            if self.shared_expert_intermediate_size % tp:
+                raise ConfigError(f"shared_expert_intermediate_size={self.shared_expert_intermediate_size} is not divisible by TP {tp}")
+
+
+def load_hf_config(source: str) -> dict:
+    """A config from inline JSON, a config.json path, or a checkpoint folder."""
+    text = source.strip()
+    if text.startswith("{"):
+        try:
+            return json.loads(text)
+        except json.JSONDecodeError as exc:
+            raise ConfigError(f"--hf-config is not valid JSON: {exc}") from None
+    path = Path(source)
+    if path.is_dir():
+        path = path / "config.json"
+    if not path.is_file():
+        raise ConfigError(f"no config at {source}: pass inline JSON, a config.json file or a checkpoint folder")
+    try:
+        return json.loads(path.read_text())
+    except json.JSONDecodeError as exc:
+        raise ConfigError(f"{path} is not valid JSON: {exc}") from None

@@ -1,0 +1,94 @@
+"""Reference decoder models (Qwen3, Qwen3-MoE, Gemma) written only against the public API,
+the way an engine's model author would: each layer declares its two stages once and keeps
+its compute; the boundaries do every sum, row move, residual add and norm.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+from torch import nn
+
+from .. import declare_attn, declare_ffn, layer_stack, make_stages, residual_batch
+from ..residual.add_norm import GemmaRMSNorm, RMSNorm
+from .attention import KVCache, RotaryEmbedding, StepLayout, TPAttention
+from .config import DecoderConfig
+from .mlp import TPGatedMLP
+from .moe import TPMoE
+
+__all__ = ["DecoderLayer", "CausalLM"]
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, config: DecoderConfig, layer_id: int, parallel, *, fusions=None, dtype=None, device=None):
+        super().__init__()
+        norm = GemmaRMSNorm if config.gemma_norm else RMSNorm
+        H = config.hidden_size
+        self.layer_id = layer_id
+        self.self_attn = TPAttention(config, parallel, layer_id, dtype=dtype, device=device)
+        sparse = config.is_sparse(layer_id)
+        if sparse:
+            self.mlp = TPMoE(config, parallel, dtype=dtype, device=device)
+        else:
+            self.mlp = TPGatedMLP(H, config.intermediate_size, parallel.groups["tp"], config.hidden_act, dtype=dtype, device=device)
+        self.input_layernorm = norm(H, config.rms_norm_eps, dtype=dtype, device=device)
+        self.post_attention_layernorm = norm(H, config.rms_norm_eps, dtype=dtype, device=device)
+        options = {"fusions": fusions} if fusions is not None else {}
+        self.attn_boundary, self.ffn_boundary = make_stages(
+            (declare_attn(), self.input_layernorm, options),
+            (declare_ffn(sparse=sparse, next_sparse=config.is_sparse(layer_id + 1)), self.post_attention_layernorm, options),
+            previous=declare_ffn(sparse=config.is_sparse(layer_id - 1), next_sparse=sparse) if layer_id else None,
+            terminal=layer_id == config.num_layers - 1,
+            label=f"layer{layer_id}",
+        )
+
+    def forward(self, hidden_states, forward, step: StepLayout, rope, cache: Optional[KVCache]):
+        hidden_states = self.attn_boundary.prepare(hidden_states, forward)
+        if hidden_states.shape[0] != 0:
+            hidden_states = self.self_attn(hidden_states, step, rope, cache)
+        hidden_states = self.attn_boundary.finish(hidden_states, forward)
+
+        hidden_states = self.ffn_boundary.prepare(hidden_states, forward)
+        with self.ffn_boundary.exit(forward) as output:
+            hidden_states = self.mlp(hidden_states)
+        return output.finish(hidden_states)
+
+
+class CausalLM(nn.Module):
+    """Embedding, decoder layers, final norm and a replicated LM head."""
+
+    def __init__(self, config: DecoderConfig, parallel, *, reduction="ar", fusions=None, dtype=None, device=None):
+        super().__init__()
+        self.config = config
+        self.parallel = parallel
+        config.check_topology(parallel.topology)
+        H = config.hidden_size
+        self.embed_tokens = nn.Embedding(config.vocab_size, H, dtype=dtype, device=device)
+        with layer_stack(parallel, reduction=reduction):
+            self.layers = nn.ModuleList(
+                DecoderLayer(config, i, parallel, fusions=fusions, dtype=dtype, device=device) for i in range(config.num_layers)
+            )
+        norm = GemmaRMSNorm if config.gemma_norm else RMSNorm
+        self.norm = norm(H, config.rms_norm_eps, dtype=dtype, device=device)
+        self.lm_head = nn.Linear(H, config.vocab_size, bias=False, dtype=dtype, device=device)
+        if config.tie_word_embeddings:
+            self.lm_head.weight = self.embed_tokens.weight
+        self.rotary = RotaryEmbedding(config.head_dim, config.rope_theta)
+        self.handoff_norm = None  # a fusion service that takes a terminal MoE finalize handoff
+
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        h = self.embed_tokens(input_ids)
+        if self.config.embed_scale is not None:
+            h = h * torch.tensor(self.config.embed_scale, dtype=h.dtype, device=h.device)
+        return h
+
+    def forward(self, input_ids: torch.Tensor, forward, step: StepLayout, cache: Optional[KVCache] = None) -> torch.Tensor:
+        """Logits [tokens, vocab] for this rank's attention rows."""
+        residual_batch.start(forward)
+        hidden_states = self.embed(input_ids)
+        rope = self.rotary(step.positions, hidden_states.dtype)
+        for layer in self.layers:
+            hidden_states = layer(hidden_states, forward, step, rope, cache)
+        hidden_states = residual_batch.norm(hidden_states, forward, self.norm, skip_empty=True, handoff_norm=self.handoff_norm)
+        return self.lm_head(hidden_states)

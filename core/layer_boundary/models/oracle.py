@@ -1,0 +1,63 @@
+"""The external oracle: Hugging Face `transformers` (pinned in pyproject) built from the same
+config with random weights, offline, eager attention and eager experts.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Sequence
+
+import torch
+
+__all__ = ["build_hf_model", "hf_from_state", "hf_logits", "require_transformers"]
+
+
+def require_transformers():
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    try:
+        import transformers
+    except ImportError:
+        from .config import ConfigError
+
+        raise ConfigError("--check hf needs Hugging Face transformers: pip install 'layer-boundary[oracle]'") from None
+    return transformers
+
+
+_EAGER = {"attn_implementation": "eager", "experts_implementation": "eager"}
+
+
+def build_hf_model(hf_config: dict, dtype: torch.dtype):
+    """The HF model of `hf_config` (weights uninitialised; load them next)."""
+    transformers = require_transformers()
+    cfg = dict(hf_config)
+    model_type = cfg.pop("model_type")
+    config = transformers.AutoConfig.for_model(model_type, **cfg)
+    return transformers.AutoModelForCausalLM.from_config(config, **_EAGER).to(dtype).eval()
+
+
+def hf_from_state(hf_config: dict, state: dict, dtype: torch.dtype):
+    """The HF model of `hf_config` holding exactly the weights of `state` (strict)."""
+    model = build_hf_model(hf_config, dtype)
+    model.load_state_dict({k: v.to(dtype) for k, v in state.items()}, strict=True)
+    return model
+
+
+def hf_from_checkpoint(folder: str, dtype: torch.dtype):
+    transformers = require_transformers()
+    return transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=dtype, **_EAGER).eval()
+
+
+@torch.inference_mode()
+def hf_logits(model, prompts: Sequence[torch.Tensor], decode_tokens: Sequence[Sequence[int]]) -> list[list[torch.Tensor]]:
+    """Per request: [prefill logits [L, V], then one [1, V] per decode step]."""
+    out = []
+    for r, prompt in enumerate(prompts):
+        res = model(prompt[None], use_cache=True)
+        cache = res.cache if hasattr(res, "cache") and res.cache is not None else res.past_key_values
+        steps = [res.logits[0].clone()]
+        for tokens in decode_tokens:
+            res = model(torch.tensor([[tokens[r]]]), cache=cache, use_cache=True)
+            cache = res.cache if getattr(res, "cache", None) is not None else res.past_key_values
+            steps.append(res.logits[0].clone())
+        out.append(steps)
+    return out

@@ -1,0 +1,125 @@
+"""Running a reference model on one rank: prefill then decode steps, with timings and counts.
+
+The same function runs in spawned ranks, under torchrun, and in the test worlds.
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+from typing import Optional
+
+import attrs
+import torch
+
+from ..collectives import CollectiveCounter, CountingCollectives
+from ..forward import DpPadding, Forward, ForwardMode
+from . import build_model
+from .attention import KVCache, StepLayout
+from .config import DecoderConfig
+from .weights import load_weights, open_source
+
+__all__ = ["RunJob", "run_rank", "make_requests", "DTYPES"]
+
+DTYPES = {"float32": torch.float32, "float64": torch.float64, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+@attrs.frozen(kw_only=True)
+class RunJob:
+    model: str
+    hf_config: dict
+    topology: object
+    reduction: str
+    dtype: str
+    device: str = "cpu"
+    weights: Optional[str] = None  # a torch.save'd state dict
+    checkpoint: Optional[str] = None  # a checkpoint folder
+    prompts: tuple = ()
+    decode_tokens: tuple = ()
+    sequence_parallel: bool = False
+    dp_padding: str = "sum_len"
+    progress: bool = False
+    #: extra per-forward facts for plugins (kept out of the core's job fields)
+    options: dict = attrs.field(factory=dict)
+
+
+def make_requests(vocab: int, batch: int, prompt_tokens: int, decode_steps: int, seed: int):
+    """Prompts of uneven lengths (prompt_tokens - 1, prompt_tokens, prompt_tokens + 1, ...) and
+    the decode tokens fed at each step (teacher forcing, so every run sees the same inputs)."""
+    gen = torch.Generator().manual_seed(seed)
+    lengths = [max(1, prompt_tokens + (i % 3) - 1) for i in range(batch)]
+    prompts = tuple(tuple(torch.randint(0, vocab, (n,), generator=gen).tolist()) for n in lengths)
+    decode = tuple(tuple(torch.randint(0, vocab, (batch,), generator=gen).tolist()) for _ in range(decode_steps))
+    return prompts, decode
+
+
+def _sync(device: str) -> None:
+    if device.startswith("cuda"):
+        torch.cuda.synchronize()
+
+
+@torch.inference_mode()
+def run_rank(parallel, job: RunJob) -> dict:
+    """Build, load and run the model on this rank; return its DP group's logits and measurements."""
+    counter = CollectiveCounter()
+    counted = parallel.with_groups(lambda g: CountingCollectives(g, counter))
+    device = job.device
+    if device == "cuda":
+        device = f"cuda:{torch.cuda.current_device()}"
+    config = DecoderConfig.from_hf(job.hf_config)
+    dtype = DTYPES[job.dtype]
+    t0 = time.perf_counter()
+    model = build_model(config, counted, reduction=job.reduction, dtype=dtype, device=device)
+    load_weights(model, open_source(torch.load(job.weights, map_location="cpu") if job.weights else None, job.checkpoint))
+    build_s = time.perf_counter() - t0
+    topo = parallel.topology
+    dp, dp_rank = topo.attn_dp, parallel.attn_dp_rank
+    mine = [r for r in range(len(job.prompts)) if r % dp == dp_rank]
+    counts_of = lambda per_request: tuple(sum(per_request(r) for r in range(len(job.prompts)) if r % dp == d) for d in range(dp))  # noqa: E731
+    cache = KVCache(config.num_layers)
+    logits: dict[int, list] = {r: [] for r in mine}
+    steps = [("prefill", ForwardMode.EXTEND)] + [(f"decode{s + 1}", ForwardMode.DECODE) for s in range(len(job.decode_tokens))]
+    timings: dict[str, float] = {}
+    collectives: dict[str, dict] = {}
+    show = job.progress and parallel.rank == 0
+    for index, (name, mode) in enumerate(steps):
+        if index == 0:
+            ids = [torch.tensor(job.prompts[r]) for r in mine]
+            step = StepLayout(mine, [len(job.prompts[r]) for r in mine], [0] * len(mine), device=device)
+            dp_counts = counts_of(lambda r: len(job.prompts[r]))
+        else:
+            ids = [torch.tensor([job.decode_tokens[index - 1][r]]) for r in mine]
+            step = StepLayout(mine, [1] * len(mine), [len(job.prompts[r]) + index - 1 for r in mine], device=device)
+            dp_counts = counts_of(lambda r: 1)
+        input_ids = (torch.cat(ids) if ids else torch.zeros(0, dtype=torch.long)).to(device)
+        fwd = Forward(
+            counted,
+            step.num_tokens,
+            dp_counts=dp_counts,
+            dp_padding=DpPadding(job.dp_padding),
+            mode=mode,
+            sequence_parallel=job.sequence_parallel and mode is ForwardMode.EXTEND,
+            extras=dict(job.options),
+        )
+        counter.reset()
+        _sync(device)
+        start = time.perf_counter()
+        out = model(input_ids, fwd, step, cache)
+        _sync(device)
+        timings[name] = time.perf_counter() - start
+        collectives[name] = counter.snapshot()
+        for r, s, c in zip(step.rids, step.starts, step.counts):
+            logits[r].append(out[s : s + c].float().cpu() if dtype in (torch.bfloat16, torch.float16) else out[s : s + c].cpu())
+        if show:
+            print(f"\r  rank 0: {name} done ({index + 1}/{len(steps)})", end="", file=sys.stderr, flush=True)
+    if show:
+        print(file=sys.stderr)
+    report = parallel.attn_tp_rank == 0 and parallel.attn_cp_rank == 0
+    return {
+        "rank": parallel.rank,
+        "logits": logits if report else {},
+        "timings": timings,
+        "build_s": build_s,
+        "collectives": collectives,
+        "tokens": {name: (sum(len(p) for p in job.prompts) if i == 0 else len(job.prompts)) for i, (name, _) in enumerate(steps)},
+    }

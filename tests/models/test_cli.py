@@ -1,0 +1,97 @@
+"""The main job from the outside: `layer-boundary run` and `plan`, their output and their errors."""
+
+import json
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from layer_boundary.models import model_config
+from layer_boundary.models.oracle import hf_from_state
+from layer_boundary.models.weights import random_weights
+
+
+def cli(*args, timeout=300):
+    return subprocess.run([sys.executable, "-m", "layer_boundary", *args], capture_output=True, text=True, timeout=timeout)
+
+
+@pytest.mark.gloo
+def test_run_json_reports_check_config_timings_and_collectives():
+    out = cli("run", "--model", "qwen3_moe", "--tp", "2", "--dtype", "float64", "--decode-steps", "2", "--json")
+    assert out.returncode == 0, out.stderr
+    data = json.loads(out.stdout)
+    check = data["check"]
+    assert check["reference"] == "hf" and check["passed"] is True and check["rel_err"] < 1e-10
+    assert data["config"]["topology"]["tp"] == 2 and data["config"]["reduction"] == "rs+rsv"
+    assert data["timings"]["prefill_s"] > 0 and data["timings"]["decode_step_s"] > 0 and data["timings"]["tokens_per_s"] > 0
+    # 4 layers: one attention sum per layer; the FFN sums defer to the next input except the last
+    assert data["collectives"]["decode_step"] == {"all_reduce@attn_tp": 4, "all_reduce@tp": 4}
+
+
+@pytest.mark.gloo
+def test_run_human_output_and_single_rank_check():
+    out = cli("run", "--model", "gemma", "--tp", "2", "--attn-dp", "2", "--check", "single", "--decode-steps", "1")
+    assert out.returncode == 0, out.stderr
+    assert "check vs single: PASS" in out.stdout and "collectives per prefill" in out.stdout
+
+
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["--model", "llama"], "unknown model 'llama'"),
+        (["--model", "qwen3", "--tp", "3"], "not divisible by attention TP 3"),
+        (["--model", "qwen3", "--checkpoint", "/nonexistent"], "has no config.json"),
+        (["--model", "qwen3", "--tp", "4", "--attn-dp", "3"], "not divisible by attn_dp"),
+        (["--model", "qwen3", "--hf-config", "{not json"], "not valid JSON"),
+        (["--model", "qwen3_moe", "--hf-config", '{"model_type": "qwen3"}'], "needs a config with model_type 'qwen3_moe'"),
+        (["--model", "qwen3", "--device", "cuda"] if not torch.cuda.is_available() else ["--model", "nope"], "no CUDA device" if not torch.cuda.is_available() else "unknown model"),
+        (["--model", "qwen3", "--tp", "1", "--sequence-parallel"], "--sequence-parallel needs attention TP > 1"),
+    ],
+)
+def test_bad_input_is_one_line_and_exit_status_2(args, message):
+    out = cli("run", *args)
+    assert out.returncode == 2
+    lines = [line for line in out.stderr.splitlines() if line.strip()]
+    assert len(lines) == 1 and message in lines[0] and "Traceback" not in out.stderr, out.stderr
+
+
+def test_missing_checkpoint_files_name_the_fix(tmp_path):
+    cfg = model_config("qwen3")
+    (tmp_path / "config.json").write_text(json.dumps(dict(cfg.hf)))
+    out = cli("run", "--model", "qwen3", "--checkpoint", str(tmp_path))
+    assert out.returncode == 2 and "no *.safetensors files" in out.stderr
+
+
+@pytest.mark.gloo
+@pytest.mark.parametrize("model", ["qwen3", "qwen3_moe"])
+def test_a_checkpoint_saved_by_hf_loads_and_matches(tmp_path, model):
+    cfg = model_config(model)
+    hf = hf_from_state(dict(cfg.hf), random_weights(cfg, torch.float32, 1), torch.float32)
+    hf.save_pretrained(tmp_path)
+    out = cli("run", "--model", model, "--checkpoint", str(tmp_path), "--tp", "2", "--json", "--decode-steps", "2")
+    assert out.returncode == 0, out.stderr
+    assert json.loads(out.stdout)["check"]["passed"] is True
+
+
+def test_plan_json_lists_every_boundary_and_variant():
+    out = cli("plan", "--model", "qwen3", "--tp", "2", "--json")
+    assert out.returncode == 0, out.stderr
+    data = json.loads(out.stdout)
+    assert len(data["boundaries"]) == 8
+    first = data["boundaries"][0]
+    assert set(first["variants"]) == {"ordinary", "sequence_parallel", "input_scattered"}
+    ffn = data["boundaries"][1]
+    assert any("core.unfused" in step for step in ffn["variants"]["ordinary"]["entry"])
+
+
+def test_plan_shows_the_dp_partial_order_under_attention_dp():
+    out = cli("plan", "--model", "qwen3_moe", "--tp", "4", "--attn-dp", "2", "--reduction", "rs+rsv")
+    assert out.returncode == 0, out.stderr
+    assert "all_reduce@tp over the DP-gathered rows" in out.stdout
+    assert "reduce_scatter@tp" in out.stdout
+
+
+def test_plan_bad_input():
+    out = cli("plan", "--model", "qwen3", "--tp", "3")
+    assert out.returncode == 2 and "not divisible" in out.stderr
