@@ -32,7 +32,7 @@ from .residual import ResidualOps, StageRead, StageUpdate, residual_kind
 from .residual import batch as residual_batch
 from .residual.add_norm import NORM_READ, PLAIN_ADD, PLAIN_RESIDUAL, GemmaRMSNorm, RMSNorm
 from .residual.stream import Contribution, OwedOutput, ResidualStream
-from .stage import StageBoundary
+from .stage import StageBoundary, boundaries_of
 
 __version__ = "0.1.0"
 
@@ -76,6 +76,7 @@ __all__ = [
     "RowParallelLinear",
     "SingleRankCollectives",
     "StageBoundary",
+    "boundaries_of",
     "StageDeclaration",
     "StageDescription",
     "StageKind",

@@ -14,7 +14,7 @@ from .plugin.manager import get_registry
 from .prepare import align_rows, run_entry
 from .residual.stream import ATTENTION_ROWS, SLICE_ROWS, ResidualStream
 
-__all__ = ["StageBoundary", "build_boundaries"]
+__all__ = ["StageBoundary", "build_boundaries", "boundaries_of"]
 
 
 class StageBoundary:
@@ -158,3 +158,15 @@ def _check_mixer_neighbours(plans) -> None:
             "stage), unless it is terminal; the next stage derives whether the mixer's sum is left to it from the same fact"
         )
 
+
+
+def boundaries_of(model) -> list[StageBoundary]:
+    """Every StageBoundary held by a module tree, in module order, each once."""
+    seen: set[int] = set()
+    out: list[StageBoundary] = []
+    for module in model.modules():
+        for value in vars(module).values():
+            if isinstance(value, StageBoundary) and id(value) not in seen:
+                seen.add(id(value))
+                out.append(value)
+    return out

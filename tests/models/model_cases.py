@@ -8,7 +8,7 @@ from layer_boundary import Topology
 from layer_boundary.models import model_config
 from layer_boundary.models.oracle import hf_from_state, hf_logits
 from layer_boundary.models.runner import RunJob, make_requests
-from layer_boundary.models.weights import random_weights
+from layer_boundary.models import family
 
 DTYPES = {"float32": torch.float32, "float64": torch.float64}
 TOLERANCE = {"float64": 1e-10, "float32": 1e-4}
@@ -18,7 +18,7 @@ TOLERANCE = {"float64": 1e-10, "float32": 1e-4}
 def setup(model: str, dtype: str, weights_dir: str, batch: int = 4, prompt: int = 6, steps: int = 3):
     """(job template, HF logits per request) for a model; weights saved under weights_dir."""
     config = model_config(model)
-    state = random_weights(config, DTYPES[dtype], seed=7)
+    state = family(model).random_weights(config, DTYPES[dtype], seed=7)
     path = f"{weights_dir}/{model}-{dtype}.pt"
     torch.save(state, path)
     prompts, decode = make_requests(config.vocab_size, batch, prompt, steps, seed=3)

@@ -9,7 +9,7 @@ import torch
 
 from layer_boundary.models import model_config
 from layer_boundary.models.oracle import hf_from_state
-from layer_boundary.models.weights import random_weights
+from layer_boundary.models import family
 
 
 def cli(*args, timeout=300):
@@ -67,7 +67,7 @@ def test_missing_checkpoint_files_name_the_fix(tmp_path):
 @pytest.mark.parametrize("model", ["qwen3", "qwen3_moe"])
 def test_a_checkpoint_saved_by_hf_loads_and_matches(tmp_path, model):
     cfg = model_config(model)
-    hf = hf_from_state(dict(cfg.hf), random_weights(cfg, torch.float32, 1), torch.float32)
+    hf = hf_from_state(dict(cfg.hf), family(model).random_weights(cfg, torch.float32, 1), torch.float32)
     hf.save_pretrained(tmp_path)
     out = cli("run", "--model", model, "--checkpoint", str(tmp_path), "--tp", "2", "--json", "--decode-steps", "2")
     assert out.returncode == 0, out.stderr

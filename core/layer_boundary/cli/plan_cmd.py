@@ -52,8 +52,9 @@ def build_plans(model_name: str, hf_config, topology: Topology, reduction: str, 
         model = build_model(config, parallel, reduction=policy, device="meta")
     except (ConfigError, TopologyError, MissingPluginError, ValueError) as exc:
         raise UsageError(str(exc)) from None
-    boundaries = [b for layer in model.layers for b in (layer.attn_boundary, layer.ffn_boundary)]
-    return config, policy, [b.plan.describe() for b in boundaries]
+    from ..stage import boundaries_of
+
+    return config, policy, [b.plan.describe() for b in boundaries_of(model)]
 
 
 def run(args) -> int:

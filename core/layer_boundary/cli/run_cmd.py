@@ -24,7 +24,7 @@ TOLERANCES = {"float64": 1e-10, "float32": 1e-4, "bfloat16": 3e-2, "float16": 1e
 
 def add_parser(sub) -> None:
     p = sub.add_parser("run", help="run a reference model through the boundaries and check it")
-    p.add_argument("--model", default="qwen3", help="qwen3, qwen3_moe or gemma (default qwen3)")
+    p.add_argument("--model", default="qwen3", help="a reference model: qwen3 (default), qwen3_moe, gemma, ...")
     p.add_argument("--hf-config", help="a Hugging Face config: inline JSON, a config.json or a folder (default: embedded tiny)")
     p.add_argument("--checkpoint", help="a checkpoint folder (config.json + *.safetensors) to load")
     p.add_argument("--tp", type=int, default=2, help="tensor-parallel size (default 2)")
@@ -150,8 +150,8 @@ def _summaries(results, job):
 
 
 def run(args) -> int:
+    from ..models import family
     from ..models.runner import RunJob, make_requests
-    from ..models.weights import random_weights
 
     args.dtype = args.dtype or ("bfloat16" if args.device == "cuda" else "float32")
     config, topology = _config(args)
@@ -178,7 +178,8 @@ def run(args) -> int:
         weights = None
         if not args.checkpoint:
             weights = os.path.join(tmp, "weights.pt")
-            torch.save(random_weights(config, torch.float64 if dtype == torch.float64 else torch.float32, args.seed), weights)
+            draw = family(args.model).random_weights
+            torch.save(draw(config, torch.float64 if dtype == torch.float64 else torch.float32, args.seed), weights)
         job = RunJob(
             model=args.model,
             hf_config=dict(config.hf),

@@ -1,27 +1,88 @@
-"""Tensor-parallel reference models written against the public API (qwen3, qwen3_moe, gemma)."""
+"""Tensor-parallel reference models written against the public API.
+
+Each model family registers a `ModelFamily`: its embedded tiny config, how to parse a Hugging
+Face config, build the model for a `Parallel`, load weights and draw random ones. The runner,
+the CLI and the tests only go through this table.
+"""
 
 from __future__ import annotations
 
+import copy
+import importlib
+from typing import Any, Callable
+
+import attrs
+
 from .config import ConfigError, DecoderConfig, load_hf_config
-from .presets import PRESETS, preset
 
-__all__ = ["MODELS", "ConfigError", "DecoderConfig", "build_model", "load_hf_config", "model_config", "preset"]
+__all__ = ["MODELS", "ModelFamily", "ConfigError", "DecoderConfig", "build_model", "family", "load_hf_config", "model_config", "register_model"]
 
-#: model name -> the HF model_type it accepts
-MODELS = {"qwen3": "qwen3", "qwen3_moe": "qwen3_moe", "gemma": "gemma"}
+#: modules that register model families when first needed (one line per family module)
+FAMILY_MODULES = ("layer_boundary.models.decoder_families",)
 
 
-def model_config(name: str, hf_config: dict | None = None) -> DecoderConfig:
-    """The DecoderConfig of model `name`: the embedded tiny default or `hf_config`."""
+@attrs.frozen(kw_only=True)
+class ModelFamily:
+    name: str
+    model_type: str
+    #: the embedded tiny Hugging Face config (a dict, with model_type)
+    preset: dict
+    #: HF config dict -> the model's config (has .hf, .architecture, .num_layers, .vocab_size,
+    #: .hidden_size and .check_topology(topology))
+    parse: Callable[[dict], Any]
+    #: (config, parallel, *, reduction, fusions, dtype, device) -> the model
+    build: Callable[..., Any]
+    #: (model, TensorSource) -> None
+    load_weights: Callable[..., None]
+    #: (config, dtype, seed) -> a state dict with Hugging Face names
+    random_weights: Callable[..., dict]
+    description: str = ""
+
+
+MODELS: dict[str, ModelFamily] = {}
+_loaded = False
+
+
+def register_model(fam: ModelFamily) -> ModelFamily:
+    if fam.name in MODELS and MODELS[fam.name] is not fam:
+        raise ValueError(f"model family {fam.name!r} is registered twice")
+    MODELS[fam.name] = fam
+    return fam
+
+
+def _load() -> None:
+    global _loaded
+    if not _loaded:
+        _loaded = True
+        for module in FAMILY_MODULES:
+            importlib.import_module(module)
+
+
+def family(name: str) -> ModelFamily:
+    _load()
     if name not in MODELS:
         raise ConfigError(f"unknown model {name!r}; choose one of {', '.join(sorted(MODELS))}")
-    raw = preset(name) if hf_config is None else dict(hf_config)
-    if raw.get("model_type") != MODELS[name]:
-        raise ConfigError(f"--model {name} needs a config with model_type {MODELS[name]!r}, got {raw.get('model_type')!r}")
-    return DecoderConfig.from_hf(raw)
+    return MODELS[name]
 
 
-def build_model(config: DecoderConfig, parallel, *, reduction="ar", fusions=None, dtype=None, device=None):
-    from .decoder import CausalLM
+def model_config(name: str, hf_config: dict | None = None):
+    """The config of model `name`: its embedded tiny default, or `hf_config`."""
+    fam = family(name)
+    raw = copy.deepcopy(fam.preset) if hf_config is None else dict(hf_config)
+    if raw.get("model_type") != fam.model_type:
+        raise ConfigError(f"--model {name} needs a config with model_type {fam.model_type!r}, got {raw.get('model_type')!r}")
+    return fam.parse(raw)
 
-    return CausalLM(config, parallel, reduction=reduction, fusions=fusions, dtype=dtype, device=device)
+
+def build_model(config, parallel, *, reduction="ar", fusions=None, dtype=None, device=None):
+    """Build the model of `config` (its family is found by the config's model_type)."""
+    _load()
+    fam = next((f for f in MODELS.values() if f.model_type == config.model_type), None)
+    if fam is None:
+        raise ConfigError(f"no model family for model_type {config.model_type!r}")
+    return fam.build(config, parallel, reduction=reduction, fusions=fusions, dtype=dtype, device=device)
+
+
+def family_of(config) -> ModelFamily:
+    _load()
+    return next(f for f in MODELS.values() if f.model_type == config.model_type)

@@ -77,6 +77,9 @@ class CausalLM(nn.Module):
         self.rotary = RotaryEmbedding(config.head_dim, config.rope_theta)
         self.handoff_norm = None  # a fusion service that takes a terminal MoE finalize handoff
 
+    def new_cache(self) -> KVCache:
+        return KVCache(self.config.num_layers)
+
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         h = self.embed_tokens(input_ids)
         if self.config.embed_scale is not None:

@@ -14,10 +14,9 @@ import torch
 
 from ..collectives import CollectiveCounter, CountingCollectives
 from ..forward import DpPadding, Forward, ForwardMode
-from . import build_model
-from .attention import KVCache, StepLayout
-from .config import DecoderConfig
-from .weights import load_weights, open_source
+from . import build_model, family, model_config
+from .attention import StepLayout
+from .weights import open_source
 
 __all__ = ["RunJob", "run_rank", "make_requests", "DTYPES"]
 
@@ -66,17 +65,18 @@ def run_rank(parallel, job: RunJob) -> dict:
     device = job.device
     if device == "cuda":
         device = f"cuda:{torch.cuda.current_device()}"
-    config = DecoderConfig.from_hf(job.hf_config)
+    config = model_config(job.model, job.hf_config)
     dtype = DTYPES[job.dtype]
     t0 = time.perf_counter()
     model = build_model(config, counted, reduction=job.reduction, dtype=dtype, device=device)
-    load_weights(model, open_source(torch.load(job.weights, map_location="cpu") if job.weights else None, job.checkpoint))
+    source = open_source(torch.load(job.weights, map_location="cpu") if job.weights else None, job.checkpoint)
+    family(job.model).load_weights(model, source)
     build_s = time.perf_counter() - t0
     topo = parallel.topology
     dp, dp_rank = topo.attn_dp, parallel.attn_dp_rank
     mine = [r for r in range(len(job.prompts)) if r % dp == dp_rank]
     counts_of = lambda per_request: tuple(sum(per_request(r) for r in range(len(job.prompts)) if r % dp == d) for d in range(dp))  # noqa: E731
-    cache = KVCache(config.num_layers)
+    cache = model.new_cache()
     logits: dict[int, list] = {r: [] for r in mine}
     steps = [("prefill", ForwardMode.EXTEND)] + [(f"decode{s + 1}", ForwardMode.DECODE) for s in range(len(job.decode_tokens))]
     timings: dict[str, float] = {}
