@@ -53,6 +53,9 @@ class Collectives(Protocol):
 
     def all_gatherv(self, x: torch.Tensor, sizes: Sequence[int]) -> torch.Tensor: ...
 
+    def agree(self, ok: bool) -> bool:
+        """True only when `ok` holds on every rank (CollectivesBase implements it)."""
+
 
 class CollectivesBase:
     """Shape checks and the variable-size operations written over the equal-size ones.
@@ -128,6 +131,21 @@ class CollectivesBase:
         gathered = self._all_gather(padded)
         return torch.cat([gathered[i * width : i * width + s] for i, s in enumerate(sizes)])
 
+    #: where small control tensors (agreement votes) live for this group
+    device = "cpu"
+
+    def agree(self, ok: bool) -> bool:
+        """True only if `ok` is true on every rank of the group (one tiny all-reduce).
+
+        Use it for any decision that selects a collective path, so that one rank's failure
+        (a workspace that did not allocate, a kernel that did not compile) turns the path off on
+        all ranks instead of leaving the others waiting in a collective it will never join.
+        """
+        if self.size == 1:
+            return bool(ok)
+        vote = torch.tensor([0.0 if ok else 1.0], dtype=torch.float32, device=self.device)
+        return float(self._all_reduce(vote).item()) == 0.0
+
     def _check_sizes(self, sizes: tuple[int, ...], rows: int, op: str) -> None:
         if len(sizes) != self.size:
             raise ValueError(f"{op} over {self.name} needs {self.size} sizes, got {len(sizes)}")
@@ -169,6 +187,8 @@ class TorchCollectives(CollectivesBase):
         self.ranks = tuple(ranks)
         self.size = len(self.ranks)
         self.rank = self.ranks.index(dist.get_rank())
+        if dist.get_backend(group) == "nccl":
+            self.device = f"cuda:{torch.cuda.current_device()}"
 
     def _all_reduce(self, x: torch.Tensor) -> torch.Tensor:
         if not x.is_contiguous():
@@ -241,6 +261,9 @@ class CountingCollectives:
 
     def all_gatherv(self, x, sizes):
         return self._run("all_gatherv", self.size > 1 and max(sizes, default=0) > 0, self.inner.all_gatherv, x, sizes)
+
+    def agree(self, ok):
+        return self._run("agree", self.size > 1, self.inner.agree, ok)
 
     def __getattr__(self, item):
         return getattr(self.inner, item)

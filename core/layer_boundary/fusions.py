@@ -14,18 +14,15 @@ Every decision a provider makes per batch must be the same on all ranks.
 
 from __future__ import annotations
 
-import os
 from typing import Any, Optional
 
 import attrs
 
+from . import debug
 from .contracts import FusedMlpInput, StageKind
 from .layout import SumGroup
 
-__all__ = ["Candidate", "FusionError", "build_providers", "consumer_candidates", "DEBUG"]
-
-#: debug mode: check that a declining candidate left its inputs untouched
-DEBUG = os.environ.get("LAYER_BOUNDARY_DEBUG", "").strip().lower() in ("1", "true", "yes", "on")
+__all__ = ["Candidate", "FusionError", "build_providers", "consumer_candidates"]
 
 
 class FusionError(RuntimeError):
@@ -103,7 +100,8 @@ def run_candidates(candidates, owed, residual, fwd, is_handoff: bool):
             continue
         if cand.accepts is not None and not fused.always and sum_group not in cand.accepts:
             continue
-        if DEBUG and not fused.always:
+        checking = debug.DEBUG and not fused.always
+        if checking:
             before = _versions(owed, residual)
         try:
             out = fused.run(owed, residual, fwd)
@@ -113,7 +111,7 @@ def run_candidates(candidates, owed, residual, fwd, is_handoff: bool):
             ) from exc
         if out is not None:
             return out
-        if DEBUG and not fused.always and _versions(owed, residual) != before:
+        if checking and _versions(owed, residual) != before:
             raise FusionError(
                 f"fusion candidate {cand.name!r} from {cand.source} declined after modifying its inputs; a candidate "
                 "must return None before it touches an input or starts a collective"

@@ -4,6 +4,7 @@ and move the input, in the order the plan chose.
 
 from __future__ import annotations
 
+from . import debug
 from ._errors import Messages
 from .fusions import run_candidates
 from .ops import dp_partial_sum, dp_scatter, gather_slices, move_residual, reduce_scatter_slices, take_slice
@@ -41,6 +42,8 @@ def run_entry(plan, path, hidden, fwd, capture_output=None, captured=None):
                 f"stage {plan.label} has a producer (previous=...) but the residual stream is empty; call "
                 "residual_batch.start() once, before the first layer, in the segment that runs it"
             )
+        if debug.DEBUG:
+            debug.check_batch_facts(fwd)
         _capture(capture_output, hidden, owned=False)
         h = take_slice(hidden, fwd) if entry.slices_on_entry else hidden
         inp, residual = read.read(read.enter(h), norm)

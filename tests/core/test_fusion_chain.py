@@ -19,6 +19,7 @@ from layer_boundary import (
     make_stages,
     residual_batch,
 )
+from layer_boundary import debug as debug_module
 from layer_boundary import fusions as fusions_module
 from layer_boundary.residual.add_norm import add_rms_norm
 from layer_boundary.testing.grid import GridSpec, run_grid_rank
@@ -153,7 +154,7 @@ def test_debug_mode_catches_a_candidate_that_declines_after_touching_its_input(m
 
             return (FusedMlpInput(run=run, name="sloppy"),)
 
-    monkeypatch.setattr(fusions_module, "DEBUG", True)
+    monkeypatch.setattr(debug_module, "DEBUG", True)
     with pytest.raises(FusionError, match="declined after modifying its inputs"):
         run_threaded(lambda p: _layer_run(p, fusions=Sloppy()), Topology(tp=2))
 

@@ -34,6 +34,8 @@ def add_parser(sub) -> None:
     p.add_argument("--reduction", default="auto", choices=["ar", "rs", "rsv", "rs+rsv", "auto"])
     p.add_argument("--dp-padding", default="sum_len", choices=["sum_len", "max_len"])
     p.add_argument("--sequence-parallel", action="store_true", help="run prefill as a sequence-parallel batch")
+    p.add_argument("--tbo", action="store_true", help="two-batch overlap (needs layer-boundary-tbo)")
+    p.add_argument("--lora", type=int, default=0, metavar="N", help="N random LoRA adapters, requests round-robin (needs layer-boundary-lora)")
     p.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
     p.add_argument("--dtype", default=None, choices=["float32", "float64", "bfloat16"], help="default float32 (cpu), bfloat16 (cuda)")
     p.add_argument("--batch", type=int, default=3, help="requests (default 3, lengths uneven)")
@@ -69,11 +71,21 @@ def _config(args):
 
 
 def _require_features(args, topology) -> None:
-    from .._errors import missing_feature
+    from .._errors import MissingPluginError, missing_feature
+    from ..models import check_requirements, family
     from ..plugin.manager import get_registry
 
-    if topology.attn_cp > 1 and not get_registry().adapters_of("cp"):
+    registry = get_registry()
+    if topology.attn_cp > 1 and not registry.adapters_of("cp"):
         raise UsageError(str(missing_feature(f"--attn-cp {topology.attn_cp}", "cp")))
+    if args.tbo and not registry.adapters_of("tbo"):
+        raise UsageError(str(missing_feature("--tbo", "tbo")))
+    if args.lora and not registry.adapters_of("lora"):
+        raise UsageError(str(missing_feature(f"--lora {args.lora}", "lora")))
+    try:
+        check_requirements(family(args.model))
+    except MissingPluginError as exc:
+        raise UsageError(str(exc)) from None
     if args.sequence_parallel and (topology.attn_dp > 1 or topology.attn_tp < 2):
         raise UsageError("--sequence-parallel needs attention TP > 1 and no attention DP")
     if args.device == "cuda":
@@ -194,6 +206,7 @@ def run(args) -> int:
             sequence_parallel=args.sequence_parallel,
             dp_padding=args.dp_padding,
             progress=not args.json,
+            options={k: v for k, v in (("tbo", args.tbo), ("lora", args.lora)) if v},
         )
         say(f"layer-boundary run: {args.model} ({config.num_layers} layers), {topology.describe()}, reduction={policy}, {args.dtype}, {args.device}")
         start = time.perf_counter()

@@ -37,6 +37,9 @@ class ModelFamily:
     #: (config, dtype, seed) -> a state dict with Hugging Face names
     random_weights: Callable[..., dict]
     description: str = ""
+    #: features from plugins the model needs, as (registry kind, name): ("residual_kind", "mhc"),
+    #: ("adapter", "branch"); checked before any rank starts, naming the distribution to install
+    requires: tuple = ()
 
 
 MODELS: dict[str, ModelFamily] = {}
@@ -81,6 +84,18 @@ def build_model(config, parallel, *, reduction="ar", fusions=None, dtype=None, d
     if fam is None:
         raise ConfigError(f"no model family for model_type {config.model_type!r}")
     return fam.build(config, parallel, reduction=reduction, fusions=fusions, dtype=dtype, device=device)
+
+
+def check_requirements(fam: ModelFamily) -> None:
+    """Raise `MissingPluginError` naming the distribution when a required feature is absent."""
+    from .._errors import missing_feature
+    from ..plugin.manager import get_registry
+
+    registry = get_registry()
+    for kind, name in fam.requires:
+        found = registry.residual_kinds_of(name) if kind == "residual_kind" else registry.adapters_of(name)
+        if not found:
+            raise missing_feature(f"model {fam.name!r} ({kind.replace('_', ' ')} {name!r})", name)
 
 
 def family_of(config) -> ModelFamily:

@@ -3,6 +3,19 @@
 Opt in from a conftest: `pytest_plugins = ["layer_boundary.testing.pytest_plugin"]`.
 """
 
+import os
+
 from .threaded import CollectiveAborted, ThreadWorld, run_threaded
 
-__all__ = ["ThreadWorld", "run_threaded", "CollectiveAborted"]
+__all__ = ["ThreadWorld", "run_threaded", "CollectiveAborted", "expected_plugins", "ALL_PLUGINS"]
+
+ALL_PLUGINS = ("flashinfer", "cutedsl", "mhc", "cp", "tbo", "lora")
+
+
+def expected_plugins() -> tuple[str, ...]:
+    """The plugins this test environment installs: LAYER_BOUNDARY_EXPECT_PLUGINS (comma list,
+    empty for the core alone), or every plugin when unset (the full development environment)."""
+    raw = os.environ.get("LAYER_BOUNDARY_EXPECT_PLUGINS")
+    if raw is None:
+        return ALL_PLUGINS
+    return tuple(p.strip() for p in raw.split(",") if p.strip())

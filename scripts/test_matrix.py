@@ -1,0 +1,130 @@
+#!/usr/bin/env python3
+"""Install-combination test matrix: the core alone, and each plugin alone on top of it.
+
+Environments (reused between runs; rebuilt when a pyproject changes):
+- `.venv-core`: torch 2.13 CPU + the core (`pip install -e .[test]`), no plugin;
+- `.venv-plugin-<name>`: a venv that layers on `.venv-core` (a .pth runs site.addsitedir on its
+  site-packages, so torch is shared, not reinstalled) plus `pip install -e plugins/<name>` and
+  that plugin's own third-party dependencies.
+
+Each environment runs the tests meant for it, with LAYER_BOUNDARY_EXPECT_PLUGINS naming what is
+installed (tests that need more skip with a reason only when that variable says so). Prints
+the matrix (environment -> tests -> result) and exits non-zero when any cell fails.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+PLUGINS = ("flashinfer", "cutedsl", "mhc", "cp", "tbo", "lora")
+PYTHON = os.environ.get("PYTHON", "python3")
+
+
+def sh(cmd, **kw):
+    print("+", " ".join(str(c) for c in cmd), flush=True)
+    subprocess.run(cmd, check=True, **kw)
+
+
+def site_packages(venv: Path) -> str:
+    out = subprocess.run(
+        [str(venv / "bin/python"), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
+        check=True, capture_output=True, text=True,
+    )
+    return out.stdout.strip()
+
+
+def stamp_ok(venv: Path, inputs: list[Path]) -> bool:
+    digest = hashlib.sha256(b"".join(p.read_bytes() for p in inputs)).hexdigest()
+    stamp = venv / ".matrix-stamp"
+    if stamp.exists() and stamp.read_text() == digest:
+        return True
+    return False
+
+
+def write_stamp(venv: Path, inputs: list[Path]) -> None:
+    digest = hashlib.sha256(b"".join(p.read_bytes() for p in inputs)).hexdigest()
+    (venv / ".matrix-stamp").write_text(digest)
+
+
+def pip(venv: Path, *args):
+    sh([str(venv / "bin/python"), "-m", "pip", "install", "-q", "--disable-pip-version-check", *args])
+
+
+def core_env() -> Path:
+    venv = ROOT / ".venv-core"
+    inputs = [ROOT / "pyproject.toml"]
+    if stamp_ok(venv, inputs):
+        return venv
+    if not (venv / "bin/python").exists():
+        sh([PYTHON, "-m", "venv", str(venv)])
+    pip(venv, "--upgrade", "pip", "setuptools", "wheel")
+    pip(venv, "torch==2.13.0")
+    pip(venv, "-e", f"{ROOT}[test]")
+    write_stamp(venv, inputs)
+    return venv
+
+
+def plugin_env(name: str, core: Path) -> Path:
+    venv = ROOT / f".venv-plugin-{name}"
+    inputs = [ROOT / "pyproject.toml", ROOT / "plugins" / name / "pyproject.toml"]
+    if stamp_ok(venv, inputs):
+        return venv
+    if not (venv / "bin/python").exists():
+        sh([PYTHON, "-m", "venv", str(venv)])
+    layer = Path(site_packages(venv)) / "_layer_boundary_core_env.pth"
+    layer.write_text(f"import site; site.addsitedir({site_packages(core)!r})\n")
+    pip(venv, "-e", str(ROOT / "plugins" / name))
+    write_stamp(venv, inputs)
+    return venv
+
+
+def run_tests(venv: Path, expect: str, paths: list[str]) -> tuple[bool, str, float]:
+    env = dict(os.environ, LAYER_BOUNDARY_STRICT_PLUGINS="1", LAYER_BOUNDARY_EXPECT_PLUGINS=expect, HF_HUB_OFFLINE="1")
+    env.pop("PYTHONPATH", None)
+    paths = [p for p in paths if (ROOT / p).exists()]
+    if not paths:
+        return False, "no tests found", 0.0
+    start = time.perf_counter()
+    proc = subprocess.run(
+        [str(venv / "bin/python"), "-m", "pytest", "-q", "-p", "no:cacheprovider", *paths],
+        cwd=ROOT, env=env, capture_output=True, text=True,
+    )
+    took = time.perf_counter() - start
+    tail = [line for line in proc.stdout.strip().splitlines() if line.strip()][-1:] or ["(no output)"]
+    if proc.returncode != 0:
+        sys.stdout.write(proc.stdout[-6000:] + proc.stderr[-3000:])
+    return proc.returncode == 0, tail[0], took
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--only", nargs="*", help="environments to run (core and/or plugin names)")
+    args = ap.parse_args()
+    wanted = args.only or ["core", *PLUGINS]
+    core = core_env()
+    rows = []
+    if "core" in wanted:
+        ok, summary, took = run_tests(core, "", ["tests/core", "tests/models", "tests/install"])
+        rows.append(("core alone", "tests/core tests/models tests/install", ok, summary, took))
+    for name in PLUGINS:
+        if name not in wanted:
+            continue
+        venv = plugin_env(name, core)
+        ok, summary, took = run_tests(venv, name, [f"tests/plugins/{name}", "tests/install"])
+        rows.append((f"core + {name}", f"tests/plugins/{name} tests/install", ok, summary, took))
+    print("\nenvironment matrix:")
+    width = max(len(r[0]) for r in rows)
+    for env, tests, ok, summary, took in rows:
+        print(f"  {env:<{width}}  {'PASS' if ok else 'FAIL'}  {tests}: {summary} ({took:.0f} s)")
+    return 0 if all(r[2] for r in rows) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
