@@ -18,7 +18,7 @@ from .forward import BatchVariant
 from .fusions import Candidate, build_providers, consumer_candidates
 from .layout import SumGroup
 from .ops import dp_gather, gather_slices
-from .residual.add_norm import GemmaRMSNorm, is_rms_norm
+from .residual.add_norm import GemmaRMSNorm, NormRead, is_rms_norm
 from .residual.stream import ATTENTION_ROWS, SLICE_ROWS
 
 __all__ = ["EntryPath", "ExitPath", "StagePath", "StagePlan", "plan_stage", "arriving_sum"]
@@ -50,6 +50,8 @@ class EntryPath:
     slices_on_entry: bool = False
     capture_allocates: bool = False
     adapter: Any = None
+    #: the norm's own fused add + norm when the read is a plain norm of an RMSNorm (bound once)
+    add_norm: Optional[Callable] = None
 
     @property
     def preserves_residual(self) -> bool:
@@ -112,6 +114,8 @@ class ExitPath:
     rsv_allowed: bool = False
     complete_move: Optional[str] = None  # None, "dp_scatter" or "slice"
     adapter: Any = None
+    #: set when no batch fact can change the decision (then exits reuse one decision object)
+    static_decision: Any = None
 
     def describe(self, plan: "StagePlan") -> list[str]:
         if self.role == "adapter":
@@ -156,6 +160,7 @@ class StagePlan:
         self.terminal = declaration.terminal
         self.is_branch = declaration.prepared_from is not None
         self.enters_stack = declaration.previous is None and not self.is_branch
+        self.read = declaration.read
         self.qkv_latent_func = options.get("qkv_latent_func")
         self.fusions = options.get("fusions")
         self.providers: list[tuple[Any, str]] = []
@@ -331,6 +336,7 @@ def _entry(plan: StagePlan, variant: BatchVariant, candidates) -> EntryPath:
         candidates=candidates if use_candidates else (),
         arrives_plain=arrives_plain,
         expects=expects,
+        add_norm=plan.norm.add_forward if plain and is_rms_norm(plan.norm) and type(decl.read) is NormRead else None,
     )
 
 
@@ -398,6 +404,11 @@ def _exit(plan: StagePlan, variant: BatchVariant) -> ExitPath:
     )
 
 
+def _decision_is_static(ex: ExitPath) -> bool:
+    """An FFN exit that can only let compute reduce (no deferral, scatter or handoff)."""
+    return ex.role == "ffn" and not (ex.may_defer or ex.handoff_ok or ex.rs_allowed or ex.rsv_allowed)
+
+
 def plan_stage(declaration, norm, options, *, parallel, policy, label, registry) -> StagePlan:
     """Build one stage's plan with a path for every variant the topology supports."""
     plan = StagePlan(declaration, norm, options, parallel, policy, label)
@@ -410,7 +421,12 @@ def plan_stage(declaration, norm, options, *, parallel, policy, label, registry)
     if _supports_slices(plan):
         variants += list(SLICE_VARIANTS)
     for variant in variants:
-        plan.paths[variant] = StagePath(variant, _entry(plan, variant, candidates), _exit(plan, variant))
+        exit_path = _exit(plan, variant)
+        if _decision_is_static(exit_path):
+            from .exit import COMPLETE_NOW
+
+            exit_path.static_decision = COMPLETE_NOW
+        plan.paths[variant] = StagePath(variant, _entry(plan, variant, candidates), exit_path)
     if parallel.topology.attn_cp > 1:
         _bind_context_parallel(plan, registry)
     return plan

@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 
 from ._errors import Messages
-from .forward import BatchVariant, ComputeFlags, DpPadding, _FLAGS
+from .forward import _DEFAULT_FLAGS, _FLAGS, BatchVariant, ComputeFlags, DpPadding
 from .ops import dp_reduce_scatter, dp_scatter, reduce_scatter_slices, take_slice
 from .output import HandoffOutput, UnreducedOutput
 from .residual.stream import Contribution
@@ -32,7 +32,11 @@ class ExitDecision:
         return f"ExitDecision({self.flags}, defer_sum={self.defer_sum}, reduce_scatter={self.reduce_scatter}, declared={self.declared})"
 
 
-_NO_SKIP = ComputeFlags()
+_NO_SKIP = _DEFAULT_FLAGS
+
+
+#: the decision of an exit that can only let compute reduce: shared, never mutated
+COMPLETE_NOW = ExitDecision(_NO_SKIP)
 
 
 def _stream(fwd):
@@ -115,11 +119,14 @@ class _ExitScope:
     def __enter__(self):
         if self._token is not None:
             raise RuntimeError("an exit scope is entered once; open a new one with boundary.exit(forward)")
-        self._token = _FLAGS.set(self.decision.flags)
+        flags = self.decision.flags
+        # publishing the flags already in force changes nothing: skip the ContextVar round trip
+        self._token = False if flags is _FLAGS.get() else _FLAGS.set(flags)
         return self
 
     def __exit__(self, *exc):
-        _FLAGS.reset(self._token)
+        if self._token is not False:
+            _FLAGS.reset(self._token)
         return False
 
     def _begin_finish(self):
@@ -136,8 +143,11 @@ class FfnExit(_ExitScope):
     @classmethod
     def open(cls, plan, fwd) -> "FfnExit":
         path = plan.path_for(fwd)
-        _stream(fwd)
+        if fwd.residual_stream is None:
+            raise RuntimeError(Messages.NOT_STARTED)
         ex = path.exit
+        if ex.static_decision is not None:
+            return cls(plan, path, fwd, ex.static_decision)
         if ex.role == "adapter":
             return ex.adapter.ffn_exit(plan, path, fwd)
         defer_finalize = False
@@ -157,11 +167,13 @@ class FfnExit(_ExitScope):
         if defer or defer_finalize:
             flags = ComputeFlags(fuse_mlp_allreduce=defer, defer_moe_finalize=defer_finalize)
             return cls(plan, path, fwd, ExitDecision(flags, defer_sum=defer))
-        return cls(plan, path, fwd, ExitDecision(_NO_SKIP))
+        return cls(plan, path, fwd, COMPLETE_NOW)
 
     def finish(self, out):
         self._begin_finish()
         plan, path, fwd, decision = self.plan, self.path, self.fwd, self.decision
+        if decision is COMPLETE_NOW and type(out) is torch.Tensor:
+            return complete_reduced(plan, path, out, fwd)
         stream = _stream(fwd)
         decl = plan.declaration
         if isinstance(out, HandoffOutput):
@@ -190,7 +202,7 @@ class FfnExit(_ExitScope):
 
 def _scatter_decision(plan, fwd, rs: bool) -> ExitDecision:
     if not rs:
-        return ExitDecision(_NO_SKIP)
+        return COMPLETE_NOW
     owns_tail = fwd.parallel.tp_rank == 0
     return ExitDecision(ComputeFlags(mlp_reduce_scatter=True, owns_local_tail=owns_tail), reduce_scatter=True)
 
@@ -213,7 +225,7 @@ class MixerExit(_ExitScope):
             return cls(plan, path, fwd, ExitDecision(ComputeFlags(fuse_mlp_allreduce=True), declared=True))
         if ex.may_defer and fwd.num_tokens > 0 and fwd.variant is BatchVariant.ORDINARY:
             return cls(plan, path, fwd, ExitDecision(ComputeFlags(fuse_mlp_allreduce=True), defer_sum=True))
-        return cls(plan, path, fwd, ExitDecision(_NO_SKIP))
+        return cls(plan, path, fwd, COMPLETE_NOW)
 
     @property
     def skips_reduction(self) -> bool:

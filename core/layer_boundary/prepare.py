@@ -11,7 +11,7 @@ from .ops import dp_partial_sum, dp_scatter, gather_slices, move_residual, reduc
 from .output import HandoffOutput, UnreducedOutput
 from .residual.stream import ATTENTION_ROWS, SLICE_ROWS
 
-__all__ = ["run_entry", "align_rows"]
+__all__ = ["run_entry", "run_local", "align_rows"]
 
 
 def align_rows(value, rows_from: str, rows_to: str, fwd):
@@ -28,11 +28,41 @@ def _capture(callback, value, owned: bool) -> None:
         (callback.capture if hasattr(callback, "capture") and not callable(callback) else callback)(value, owned=owned)
 
 
-def run_entry(plan, path, hidden, fwd, capture_output=None, captured=None):
+def run_local(plan, entry, hidden, fwd):
+    """The common entry, kept lean: a pending contribution on attention rows, no capture.
+
+    Anything unusual (no stream, a written stream, a foreign handle, a capability mismatch)
+    goes to `run_entry`, which raises the precise error or takes the general path.
+    """
+    stream = fwd.residual_stream
+    pending = None if stream is None else stream.pending
+    if pending is None or hidden is not stream.handle or pending.update.plain_add != entry.arrives_plain:
+        return run_entry(plan, entry, hidden, fwd)
+    stream.pending = stream.handle = None
+    owed = pending.owed
+    norm = plan.norm
+    if pending.transform is None:
+        if owed is None:
+            if entry.add_norm is not None:  # plain add + plain RMSNorm read, bound at construction
+                inp, residual = entry.add_norm(pending.value, stream.residual)
+            else:
+                inp, residual = plan.read.update_and_read(pending.update, pending.value, stream.residual, norm)
+        elif entry.candidates:
+            inp, residual = run_candidates(entry.candidates, owed, stream.residual, fwd, isinstance(owed, HandoffOutput))
+        else:
+            inp, residual = plan.read.update_and_read(pending.update, pending.complete(), stream.residual, norm)
+    else:
+        inp, residual = plan.read.update_and_read(pending.update, pending.complete(), stream.residual, norm)
+    stream.residual = residual
+    stream.rows = ATTENTION_ROWS
+    move = entry.input_move
+    return inp if move is None else move(inp, fwd)
+
+
+def run_entry(plan, entry, hidden, fwd, capture_output=None, captured=None):
     stream = fwd.residual_stream
     if stream is None:
         raise RuntimeError(Messages.NOT_STARTED)
-    entry = path.entry
     read = plan.declaration.read
     norm = plan.norm
     state = stream.state

@@ -11,7 +11,7 @@ from .forward import BatchVariant
 from .exit import FfnExit, MixerExit, complete_reduced, record_attention
 from .output import UnreducedOutput
 from .plugin.manager import get_registry
-from .prepare import align_rows, run_entry
+from .prepare import align_rows, run_entry, run_local
 from .residual.stream import ATTENTION_ROWS, SLICE_ROWS, ResidualStream
 
 __all__ = ["StageBoundary", "build_boundaries", "boundaries_of"]
@@ -20,11 +20,12 @@ __all__ = ["StageBoundary", "build_boundaries", "boundaries_of"]
 class StageBoundary:
     """Prepare a stage's input, take its output, and leave the rest to the next boundary."""
 
-    __slots__ = ("plan", "declaration")
+    __slots__ = ("plan", "declaration", "_entries")
 
     def __init__(self, plan: StagePlan):
         self.plan = plan
         self.declaration = plan.declaration
+        self._entries = {variant: path.entry for variant, path in plan.paths.items()}
 
     # consumer side ----------------------------------------------------------------------------
     def prepare(self, hidden_states, forward, *, capture_output=None, captured_last_layer_outputs=None):
@@ -32,6 +33,9 @@ class StageBoundary:
 
         Returns the compute input in the consumer read's format.
         """
+        entry = self._entries.get(forward.variant)
+        if entry is not None and entry.mode == "local" and capture_output is None and captured_last_layer_outputs is None:
+            return run_local(self.plan, entry, hidden_states, forward)
         plan = self.plan
         path = plan.path_for(forward)
         entry = path.entry
@@ -41,7 +45,7 @@ class StageBoundary:
             raise TypeError("FFN prepare() does not accept capture_output; capture at an attention input or the final norm")
         if entry.mode == "adapter":
             return entry.adapter.prepare(plan, path, hidden_states, forward, capture_output, captured_last_layer_outputs)
-        return run_entry(plan, path, hidden_states, forward, capture_output, captured_last_layer_outputs)
+        return run_entry(plan, entry, hidden_states, forward, capture_output, captured_last_layer_outputs)
 
     # producer side ----------------------------------------------------------------------------
     def finish(self, output, forward):
