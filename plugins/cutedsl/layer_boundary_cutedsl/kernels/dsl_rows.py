@@ -16,6 +16,11 @@ from .tiling import RowTiling
 
 __all__ = ["RowKernel", "cutlass_dtype"]
 
+try:  # 4.8 moved it; the old name still works there but warns
+    from cutlass.memory import SmemAllocator as _SmemAllocator
+except ImportError:  # pragma: no cover
+    from cutlass.utils import SmemAllocator as _SmemAllocator
+
 
 def cutlass_dtype(dtype: torch.dtype):
     return {torch.bfloat16: cutlass.BFloat16, torch.float16: cutlass.Float16}[dtype]
@@ -65,7 +70,7 @@ class RowKernel:
 
     def alloc_reduction(self):
         """Two slots per warp: consecutive rows alternate, so one barrier per row suffices."""
-        smem = cutlass.utils.SmemAllocator()
+        smem = _SmemAllocator()
         return smem.allocate_tensor(Float32, cute.make_layout((self.warps, 2)), byte_alignment=16)
 
     @cute.jit
