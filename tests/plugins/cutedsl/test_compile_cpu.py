@@ -84,3 +84,43 @@ def test_ptx_uses_16_byte_vectors_for_sm_90a(variant, row_vectors, tmp_path):
     scalar = ptx.count("ld.global.b32")
     top_k = getattr(variant, "top_k", 0)
     assert scalar == (2 * top_k if getattr(variant, "indexed", False) else top_k)
+
+
+@pytest.mark.parametrize("variant", [AddNormVariant(torch.bfloat16, 4096), MoeVariant(torch.bfloat16, 2880, 6, shared=True)], ids=lambda v: v.name)
+def test_fast_launch_packs_what_the_dsl_marshals(variant):
+    """The wrappers' ctypes fast path passes the same argument values as the DSL's own
+    (slow) marshalling, followed by the executor's error slot; checked without a GPU."""
+    import ctypes
+
+    from layer_boundary_cutedsl.kernels._launch import FastCall, pack_kinds
+    from layer_boundary_cutedsl.kernels.compiler import compile_variant
+
+    compiled = compile_variant(variant, "sm_90a")
+    n_addr = 5 if isinstance(variant, AddNormVariant) else 8
+    seen = []
+    result = ctypes.c_int32(0)
+
+    class FakeExecutor:  # the JitExecutor attributes FastCall reads
+        _has_cuda_result = True
+        _cuda_result_addr = ctypes.addressof(result)
+        _kernel_ptrs = None
+        cuda_result = result
+
+        @staticmethod
+        def capi_func(packed):
+            seen.append([packed[i] for i in range(n_addr + 5)])
+
+    launcher = FastCall(FakeExecutor, pack_kinds(n_addr))
+    probe = (*range(0x7F0000001000, 0x7F0000001000 + 16 * n_addr, 16), 4097, 1e-5, 2112, 0xABC0)
+    assert launcher.matches(compiled.execution_args, probe)
+    launcher(*probe)
+    packed = seen[-1]
+    assert packed[-1] == ctypes.addressof(result)
+    values = [ctypes.c_int64.from_address(p).value for p in packed[:n_addr]]
+    assert values == list(probe[:n_addr])
+    assert ctypes.c_int32.from_address(packed[n_addr]).value == 4097
+    assert ctypes.c_float.from_address(packed[n_addr + 1]).value == pytest.approx(1e-5)
+    assert ctypes.c_void_p.from_address(packed[n_addr + 3]).value == 0xABC0
+    result.value = 700  # an error code from the launch is raised
+    with pytest.raises(RuntimeError, match="700"):
+        launcher(*probe)

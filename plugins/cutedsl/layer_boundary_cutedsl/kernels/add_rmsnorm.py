@@ -10,15 +10,17 @@ from typing import Optional
 
 import torch
 
-from ._launch import as_rows, check_rows, executor_for, launch
+from ._launch import check_all, executor_for, launch, rows_ok
 from .tiling import AddNormVariant, check_hidden
 
 __all__ = ["fused_add_rmsnorm", "prepare_add_rmsnorm"]
 
+_entries: dict = {}  # ((variant key), device) -> launcher entry, the per-call lookup
+
 
 def _entry(dtype: torch.dtype, hidden: int, weight_offset: float, device: torch.device):
     key = ("add_rmsnorm", dtype, hidden, weight_offset)
-    return executor_for(key, device, lambda: AddNormVariant(dtype, hidden, weight_offset))
+    return executor_for(key, device, lambda: AddNormVariant(dtype, hidden, weight_offset), 5)
 
 
 def prepare_add_rmsnorm(dtype: torch.dtype, hidden: int, *, weight_offset: float = 0.0, device=None) -> None:
@@ -48,21 +50,37 @@ def fused_add_rmsnorm(
     in place and `out=x` overwrites x (out and residual_out must not be the same memory).
     """
     hidden = x.shape[-1]
-    dtype, device = x.dtype, x.device
-    check_hidden(hidden, dtype)
-    x2 = as_rows(x, hidden)
-    rows = x2.shape[0]
-    r2 = as_rows(residual, hidden)
+    shape, dtype, device = x.shape, x.dtype, x.device
     out = torch.empty_like(x) if out is None else out
     residual_out = torch.empty_like(residual) if residual_out is None else residual_out
-    o2, ro2 = as_rows(out, hidden), as_rows(residual_out, hidden)
-    for name, t in (("x", x2), ("residual", r2), ("out", o2), ("residual_out", ro2)):
-        check_rows(name, t, rows, hidden, dtype, device)
-    check_rows("gamma", gamma.view(1, -1), 1, hidden, dtype, device)
-    if rows and o2.data_ptr() == ro2.data_ptr():
-        raise ValueError("out and residual_out must not be the same memory")
+    if not (
+        rows_ok(x, shape, dtype, device)
+        and rows_ok(residual, shape, dtype, device)
+        and rows_ok(out, shape, dtype, device)
+        and rows_ok(residual_out, shape, dtype, device)
+        and rows_ok(gamma, (hidden,), dtype, device)
+    ):
+        check_hidden(hidden, dtype)
+        check_all(
+            (
+                ("x", x, shape, dtype, device),
+                ("residual", residual, shape, dtype, device),
+                ("out", out, shape, dtype, device),
+                ("residual_out", residual_out, shape, dtype, device),
+                ("gamma", gamma, (hidden,), dtype, device),
+            )
+        )
+    rows = x.numel() // hidden if hidden else 0
     if rows == 0:
         return out, residual_out
-    entry = _entry(dtype, hidden, float(weight_offset), device)
-    launch(entry, rows, [x2.data_ptr(), r2.data_ptr(), gamma.data_ptr(), ro2.data_ptr(), o2.data_ptr()], float(eps), device)
+    key = ("add_rmsnorm", dtype, hidden, weight_offset)
+    entry = _entries.get((key, device))
+    if entry is None:
+        check_hidden(hidden, dtype)
+        if out.data_ptr() == residual_out.data_ptr():
+            raise ValueError("out and residual_out must not be the same memory")
+        entry = _entries[(key, device)] = _entry(dtype, hidden, float(weight_offset), device)
+    elif out.data_ptr() == residual_out.data_ptr():
+        raise ValueError("out and residual_out must not be the same memory")
+    launch(entry, rows, [x.data_ptr(), residual.data_ptr(), gamma.data_ptr(), residual_out.data_ptr(), out.data_ptr()], eps, device)
     return out, residual_out

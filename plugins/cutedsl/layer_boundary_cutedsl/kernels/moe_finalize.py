@@ -11,15 +11,23 @@ from typing import Optional
 
 import torch
 
-from ._launch import DEBUG, as_rows, check_rows, executor_for, launch
+from ._launch import DEBUG, check_all, executor_for, explain_rows, launch, rows_ok
 from .tiling import MAX_TOP_K, MoeVariant, check_hidden
 
 __all__ = ["moe_finalize_add_rmsnorm", "moe_finalize", "prepare_moe_finalize", "handoff_args", "finalize_handoff_add_rmsnorm"]
 
 
+_entries: dict = {}  # ((variant key), device) -> launcher entry, the per-call lookup
+
+
 def _entry(dtype, hidden, top_k, indexed, shared, norm, weight_offset, device):
     key = ("moe", dtype, hidden, top_k, indexed, shared, norm, weight_offset)
-    return executor_for(key, device, lambda: MoeVariant(dtype, hidden, top_k, indexed, shared, norm, weight_offset))
+    entry = _entries.get((key, device))
+    if entry is None:
+        check_hidden(hidden, dtype)
+        entry = executor_for(key, device, lambda: MoeVariant(dtype, hidden, top_k, indexed, shared, norm, weight_offset), 8)
+        _entries[(key, device)] = entry
+    return entry
 
 
 def prepare_moe_finalize(
@@ -32,33 +40,34 @@ def prepare_moe_finalize(
 
 
 def _routing(routed, indices, weights):
-    """Checked (routed [R, H], indices int32 [T, k] | None, weights fp32 [T, k], T, k)."""
+    """Checked (routed rows R, indices int32 [T, k] | None, weights fp32 [T, k], T, k)."""
     if weights.dim() != 2:
         raise ValueError(f"weights must be [tokens, top_k], got {tuple(weights.shape)}")
     tokens, top_k = weights.shape
     if not 1 <= top_k <= MAX_TOP_K:
         raise ValueError(f"top_k {top_k} must be in 1..{MAX_TOP_K}")
     hidden = routed.shape[-1]
-    r2 = as_rows(routed, hidden)
     device = routed.device
-    if weights.dtype != torch.float32 or not weights.is_contiguous():
-        weights = weights.to(torch.float32).contiguous()  # small [T, k]: a copy is cheap
+    n_rows = routed.numel() // hidden if hidden else 0
+    if not rows_ok(routed, routed.shape, routed.dtype, device):
+        explain_rows("routed", routed, routed.shape, routed.dtype, device)
     if weights.device != device:
         raise ValueError(f"weights are on {weights.device}, routed rows on {device}")
+    if weights.dtype != torch.float32 or not weights.is_contiguous():
+        weights = weights.to(torch.float32).contiguous()  # small [T, k]: a copy is cheap
     if indices is None:
-        if r2.shape[0] < tokens * top_k:
-            raise ValueError(f"dense routed rows need {tokens}*{top_k} rows, got {r2.shape[0]}")
+        if n_rows < tokens * top_k:
+            raise ValueError(f"dense routed rows need {tokens}*{top_k} rows, got {n_rows}")
     else:
-        if tuple(indices.shape) != (tokens, top_k):
+        if indices.shape != weights.shape:
             raise ValueError(f"indices {tuple(indices.shape)} must match weights {(tokens, top_k)}")
         if indices.device != device:
             raise ValueError(f"indices are on {indices.device}, routed rows on {device}")
         if indices.dtype != torch.int32 or not indices.is_contiguous():
             indices = indices.to(torch.int32).contiguous()
-        if DEBUG and tokens and int(indices.max()) >= r2.shape[0]:
-            raise ValueError(f"an index ({int(indices.max())}) is past the {r2.shape[0]} routed rows")
-    check_rows("routed", r2, r2.shape[0], hidden, routed.dtype, device)
-    return r2, indices, weights, tokens, top_k
+        if DEBUG and tokens and int(indices.max()) >= n_rows:
+            raise ValueError(f"an index ({int(indices.max())}) is past the {n_rows} routed rows")
+    return indices, weights, tokens, top_k, hidden
 
 
 def moe_finalize_add_rmsnorm(
@@ -81,36 +90,36 @@ def moe_finalize_add_rmsnorm(
     routed: [R, H] or [T, top_k, H]; indices: [T, top_k] int32/int64 or None (dense);
     weights: [T, top_k]; shared, residual: [T, H]; gamma: [H]. `residual_out=residual` is in place.
     """
-    r2, indices, weights, tokens, top_k = _routing(routed, indices, weights)
-    hidden, dtype, device = r2.shape[1], r2.dtype, r2.device
-    check_hidden(hidden, dtype)
-    res2 = as_rows(residual, hidden)
+    indices, weights, tokens, top_k, hidden = _routing(routed, indices, weights)
+    dtype, device = routed.dtype, routed.device
+    shape = torch.Size((tokens, hidden))
     out = torch.empty_like(residual) if out is None else out
     residual_out = torch.empty_like(residual) if residual_out is None else residual_out
-    o2, ro2 = as_rows(out, hidden), as_rows(residual_out, hidden)
-    for name, t in (("residual", res2), ("out", o2), ("residual_out", ro2)):
-        check_rows(name, t, tokens, hidden, dtype, device)
-    check_rows("gamma", gamma.view(1, -1), 1, hidden, dtype, device)
-    s2 = None
+    named = [
+        ("residual", residual, shape, dtype, device),
+        ("out", out, shape, dtype, device),
+        ("residual_out", residual_out, shape, dtype, device),
+        ("gamma", gamma, (hidden,), dtype, device),
+    ]
     if shared is not None:
-        s2 = as_rows(shared, hidden)
-        check_rows("shared", s2, tokens, hidden, dtype, device)
-    if tokens and o2.data_ptr() == ro2.data_ptr():
-        raise ValueError("out and residual_out must not be the same memory")
+        named.append(("shared", shared, shape, dtype, device))
+    check_all(named)
     if tokens == 0:
         return out, residual_out
-    entry = _entry(dtype, hidden, top_k, indices is not None, s2 is not None, True, float(weight_offset), device)
+    if out.data_ptr() == residual_out.data_ptr():
+        raise ValueError("out and residual_out must not be the same memory")
+    entry = _entry(dtype, hidden, top_k, indices is not None, shared is not None, True, weight_offset, device)
     addresses = [
-        r2.data_ptr(),
+        routed.data_ptr(),
         0 if indices is None else indices.data_ptr(),
         weights.data_ptr(),
-        0 if s2 is None else s2.data_ptr(),
-        res2.data_ptr(),
+        0 if shared is None else shared.data_ptr(),
+        residual.data_ptr(),
         gamma.data_ptr(),
-        ro2.data_ptr(),
-        o2.data_ptr(),
+        residual_out.data_ptr(),
+        out.data_ptr(),
     ]
-    launch(entry, tokens, addresses, float(eps), device)
+    launch(entry, tokens, addresses, eps, device)
     return out, residual_out
 
 
@@ -126,28 +135,26 @@ def moe_finalize(
 
     For tensor parallelism without the fused collective: finalize, all-reduce, then
     `fused_add_rmsnorm` (the sum is rounded once here, before the collective)."""
-    r2, indices, weights, tokens, top_k = _routing(routed, indices, weights)
-    hidden, dtype, device = r2.shape[1], r2.dtype, r2.device
-    check_hidden(hidden, dtype)
-    out = torch.empty((tokens, hidden), dtype=dtype, device=device) if out is None else out
-    o2 = as_rows(out, hidden)
-    check_rows("out", o2, tokens, hidden, dtype, device)
-    s2 = None
+    indices, weights, tokens, top_k, hidden = _routing(routed, indices, weights)
+    dtype, device = routed.dtype, routed.device
+    shape = torch.Size((tokens, hidden))
+    out = torch.empty(shape, dtype=dtype, device=device) if out is None else out
+    named = [("out", out, shape, dtype, device)]
     if shared is not None:
-        s2 = as_rows(shared, hidden)
-        check_rows("shared", s2, tokens, hidden, dtype, device)
+        named.append(("shared", shared, shape, dtype, device))
+    check_all(named)
     if tokens == 0:
         return out
-    entry = _entry(dtype, hidden, top_k, indices is not None, s2 is not None, False, 0.0, device)
+    entry = _entry(dtype, hidden, top_k, indices is not None, shared is not None, False, 0.0, device)
     addresses = [
-        r2.data_ptr(),
+        routed.data_ptr(),
         0 if indices is None else indices.data_ptr(),
         weights.data_ptr(),
-        0 if s2 is None else s2.data_ptr(),
+        0 if shared is None else shared.data_ptr(),
         0,
         0,
         0,
-        o2.data_ptr(),
+        out.data_ptr(),
     ]
     launch(entry, tokens, addresses, 0.0, device)
     return out

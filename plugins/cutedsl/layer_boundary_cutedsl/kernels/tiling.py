@@ -3,7 +3,8 @@
 Pure Python (no cutlass, no CUDA) so that the choices can be tested and listed on any machine.
 
 Every kernel here works on rows of `hidden` elements moved as 16-byte vectors (8 bf16/fp16
-values). One CTA owns one row at a time (a grid-stride loop over rows); each of its `threads`
+values). One CTA owns one row at a time (one CTA per row; the kernels also loop over rows
+when given fewer CTAs); each of its `threads`
 threads holds `vpt` vectors of the row in registers, so the row is read from HBM once, reduced
 with warp shuffles plus one shared-memory exchange, and written once.
 """
@@ -182,10 +183,13 @@ def all_moe_variants(
                             yield MoeVariant(dtype, hidden, top_k, indexed, shared, norm, offset)
 
 
-def default_grid(rows: int, threads: int, num_sms: Optional[int]) -> int:
-    """CTAs to launch for `rows` rows: one per row, capped at what the GPU holds at once
-    (2048 threads per SM); the kernels loop over the rest."""
+def default_grid(rows: int, threads: int, num_sms: Optional[int] = None) -> int:
+    """CTAs to launch for `rows` rows: one per row.
+
+    The hardware then hands rows to SMs as CTAs retire, so the tail is at most one row per SM.
+    (A grid capped at "SMs x CTAs per SM" would need the kernel's real occupancy: when fewer
+    CTAs fit than assumed, the grid runs in uneven waves of multi-row CTAs.) The kernels still
+    loop over rows, so any grid >= 1 is correct."""
     if rows <= 0:
         return 0
-    cap = (num_sms or 132) * max(1, 2048 // threads)
-    return min(rows, cap)
+    return min(rows, 2**31 - 1)
