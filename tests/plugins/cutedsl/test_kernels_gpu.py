@@ -83,8 +83,12 @@ def test_fused_add_rmsnorm(dtype, hidden, offset, tokens):
 
 
 @pytest.mark.parametrize("hidden", [1024, 4096])
-def test_more_rows_than_resident_ctas(hidden):
-    """5000 rows > 132 SMs x CTAs per SM: CTAs loop over several rows (alternating reduction slots)."""
+@pytest.mark.parametrize("max_ctas", [None, 37])
+def test_many_rows_and_ctas_looping_over_rows(hidden, max_ctas, monkeypatch):
+    """5000 rows; with 37 CTAs each loops over ~135 rows, alternating its reduction slots."""
+    from layer_boundary_cutedsl.kernels import _launch
+
+    monkeypatch.setattr(_launch, "MAX_CTAS", max_ctas)
     gen = torch.Generator(device="cuda").manual_seed(5)
     x = torch.randn(5000, hidden, generator=gen, device="cuda").to(torch.bfloat16)
     # rows of very different scale: a stale reduction slot would show as a wrong rstd
@@ -197,10 +201,13 @@ def test_moe_finalize(hidden, top_k, indexed, shared, mode):
         (torch.float16, 4096, 8, 5),
         (torch.bfloat16, 1024, 2, 1),
         (torch.bfloat16, 8192, 6, 3),
-        (torch.bfloat16, 5120, 4, 3000),  # more rows than resident CTAs
+        (torch.bfloat16, 5120, 4, 3000),  # with 37 CTAs: each loops over ~81 rows
     ],
 )
-def test_moe_finalize_other_shapes(dtype, hidden, top_k, tokens):
+def test_moe_finalize_other_shapes(dtype, hidden, top_k, tokens, monkeypatch):
+    from layer_boundary_cutedsl.kernels import _launch
+
+    monkeypatch.setattr(_launch, "MAX_CTAS", 37 if tokens > 37 else None)
     gen = torch.Generator(device="cuda").manual_seed(tokens)
     routed, indices, weights, shared = _moe_inputs(tokens, top_k, hidden, dtype, True, True, gen)
     residual = torch.randn(tokens, hidden, generator=gen, device="cuda").to(dtype)

@@ -22,6 +22,9 @@ __all__ = ["executor_for", "launch", "check_all", "rows_ok", "explain_rows", "DE
 #: host-side checks that need a device sync (indices in range): LAYER_BOUNDARY_DEBUG=1
 DEBUG = os.environ.get("LAYER_BOUNDARY_DEBUG", "").strip().lower() in ("1", "true", "yes", "on")
 
+#: cap on CTAs per launch (None: one per row); tests lower it to make CTAs loop over rows
+MAX_CTAS = None
+
 _lock = threading.Lock()
 _executors: dict = {}  # (key, device index) -> (executor, threads, num_sms)
 
@@ -53,7 +56,10 @@ class FastCall:
         self._packed = (ctypes.c_void_p * (len(kinds) + len(extra)))(*[ctypes.addressof(v) for v in self._vals], *extra)
         self._capi = executor.capi_func
         self._result = getattr(executor, "cuda_result", None)
-        self._lock = threading.Lock()  # the buffers are shared: one launch at a time
+        self.#: cap on CTAs per launch (None: one per row); tests lower it to make CTAs loop over rows
+MAX_CTAS = None
+
+_lock = threading.Lock()  # the buffers are shared: one launch at a time
 
     def set_args(self, args) -> None:
         for slot, a in zip(self._vals, args):
@@ -132,6 +138,8 @@ def launch(entry, rows: int, addresses: list, eps: float, device: torch.device) 
     grid = default_grid(rows, threads, sms)
     if grid == 0:
         return
+    if MAX_CTAS is not None:
+        grid = min(grid, MAX_CTAS)
     stream = _raw_stream(device.index)
     if torch.cuda.current_device() == device.index:
         launcher(*addresses, rows, eps, grid, stream)
