@@ -56,10 +56,7 @@ class FastCall:
         self._packed = (ctypes.c_void_p * (len(kinds) + len(extra)))(*[ctypes.addressof(v) for v in self._vals], *extra)
         self._capi = executor.capi_func
         self._result = getattr(executor, "cuda_result", None)
-        self.#: cap on CTAs per launch (None: one per row); tests lower it to make CTAs loop over rows
-MAX_CTAS = None
-
-_lock = threading.Lock()  # the buffers are shared: one launch at a time
+        self._lock = threading.Lock()  # the buffers are shared: one launch at a time
 
     def set_args(self, args) -> None:
         for slot, a in zip(self._vals, args):
