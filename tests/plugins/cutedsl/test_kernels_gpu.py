@@ -244,7 +244,7 @@ def test_core_handoff(norm_cls):
     _check("normed", normed, ref_normed, _norm_bound(ref_normed, dtype, hidden, 2 * rstd * g * err))
     # and the core's own unfused path agrees to bf16 accuracy
     core_normed, _ = norm.add_forward(handoff.finalize_local(), residual)
-    assert torch.allclose(normed.float(), core_normed.float(), rtol=2**-6, atol=2**-6)
+    assert torch.allclose(normed.float(), core_normed.float(), rtol=2**-5, atol=2**-5)
 
 
 def test_moe_cuda_graph_capture():
