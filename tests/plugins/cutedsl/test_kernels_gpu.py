@@ -265,3 +265,33 @@ def test_moe_cuda_graph_capture():
     graph.replay()
     torch.cuda.synchronize()
     _check_moe_norm(routed, indices, weights, shared, residual, gamma, 0.0, normed, res)
+
+
+@pytest.mark.parametrize("norm_cls", [RMSNorm, GemmaRMSNorm])
+def test_provider_candidates_run_the_kernels(norm_cls):
+    """The CuteDSLFusion candidates on real bf16 CUDA tensors (group of one rank)."""
+    from layer_boundary.output import UnreducedOutput
+    from layer_boundary_cutedsl.provider import CuteDSLFusion
+
+    gen = torch.Generator(device="cuda").manual_seed(13)
+    tokens, top_k, hidden, dtype = 6, 8, 4096, torch.bfloat16
+    norm = norm_cls(hidden, 1e-6, dtype=dtype, device="cuda")
+    with torch.no_grad():
+        norm.weight.copy_(torch.randn(hidden, generator=gen, device="cuda") * 0.1 + (0.0 if norm.offset else 1.0))
+    plan = type("Plan", (), {"norm": norm})()
+    handoff_c, unreduced_c = CuteDSLFusion().attention_input(plan)
+    group = type("Group", (), {"size": 1, "all_reduce": staticmethod(lambda x: x)})()
+    rows = torch.randn(tokens, top_k, hidden, generator=gen, device="cuda").to(dtype)
+    weights = torch.rand(tokens, top_k, generator=gen, device="cuda")
+    residual = torch.randn(tokens, hidden, generator=gen, device="cuda").to(dtype)
+    owed = MoeFinalizeHandoff(rows, weights, torch.zeros(tokens, top_k, dtype=torch.long, device="cuda"), None, group, None)
+    out = handoff_c.run(owed, residual, None)
+    assert out is not None, "the handoff candidate declined on CUDA bf16 tensors"
+    normed, res = out
+    torch.cuda.synchronize()
+    _check_moe_norm(rows, None, weights, None, residual, norm.weight.detach(), norm.offset, normed, res)
+    partial = torch.randn(tokens, hidden, generator=gen, device="cuda").to(dtype)
+    out = unreduced_c.run(UnreducedOutput(partial, group, None, declared=True), residual, None)
+    assert out is not None, "the all-reduce candidate declined on CUDA bf16 tensors"
+    torch.cuda.synchronize()
+    _check_add_norm(partial, residual, norm.weight.detach(), norm.offset, *out)
