@@ -1,0 +1,86 @@
+"""`fused_add_rmsnorm`: residual add + RMSNorm in one CuTe DSL kernel (torch-facing wrapper).
+
+Same semantics as the core's `add_rms_norm` for an RMSNorm: the sum in fp32, rounded once into
+the new residual; the norm reads the unrounded sum and is rounded once after the gamma multiply.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+from ._launch import check_all, executor_for, launch, rows_ok
+from .tiling import AddNormVariant, check_hidden
+
+__all__ = ["fused_add_rmsnorm", "prepare_add_rmsnorm"]
+
+_entries: dict = {}  # ((variant key), device) -> launcher entry, the per-call lookup
+
+
+def _entry(dtype: torch.dtype, hidden: int, weight_offset: float, device: torch.device):
+    key = ("add_rmsnorm", dtype, hidden, weight_offset)
+    return executor_for(key, device, lambda: AddNormVariant(dtype, hidden, weight_offset), 5)
+
+
+def prepare_add_rmsnorm(dtype: torch.dtype, hidden: int, *, weight_offset: float = 0.0, device=None) -> None:
+    """Compile and load the kernel now (before a CUDA graph capture, or at model load)."""
+    check_hidden(hidden, dtype)
+    device = torch.device("cuda", torch.cuda.current_device()) if device is None else torch.device(device)
+    _entry(dtype, hidden, float(weight_offset), device)
+
+
+def fused_add_rmsnorm(
+    x: torch.Tensor,
+    residual: torch.Tensor,
+    gamma: torch.Tensor,
+    eps: float,
+    out: Optional[torch.Tensor] = None,
+    *,
+    residual_out: Optional[torch.Tensor] = None,
+    weight_offset: float = 0.0,
+):
+    """(normed, new_residual) with new_residual = x + residual and
+    normed = new_residual_fp32 * rsqrt(mean(new_residual_fp32^2) + eps) * (gamma + weight_offset).
+
+    x, residual: [..., H] bf16/fp16 CUDA tensors, rows back to back; gamma: [H], same dtype.
+    `weight_offset=1.0` is the Gemma `(1 + w)` norm (gamma is then the raw w); passing the
+    already applied multiplier (`RMSNorm.gemma_weight`) with offset 0 is equally valid.
+    `out` / `residual_out` default to new tensors; `residual_out=residual` updates the residual
+    in place and `out=x` overwrites x (out and residual_out must not be the same memory).
+    """
+    hidden = x.shape[-1]
+    shape, dtype, device = x.shape, x.dtype, x.device
+    out = torch.empty_like(x) if out is None else out
+    residual_out = torch.empty_like(residual) if residual_out is None else residual_out
+    if not (
+        rows_ok(x, shape, dtype, device)
+        and rows_ok(residual, shape, dtype, device)
+        and rows_ok(out, shape, dtype, device)
+        and rows_ok(residual_out, shape, dtype, device)
+        and rows_ok(gamma, (hidden,), dtype, device)
+    ):
+        check_hidden(hidden, dtype)
+        check_all(
+            (
+                ("x", x, shape, dtype, device),
+                ("residual", residual, shape, dtype, device),
+                ("out", out, shape, dtype, device),
+                ("residual_out", residual_out, shape, dtype, device),
+                ("gamma", gamma, (hidden,), dtype, device),
+            )
+        )
+    rows = x.numel() // hidden if hidden else 0
+    if rows == 0:
+        return out, residual_out
+    key = ("add_rmsnorm", dtype, hidden, weight_offset)
+    entry = _entries.get((key, device))
+    if entry is None:
+        check_hidden(hidden, dtype)
+        if out.data_ptr() == residual_out.data_ptr():
+            raise ValueError("out and residual_out must not be the same memory")
+        entry = _entries[(key, device)] = _entry(dtype, hidden, float(weight_offset), device)
+    elif out.data_ptr() == residual_out.data_ptr():
+        raise ValueError("out and residual_out must not be the same memory")
+    launch(entry, rows, [x.data_ptr(), residual.data_ptr(), gamma.data_ptr(), residual_out.data_ptr(), out.data_ptr()], eps, device)
+    return out, residual_out

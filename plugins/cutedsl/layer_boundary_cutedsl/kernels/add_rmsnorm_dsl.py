@@ -1,0 +1,65 @@
+"""Fused residual add + RMSNorm in CuTe DSL (imports cutlass: load lazily).
+
+One pass over HBM: read x and residual, write the new residual (x + residual rounded once)
+and the norm of the unrounded fp32 sum. The CTA holds a whole row in registers, so the sum
+of squares needs no second read.
+"""
+
+from __future__ import annotations
+
+import cuda.bindings.driver as cuda
+import cutlass
+import cutlass.cute as cute
+from cutlass import Float32, Int32, Int64
+
+from .dsl_rows import RowKernel
+from .tiling import AddNormVariant
+
+__all__ = ["AddRMSNormKernel"]
+
+
+class AddRMSNormKernel(RowKernel):
+    """Arguments (all addresses of row-major, 16-byte aligned rows of `hidden` elements):
+    x, residual, gamma -> residual_out, out; `rows` tokens; `grid` CTAs (grid-stride over rows).
+    residual_out may alias residual and out may alias x (each element is read before it is written
+    by the same thread)."""
+
+    def __init__(self, variant: AddNormVariant):
+        super().__init__(variant.dtype, variant.tiling())
+        self.variant = variant
+        self.weight_offset = float(variant.weight_offset)
+
+    @cute.jit
+    def __call__(
+        self,
+        x: Int64,
+        residual: Int64,
+        gamma: Int64,
+        residual_out: Int64,
+        out: Int64,
+        rows: Int32,
+        eps: Float32,
+        grid: Int32,
+        stream: cuda.CUstream,
+    ):
+        self.kernel(x, residual, gamma, residual_out, out, rows, eps).launch(
+            grid=[grid, 1, 1], block=[self.threads, 1, 1], stream=stream
+        )
+
+    @cute.kernel
+    def kernel(self, x: Int64, residual: Int64, gamma: Int64, residual_out: Int64, out: Int64, rows: Int32, eps: Float32):
+        tidx, _, _ = cute.arch.thread_idx()
+        bidx, _, _ = cute.arch.block_idx()
+        gdim, _, _ = cute.arch.grid_dim()
+        red = self.alloc_reduction()
+        gam = self.load_gamma(gamma, tidx, self.weight_offset)
+        parity = Int32(0)
+        for row in cutlass.range(bidx, rows, gdim):
+            row_elem = Int64(row) * self.hidden
+            xf = self.new_frag()
+            rf = self.new_frag()
+            self.load_row(x, row_elem, xf, tidx)
+            self.load_row(residual, row_elem, rf, tidx)
+            total = xf.load().to(Float32) + rf.load().to(Float32)
+            self.norm_and_store(total, gam, eps, red, parity, residual_out, out, row_elem, tidx)
+            parity = 1 - parity

@@ -1,0 +1,123 @@
+"""CuTe DSL building blocks shared by the row kernels (imports cutlass: load lazily).
+
+Addresses come in as raw 64-bit integers and every 16-byte vector pointer is rebuilt with
+`assumed_align=16`, so each access compiles to one `ld/st.global.v4.b32` whatever the row
+index; the host wrappers check that the tensors really are 16-byte aligned.
+"""
+
+from __future__ import annotations
+
+import cutlass
+import cutlass.cute as cute
+import torch
+from cutlass import Float32, Int32, Int64, const_expr
+
+from .tiling import RowTiling
+
+__all__ = ["RowKernel", "cutlass_dtype"]
+
+try:  # 4.8 moved it; the old name still works there but warns
+    from cutlass.memory import SmemAllocator as _SmemAllocator
+except ImportError:  # pragma: no cover
+    from cutlass.utils import SmemAllocator as _SmemAllocator
+
+
+def cutlass_dtype(dtype: torch.dtype):
+    return {torch.bfloat16: cutlass.BFloat16, torch.float16: cutlass.Float16}[dtype]
+
+
+class RowKernel:
+    """Per-row helpers for a kernel whose CTA holds one row in registers (see tiling.py)."""
+
+    def __init__(self, dtype: torch.dtype, tiling: RowTiling):
+        self.torch_dtype = dtype
+        self.dtype = cutlass_dtype(dtype)
+        self.ebytes = torch.empty((), dtype=dtype).element_size()
+        self.hidden = tiling.hidden
+        self.vec = tiling.vec
+        self.threads = tiling.threads
+        self.vpt = tiling.vpt
+        self.warps = tiling.warps
+        self.full = tiling.full
+
+    def _atom(self):
+        return cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), self.dtype, num_bits_per_copy=128)
+
+    def _vec_tensor(self, addr: Int64, elem: Int64):
+        ptr = cute.make_ptr(self.dtype, addr + elem * self.ebytes, cute.AddressSpace.gmem, assumed_align=16)
+        return cute.make_tensor(ptr, cute.make_layout((self.vec,)))
+
+    def new_frag(self):
+        """Registers for this thread's share of one row: (vec, vpt), zero-filled."""
+        frag = cute.make_rmem_tensor((self.vec, self.vpt), self.dtype)
+        frag.fill(0.0)
+        return frag
+
+    @cute.jit
+    def load_row(self, addr: Int64, row_elem: Int64, frag: cute.Tensor, tidx: Int32):
+        """frag[:, i] = row[(i * threads + tidx) * vec : ... + vec] for the vectors inside the row."""
+        for i in cutlass.range_constexpr(self.vpt):
+            col = (i * self.threads + tidx) * self.vec
+            if const_expr(self.full) or col < self.hidden:
+                cute.copy(self._atom(), self._vec_tensor(addr, row_elem + col), frag[None, i])
+
+    @cute.jit
+    def store_row(self, addr: Int64, row_elem: Int64, frag: cute.Tensor, tidx: Int32):
+        for i in cutlass.range_constexpr(self.vpt):
+            col = (i * self.threads + tidx) * self.vec
+            if const_expr(self.full) or col < self.hidden:
+                cute.copy(self._atom(), frag[None, i], self._vec_tensor(addr, row_elem + col))
+
+    def alloc_reduction(self):
+        """Two slots per warp: consecutive rows alternate, so one barrier per row suffices."""
+        smem = _SmemAllocator()
+        return smem.allocate_tensor(Float32, cute.make_layout((self.warps, 2)), byte_alignment=16)
+
+    @cute.jit
+    def block_sum(self, value: Float32, red: cute.Tensor, parity: Int32) -> Float32:
+        """Sum of `value` over the CTA: warp shuffles, then one shared-memory exchange."""
+        value = cute.arch.warp_reduction_sum(value)
+        total = value
+        if const_expr(self.warps > 1):
+            if cute.arch.lane_idx() == 0:
+                red[cute.arch.warp_idx(), parity] = value
+            cute.arch.sync_threads()
+            total = red[0, parity]
+            for w in cutlass.range_constexpr(1, self.warps):
+                total = total + red[w, parity]
+        return total
+
+    @cute.jit
+    def load_gamma(self, gamma: Int64, tidx: Int32, weight_offset: cutlass.Constexpr):
+        """The norm multiplier (w + weight_offset) of this thread's columns, in fp32 registers."""
+        gfrag = self.new_frag()
+        self.load_row(gamma, Int64(0), gfrag, tidx)
+        g = gfrag.load().to(Float32)
+        if const_expr(weight_offset != 0.0):
+            g = g + Float32(weight_offset)
+        return g
+
+    @cute.jit
+    def norm_and_store(
+        self,
+        total,
+        gam,
+        eps: Float32,
+        red: cute.Tensor,
+        parity: Int32,
+        residual_out: Int64,
+        out: Int64,
+        row_elem: Int64,
+        tidx: Int32,
+    ):
+        """Write round(total) as the new residual and round(total * rstd * gamma) as the norm,
+        where rstd = 1/sqrt(mean(total^2) + eps) over the row (fp32 throughout)."""
+        rfrag = cute.make_rmem_tensor((self.vec, self.vpt), self.dtype)
+        rfrag.store(total.to(self.dtype))
+        self.store_row(residual_out, row_elem, rfrag, tidx)
+        sq = (total * total).reduce(cute.ReductionOp.ADD, Float32(0.0), 0)
+        sq = self.block_sum(sq, red, parity)
+        rstd = cute.math.rsqrt(sq * Float32(1.0 / self.hidden) + eps)
+        nfrag = cute.make_rmem_tensor((self.vec, self.vpt), self.dtype)
+        nfrag.store((total * rstd * gam).to(self.dtype))
+        self.store_row(out, row_elem, nfrag, tidx)

@@ -1,0 +1,114 @@
+"""Float64 torch references for the kernels: the exact math, rounded once to the output dtype.
+
+The kernels are checked against these (not against another bf16 implementation) so that a
+test's tolerance is the bf16 rounding of the output plus the kernel's fp32 error, nothing else.
+
+Index convention of the MoE finalize (shared by the kernels):
+
+- `routed` holds expert output rows, `[R, H]` (or `[T, top_k, H]`, viewed as `[T*top_k, H]`);
+- `indices[t, k]` (int32 or int64) is the row of `routed` that holds token `t`'s output from its
+  `k`-th chosen expert; a negative index means "no contribution" (an expert on another rank, a
+  dropped token) and that slot is skipped, its weight ignored;
+- `indices=None` means the dense layout: row `t * top_k + k` (a `[T, top_k, H]` tensor such as
+  `MoeFinalizeHandoff.expert_rows`);
+- `weights[t, k]` (fp32, or any float dtype) scales that row;
+- `shared` (optional, `[T, H]`) is added once per token.
+
+finalized[t] = sum_k weights[t, k] * routed[indices[t, k]] + shared[t]
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+__all__ = ["add_rmsnorm_reference", "moe_finalize_reference", "moe_finalize_add_rmsnorm_reference", "dense_indices"]
+
+
+def _rmsnorm64(total: torch.Tensor, gamma: torch.Tensor, eps: float, weight_offset: float) -> torch.Tensor:
+    g = gamma.to(torch.float64) + weight_offset
+    if total.shape[0] == 0:
+        return total.new_empty(total.shape)
+    rstd = torch.rsqrt(total.pow(2).mean(-1, keepdim=True) + eps)
+    return total * rstd * g
+
+
+def add_rmsnorm_reference(
+    x: torch.Tensor, residual: torch.Tensor, gamma: torch.Tensor, eps: float, *, weight_offset: float = 0.0, exact: bool = False
+):
+    """(normed, new_residual) of a residual add + RMSNorm.
+
+    `weight_offset=1.0` is the Gemma `(1 + w)` multiplier. With `exact=True` both come back in
+    float64 (the unrounded values, for error bounds); otherwise each is rounded once to x's dtype.
+    """
+    total = x.to(torch.float64) + residual.to(torch.float64)
+    normed = _rmsnorm64(total, gamma, eps, weight_offset)
+    if exact:
+        return normed, total
+    return normed.to(x.dtype), total.to(residual.dtype)
+
+
+def dense_indices(tokens: int, top_k: int, device=None) -> torch.Tensor:
+    """The indices of the dense layout: `indices[t, k] = t * top_k + k`."""
+    return torch.arange(tokens * top_k, dtype=torch.int32, device=device).view(tokens, top_k)
+
+
+def _gather64(routed, indices, weights, shared):
+    weights = weights.to(torch.float64)
+    tokens, top_k = weights.shape
+    hidden = routed.shape[-1]
+    rows = routed.reshape(-1, hidden).to(torch.float64)
+    if indices is None:
+        indices = dense_indices(tokens, top_k, device=routed.device)
+    indices = indices.to(torch.int64)
+    if indices.shape != weights.shape:
+        raise ValueError(f"indices {tuple(indices.shape)} and weights {tuple(weights.shape)} differ")
+    valid = indices >= 0
+    picked = rows[indices.clamp(min=0)]  # [T, top_k, H]
+    w = torch.where(valid, weights, torch.zeros_like(weights))
+    # terms kept separately: sum of |terms| bounds the fp32 accumulation error in the tests
+    terms = picked * w.unsqueeze(-1)
+    if shared is not None:
+        terms = torch.cat([terms, shared.to(torch.float64).unsqueeze(1)], dim=1)
+    return terms
+
+
+def moe_finalize_reference(
+    routed: torch.Tensor,
+    indices: Optional[torch.Tensor],
+    weights: torch.Tensor,
+    shared: Optional[torch.Tensor] = None,
+    *,
+    out_dtype: Optional[torch.dtype] = None,
+    exact: bool = False,
+) -> torch.Tensor:
+    """finalized[t] = sum_k weights[t,k] * routed[indices[t,k]] (+ shared[t]); see the module doc."""
+    total = _gather64(routed, indices, weights, shared).sum(dim=1)
+    return total if exact else total.to(out_dtype or routed.dtype)
+
+
+def moe_finalize_add_rmsnorm_reference(
+    routed: torch.Tensor,
+    indices: Optional[torch.Tensor],
+    weights: torch.Tensor,
+    shared: Optional[torch.Tensor],
+    residual: torch.Tensor,
+    gamma: torch.Tensor,
+    eps: float,
+    *,
+    weight_offset: float = 0.0,
+    exact: bool = False,
+):
+    """(normed, new_residual) of finalize + residual add + RMSNorm, one rounding each."""
+    total = moe_finalize_reference(routed, indices, weights, shared, exact=True) + residual.to(torch.float64)
+    normed = _rmsnorm64(total, gamma, eps, weight_offset)
+    if exact:
+        return normed, total
+    return normed.to(residual.dtype), total.to(residual.dtype)
+
+
+def moe_terms_abs_sum(routed, indices, weights, shared, residual) -> torch.Tensor:
+    """Per element sum of |terms| of the finalize + residual sum: fp32 accumulation error bound scale."""
+    terms = _gather64(routed, indices, weights, shared).abs().sum(dim=1)
+    return terms + residual.to(torch.float64).abs()

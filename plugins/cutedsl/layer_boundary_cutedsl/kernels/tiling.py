@@ -1,0 +1,195 @@
+"""How a row of `hidden` elements is spread over a CTA, and the keys of compiled variants.
+
+Pure Python (no cutlass, no CUDA) so that the choices can be tested and listed on any machine.
+
+Every kernel here works on rows of `hidden` elements moved as 16-byte vectors (8 bf16/fp16
+values). One CTA owns one row at a time (one CTA per row; the kernels also loop over rows
+when given fewer CTAs); each of its `threads`
+threads holds `vpt` vectors of the row in registers, so the row is read from HBM once, reduced
+with warp shuffles plus one shared-memory exchange, and written once.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Iterator, Optional
+
+import torch
+
+__all__ = [
+    "VEC_BYTES",
+    "SUPPORTED_DTYPES",
+    "TESTED_HIDDEN_SIZES",
+    "MAX_HIDDEN",
+    "RowTiling",
+    "row_tiling",
+    "AddNormVariant",
+    "MoeVariant",
+    "check_hidden",
+    "TESTED_TOP_K",
+    "MAX_TOP_K",
+    "default_grid",
+    "all_add_norm_variants",
+    "all_moe_variants",
+]
+
+VEC_BYTES = 16
+SUPPORTED_DTYPES = (torch.bfloat16, torch.float16)
+#: hidden sizes the compile test covers (Llama/Qwen/Mixtral/DeepSeek/gpt-oss widths); any
+#: multiple of 8 up to MAX_HIDDEN compiles on demand
+TESTED_HIDDEN_SIZES = (1024, 2048, 2880, 3072, 4096, 5120, 6144, 7168, 8192)
+MAX_HIDDEN = 16384
+#: top_k values the compile test covers for the MoE kernels
+TESTED_TOP_K = (1, 2, 4, 6, 8)
+MAX_TOP_K = 16
+
+
+def _elems_per_vec(dtype: torch.dtype) -> int:
+    return VEC_BYTES // torch.empty((), dtype=dtype).element_size()
+
+
+def check_hidden(hidden: int, dtype: torch.dtype = torch.bfloat16) -> None:
+    """Raise ValueError unless rows of `hidden` elements split into whole 16-byte vectors."""
+    if dtype not in SUPPORTED_DTYPES:
+        raise ValueError(f"cutedsl kernels take bf16 or fp16 rows, got {dtype}")
+    vec = _elems_per_vec(dtype)
+    if hidden <= 0 or hidden % vec or hidden > MAX_HIDDEN:
+        raise ValueError(f"hidden size {hidden} must be a positive multiple of {vec} and at most {MAX_HIDDEN}")
+
+
+@dataclass(frozen=True)
+class RowTiling:
+    """`threads` threads per CTA, each holding `vpt` vectors of `vec` elements of one row.
+
+    `full` is True when threads * vpt * vec == hidden exactly, so no vector needs a bounds check.
+    """
+
+    hidden: int
+    vec: int
+    threads: int
+    vpt: int
+
+    @property
+    def nvec(self) -> int:
+        return self.hidden // self.vec
+
+    @property
+    def full(self) -> bool:
+        return self.threads * self.vpt == self.nvec
+
+    @property
+    def warps(self) -> int:
+        return self.threads // 32
+
+
+def row_tiling(hidden: int, dtype: torch.dtype = torch.bfloat16, *, max_vpt: int = 4, min_threads: int = 128) -> RowTiling:
+    """Up to `max_vpt` vectors per thread (more bytes in flight per thread), but at least
+    `min_threads` threads per CTA when the row is long enough (fewer, bigger CTAs keep the
+    barrier count per byte low; too few threads leave an SM idle at small token counts).
+
+    bf16, max_vpt=4: 1024 -> 128x1, 2048 -> 128x2, 4096 -> 128x4, 7168 -> 224x4, 8192 -> 256x4.
+    """
+    check_hidden(hidden, dtype)
+    vec = _elems_per_vec(dtype)
+    nvec = hidden // vec
+    vpt = max(1, min(max_vpt, nvec // min_threads))
+    threads = -(-nvec // vpt)
+    threads = -(-threads // 32) * 32
+    if threads > 1024:
+        raise ValueError(f"hidden size {hidden} needs {threads} threads per CTA (max 1024)")
+    return RowTiling(hidden=hidden, vec=vec, threads=threads, vpt=vpt)
+
+
+_DTYPE_NAMES = {torch.bfloat16: "bf16", torch.float16: "fp16"}
+
+
+@dataclass(frozen=True)
+class AddNormVariant:
+    """One compiled residual add + RMSNorm kernel: gamma multiplier is `w + weight_offset`."""
+
+    dtype: torch.dtype
+    hidden: int
+    weight_offset: float = 0.0  # 0.0: plain RMSNorm; 1.0: Gemma (1 + w)
+
+    def tiling(self) -> RowTiling:
+        return row_tiling(self.hidden, self.dtype, max_vpt=4, min_threads=128)
+
+    @property
+    def name(self) -> str:
+        g = "_gemma" if self.weight_offset else ""
+        return f"add_rmsnorm_{_DTYPE_NAMES[self.dtype]}_h{self.hidden}{g}"
+
+
+@dataclass(frozen=True)
+class MoeVariant:
+    """One compiled MoE finalize kernel.
+
+    `indexed`: routed rows are gathered through a permutation tensor (else row t*top_k + k);
+    `shared`: a shared-expert output is added; `norm`: residual add + RMSNorm follow in the
+    same pass (else the finalized sum is written, for a collective to run before the norm).
+    """
+
+    dtype: torch.dtype
+    hidden: int
+    top_k: int
+    indexed: bool = True
+    shared: bool = False
+    norm: bool = True
+    weight_offset: float = 0.0
+
+    def __post_init__(self):
+        if not 1 <= self.top_k <= MAX_TOP_K:
+            raise ValueError(f"top_k {self.top_k} must be in 1..{MAX_TOP_K}")
+        if not self.norm and self.weight_offset:
+            raise ValueError("weight_offset only applies to the norm variant")
+
+    def tiling(self) -> RowTiling:
+        # top_k rows per vector slot are in flight at once: fewer vectors per thread
+        return row_tiling(self.hidden, self.dtype, max_vpt=2, min_threads=128)
+
+    @property
+    def name(self) -> str:
+        parts = [
+            "moe_finalize" + ("_add_rmsnorm" if self.norm else ""),
+            _DTYPE_NAMES[self.dtype],
+            f"h{self.hidden}",
+            f"k{self.top_k}",
+            "perm" if self.indexed else "dense",
+        ]
+        if self.shared:
+            parts.append("shared")
+        if self.weight_offset:
+            parts.append("gemma")
+        return "_".join(parts)
+
+
+def all_add_norm_variants(hidden_sizes=TESTED_HIDDEN_SIZES, dtypes=SUPPORTED_DTYPES) -> Iterator[AddNormVariant]:
+    for dtype in dtypes:
+        for hidden in hidden_sizes:
+            for offset in (0.0, 1.0):
+                yield AddNormVariant(dtype, hidden, offset)
+
+
+def all_moe_variants(
+    hidden_sizes=TESTED_HIDDEN_SIZES, dtypes=SUPPORTED_DTYPES, top_ks=(8,), *, indexed_modes=(True, False)
+) -> Iterator[MoeVariant]:
+    """dtype x hidden x top_k x (gathered | dense rows) x shared x (norm plain | norm Gemma | no norm)."""
+    for dtype in dtypes:
+        for hidden in hidden_sizes:
+            for top_k in top_ks:
+                for indexed in indexed_modes:
+                    for shared in (False, True):
+                        for norm, offset in ((True, 0.0), (True, 1.0), (False, 0.0)):
+                            yield MoeVariant(dtype, hidden, top_k, indexed, shared, norm, offset)
+
+
+def default_grid(rows: int, threads: int, num_sms: Optional[int] = None) -> int:
+    """CTAs to launch for `rows` rows: one per row.
+
+    The hardware then hands rows to SMs as CTAs retire, so the tail is at most one row per SM.
+    (A grid capped at "SMs x CTAs per SM" would need the kernel's real occupancy: when fewer
+    CTAs fit than assumed, the grid runs in uneven waves of multi-row CTAs.) The kernels still
+    loop over rows, so any grid >= 1 is correct."""
+    if rows <= 0:
+        return 0
+    return min(rows, 2**31 - 1)

@@ -1,0 +1,126 @@
+"""Every kernel variant compiles for sm_90a on this (CPU-only) machine.
+
+CuTe DSL compiles without a GPU when the target is named (`--gpu-arch sm_90a`) and the host
+entry takes scalars rather than device tensors: compiler.py does both. A variant that fails to
+compile fails here, not on the GPU machine.
+"""
+
+import importlib.util
+
+import pytest
+import torch
+
+from layer_boundary_cutedsl.kernels.tiling import (
+    TESTED_TOP_K,
+    AddNormVariant,
+    MoeVariant,
+    all_add_norm_variants,
+    all_moe_variants,
+)
+
+pytestmark = pytest.mark.skipif(
+    importlib.util.find_spec("cutlass") is None, reason="nvidia-cutlass-dsl is not installed (pip install nvidia-cutlass-dsl==4.8.1)"
+)
+
+ADD_NORM = list(all_add_norm_variants())
+# dtype x hidden x (gathered | dense) x shared x (plain norm | Gemma norm | no norm), top_k 8
+MOE = list(all_moe_variants())
+# the other top_k values on two widths (one that needs bounds checks, one that does not)
+MOE_TOP_K = [
+    MoeVariant(torch.bfloat16, hidden, top_k, indexed, shared=True)
+    for hidden in (2880, 4096)
+    for top_k in TESTED_TOP_K
+    if top_k != 8
+    for indexed in (True, False)
+]
+
+
+def _compile(variant):
+    from layer_boundary_cutedsl.kernels.compiler import compile_variant
+
+    compiled = compile_variant(variant, "sm_90a")
+    assert compiled.has_gpu_module and len(compiled.kernel_info) == 1, variant
+
+
+@pytest.mark.parametrize("variant", ADD_NORM, ids=lambda v: v.name)
+def test_add_rmsnorm_compiles(variant):
+    _compile(variant)
+
+
+@pytest.mark.parametrize("variant", MOE + MOE_TOP_K, ids=lambda v: v.name)
+def test_moe_finalize_compiles(variant):
+    _compile(variant)
+
+
+def test_variant_matrix_is_complete():
+    assert len(ADD_NORM) == 2 * 9 * 2
+    assert len(MOE) == 2 * 9 * 2 * 2 * 3
+    assert {v.shared for v in MOE} == {False, True} and {v.weight_offset for v in MOE} == {0.0, 1.0}
+
+
+@pytest.mark.parametrize(
+    "variant, row_vectors",
+    [
+        (AddNormVariant(torch.bfloat16, 4096), (2, 2)),  # x, residual in; residual, norm out
+        (AddNormVariant(torch.float16, 2880, 1.0), (2, 2)),
+        (MoeVariant(torch.bfloat16, 7168, 8, indexed=True, shared=True), (8 + 2, 2)),
+        (MoeVariant(torch.bfloat16, 4096, 4, indexed=False, norm=False), (4, 1)),
+    ],
+    ids=lambda v: v.name if hasattr(v, "name") else "",
+)
+def test_ptx_uses_16_byte_vectors_for_sm_90a(variant, row_vectors, tmp_path):
+    """Row traffic is all 128-bit (v4.b32) loads and stores; no local-memory stack frame."""
+    from layer_boundary_cutedsl.kernels.compiler import compile_variant
+
+    ptx = compile_variant(variant, "sm_90a", keep_ptx_dir=str(tmp_path)).__ptx__
+    assert ".target sm_90a" in ptx
+    vpt = variant.tiling().vpt
+    loads, stores = row_vectors
+    gamma = vpt if getattr(variant, "norm", True) else 0
+    assert ptx.count("ld.global.v4.b32") == loads * vpt + gamma
+    assert ptx.count("st.global.v4.b32") == stores * vpt
+    assert ".local" not in ptx
+    # scalar global loads are the routing table only (index + weight per slot)
+    scalar = ptx.count("ld.global.b32")
+    top_k = getattr(variant, "top_k", 0)
+    assert scalar == (2 * top_k if getattr(variant, "indexed", False) else top_k)
+
+
+@pytest.mark.parametrize("variant", [AddNormVariant(torch.bfloat16, 4096), MoeVariant(torch.bfloat16, 2880, 6, shared=True)], ids=lambda v: v.name)
+def test_fast_launch_packs_what_the_dsl_marshals(variant):
+    """The wrappers' ctypes fast path passes the same argument values as the DSL's own
+    (slow) marshalling, followed by the executor's error slot; checked without a GPU."""
+    import ctypes
+
+    from layer_boundary_cutedsl.kernels._launch import FastCall, pack_kinds
+    from layer_boundary_cutedsl.kernels.compiler import compile_variant
+
+    compiled = compile_variant(variant, "sm_90a")
+    n_addr = 5 if isinstance(variant, AddNormVariant) else 8
+    seen = []
+    result = ctypes.c_int32(0)
+
+    class FakeExecutor:  # the JitExecutor attributes FastCall reads
+        _has_cuda_result = True
+        _cuda_result_addr = ctypes.addressof(result)
+        _kernel_ptrs = None
+        cuda_result = result
+
+        @staticmethod
+        def capi_func(packed):
+            seen.append([packed[i] for i in range(n_addr + 5)])
+
+    launcher = FastCall(FakeExecutor, pack_kinds(n_addr))
+    probe = (*range(0x7F0000001000, 0x7F0000001000 + 16 * n_addr, 16), 4097, 1e-5, 2112, 0xABC0)
+    assert launcher.matches(compiled.execution_args, probe)
+    launcher(*probe)
+    packed = seen[-1]
+    assert packed[-1] == ctypes.addressof(result)
+    values = [ctypes.c_int64.from_address(p).value for p in packed[:n_addr]]
+    assert values == list(probe[:n_addr])
+    assert ctypes.c_int32.from_address(packed[n_addr]).value == 4097
+    assert ctypes.c_float.from_address(packed[n_addr + 1]).value == pytest.approx(1e-5)
+    assert ctypes.c_void_p.from_address(packed[n_addr + 3]).value == 0xABC0
+    result.value = 700  # an error code from the launch is raised
+    with pytest.raises(RuntimeError, match="700"):
+        launcher(*probe)

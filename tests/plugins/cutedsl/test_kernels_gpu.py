@@ -1,0 +1,297 @@
+"""The CuTe DSL kernels against the float64 references, on a GPU (skipped without one).
+
+Tolerances (elementwise, against the exact float64 value `ref`):
+- an output rounded once to bf16/fp16 is off by at most u*|ref| (u = 2^-8 bf16, 2^-11 fp16);
+- before that rounding the kernel's fp32 value carries (a) the sum of squares over H terms,
+  all positive, so at most H*2^-24 relative, plus rsqrt.approx (2^-22.9) and the final products,
+  together below (H + 8)*2^-24 relative; (b) for the MoE sum, an fp32 accumulation of top_k + 2
+  terms whose error is at most (top_k + 3)*2^-24*sum|terms| (absolute: cancellation can make it
+  large relative to the result), which the norm scales by rstd*|gamma|.
+- the add + norm kernel's new residual is bit-exact: fp32 x + r rounded once, as torch does it.
+A tiny absolute 1e-6 covers fp16 subnormals.
+"""
+
+import importlib.util
+
+import pytest
+import torch
+
+from layer_boundary.layers import MoeFinalizeHandoff
+from layer_boundary.residual.add_norm import GemmaRMSNorm, RMSNorm
+from layer_boundary_cutedsl.kernels import (
+    add_rmsnorm_reference,
+    finalize_handoff_add_rmsnorm,
+    fused_add_rmsnorm,
+    moe_finalize,
+    moe_finalize_add_rmsnorm,
+    moe_finalize_add_rmsnorm_reference,
+    moe_finalize_reference,
+)
+from layer_boundary_cutedsl.kernels.reference import moe_terms_abs_sum
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (torch.cuda.is_available() is False)"),
+    pytest.mark.skipif(importlib.util.find_spec("cutlass") is None, reason="nvidia-cutlass-dsl is not importable"),
+]
+
+U = {torch.bfloat16: 2.0**-8, torch.float16: 2.0**-11}
+U32 = 2.0**-24
+ATOL = 1e-6
+EPS = 1e-6
+
+
+def _check(name, got, ref, bound):
+    err = (got.double() - ref).abs()
+    excess = err - bound
+    worst = int(excess.argmax())
+    row, col = divmod(worst, ref.shape[-1])
+    assert not bool((excess > 0).any()), (
+        f"{name}: {int((excess > 0).sum())} elements out of bound; worst at [{row}, {col}]: "
+        f"got {got.reshape(-1)[worst].item()}, ref {ref.reshape(-1)[worst].item()}, bound {bound.reshape(-1)[worst].item()}"
+    )
+
+
+def _norm_bound(ref_normed, dtype, hidden, extra=0.0):
+    return (U[dtype] + (hidden + 8) * U32) * ref_normed.abs() + extra + ATOL
+
+
+def _gamma(hidden, offset, dtype, gen):
+    g = torch.randn(hidden, generator=gen, device="cuda") * 0.1
+    return (g if offset else 1.0 + g).to(dtype)
+
+
+def _check_add_norm(x, r, gamma, offset, normed, res):
+    dtype, hidden = x.dtype, x.shape[-1]
+    assert torch.equal(res, (x.float() + r.float()).to(dtype)), "new residual is not fp32 x + r rounded once"
+    ref_normed, _ = add_rmsnorm_reference(x, r, gamma, EPS, weight_offset=offset, exact=True)
+    _check("normed", normed, ref_normed, _norm_bound(ref_normed, dtype, hidden))
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+@pytest.mark.parametrize("hidden", [1024, 2048, 2880, 4096, 5120, 7168, 8192])
+@pytest.mark.parametrize("offset", [0.0, 1.0], ids=["plain", "gemma"])
+@pytest.mark.parametrize("tokens", [1, 7, 300])
+def test_fused_add_rmsnorm(dtype, hidden, offset, tokens):
+    gen = torch.Generator(device="cuda").manual_seed(hidden * 31 + tokens)
+    x = torch.randn(tokens, hidden, generator=gen, device="cuda").to(dtype)
+    r = (torch.randn(tokens, hidden, generator=gen, device="cuda") * 3).to(dtype)
+    gamma = _gamma(hidden, offset, dtype, gen)
+    normed, res = fused_add_rmsnorm(x, r, gamma, EPS, weight_offset=offset)
+    torch.cuda.synchronize()
+    _check_add_norm(x, r, gamma, offset, normed, res)
+
+
+@pytest.mark.parametrize("hidden", [1024, 4096])
+@pytest.mark.parametrize("max_ctas", [None, 37])
+def test_many_rows_and_ctas_looping_over_rows(hidden, max_ctas, monkeypatch):
+    """5000 rows; with 37 CTAs each loops over ~135 rows, alternating its reduction slots."""
+    from layer_boundary_cutedsl.kernels import _launch
+
+    monkeypatch.setattr(_launch, "MAX_CTAS", max_ctas)
+    gen = torch.Generator(device="cuda").manual_seed(5)
+    x = torch.randn(5000, hidden, generator=gen, device="cuda").to(torch.bfloat16)
+    # rows of very different scale: a stale reduction slot would show as a wrong rstd
+    r = (torch.randn(5000, hidden, generator=gen, device="cuda") * torch.logspace(-3, 3, 5000, device="cuda")[:, None]).to(torch.bfloat16)
+    gamma = _gamma(hidden, 0.0, torch.bfloat16, gen)
+    normed, res = fused_add_rmsnorm(x, r, gamma, EPS)
+    torch.cuda.synchronize()
+    _check_add_norm(x, r, gamma, 0.0, normed, res)
+
+
+def test_in_place_and_3d():
+    gen = torch.Generator(device="cuda").manual_seed(6)
+    hidden = 4096
+    x = torch.randn(2, 3, hidden, generator=gen, device="cuda").to(torch.bfloat16)
+    r = torch.randn(2, 3, hidden, generator=gen, device="cuda").to(torch.bfloat16)
+    gamma = _gamma(hidden, 0.0, torch.bfloat16, gen)
+    x0, r0 = x.clone(), r.clone()
+    normed, res = fused_add_rmsnorm(x, r, gamma, EPS, out=x, residual_out=r)
+    torch.cuda.synchronize()
+    assert normed.data_ptr() == x.data_ptr() and res.data_ptr() == r.data_ptr() and normed.shape == (2, 3, hidden)
+    _check_add_norm(x0.view(-1, hidden), r0.view(-1, hidden), gamma, 0.0, normed.view(-1, hidden), res.view(-1, hidden))
+
+
+def test_zero_tokens_on_gpu():
+    x = torch.empty(0, 4096, dtype=torch.bfloat16, device="cuda")
+    normed, res = fused_add_rmsnorm(x, x.clone(), torch.ones(4096, dtype=torch.bfloat16, device="cuda"), EPS)
+    assert normed.shape == res.shape == (0, 4096)
+
+
+def test_cuda_graph_capture_and_replay():
+    gen = torch.Generator(device="cuda").manual_seed(7)
+    hidden, tokens = 4096, 64
+    x = torch.randn(tokens, hidden, generator=gen, device="cuda").to(torch.bfloat16)
+    r = torch.randn(tokens, hidden, generator=gen, device="cuda").to(torch.bfloat16)
+    gamma = _gamma(hidden, 0.0, torch.bfloat16, gen)
+    normed = torch.empty_like(x)
+    res = torch.empty_like(r)
+    fused_add_rmsnorm(x, r, gamma, EPS, out=normed, residual_out=res)  # eager first: compile + load
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fused_add_rmsnorm(x, r, gamma, EPS, out=normed, residual_out=res)
+    for _ in range(2):
+        x.copy_(torch.randn(tokens, hidden, generator=gen, device="cuda"))
+        r.copy_(torch.randn(tokens, hidden, generator=gen, device="cuda"))
+        normed.zero_()
+        graph.replay()
+        torch.cuda.synchronize()
+        _check_add_norm(x, r, gamma, 0.0, normed, res)
+
+
+# ---------------------------------------------------------------- MoE finalize
+
+
+def _moe_inputs(tokens, top_k, hidden, dtype, indexed, shared, gen, skip_fraction=0.15):
+    rows = tokens * top_k + 3  # a few unused rows: the routed buffer may be larger
+    routed = torch.randn(rows, hidden, generator=gen, device="cuda").to(dtype)
+    weights = torch.rand(tokens, top_k, generator=gen, device="cuda")
+    indices = None
+    if indexed:
+        indices = torch.randperm(rows, generator=gen, device="cuda")[: tokens * top_k].view(tokens, top_k).to(torch.int32)
+        skip = torch.rand(tokens, top_k, generator=gen, device="cuda") < skip_fraction
+        indices = torch.where(skip, torch.full_like(indices, -1), indices)
+        weights = torch.where(skip, torch.full_like(weights, float("inf")), weights)  # must be ignored
+    shared_t = torch.randn(tokens, hidden, generator=gen, device="cuda").to(dtype) if shared else None
+    return routed, indices, weights, shared_t
+
+
+def _check_moe_norm(routed, indices, weights, shared, residual, gamma, offset, normed, res):
+    dtype, hidden = residual.dtype, residual.shape[-1]
+    top_k = weights.shape[1]
+    ref_normed, ref_total = moe_finalize_add_rmsnorm_reference(
+        routed, indices, weights, shared, residual, gamma, EPS, weight_offset=offset, exact=True
+    )
+    err_total = (top_k + 3) * U32 * moe_terms_abs_sum(routed, indices, weights, shared, residual)
+    _check("new residual", res, ref_total, U[dtype] * ref_total.abs() + err_total * (1 + U[dtype]) + ATOL)
+    rstd = torch.rsqrt(ref_total.pow(2).mean(-1, keepdim=True) + EPS)
+    g = (gamma.double() + offset).abs()
+    _check("normed", normed, ref_normed, _norm_bound(ref_normed, dtype, hidden, 2 * rstd * g * err_total))
+
+
+@pytest.mark.parametrize("hidden", [2880, 4096, 7168])
+@pytest.mark.parametrize("top_k", [1, 8])
+@pytest.mark.parametrize("indexed", [True, False], ids=["perm", "dense"])
+@pytest.mark.parametrize("shared", [False, True], ids=["noshared", "shared"])
+@pytest.mark.parametrize("mode", ["plain", "gemma", "finalize_only"])
+def test_moe_finalize(hidden, top_k, indexed, shared, mode):
+    dtype = torch.bfloat16
+    tokens = 37
+    gen = torch.Generator(device="cuda").manual_seed(hidden + 7 * top_k + 3 * indexed + shared)
+    routed, indices, weights, shared_t = _moe_inputs(tokens, top_k, hidden, dtype, indexed, shared, gen)
+    if mode == "finalize_only":
+        out = moe_finalize(routed, indices, weights, shared=shared_t)
+        torch.cuda.synchronize()
+        ref = moe_finalize_reference(routed, indices, weights, shared_t, exact=True)
+        terms = moe_terms_abs_sum(routed, indices, weights, shared_t, torch.zeros_like(out))
+        _check("finalized", out, ref, U[dtype] * ref.abs() + (top_k + 3) * U32 * terms * (1 + U[dtype]) + ATOL)
+        return
+    offset = 1.0 if mode == "gemma" else 0.0
+    residual = (torch.randn(tokens, hidden, generator=gen, device="cuda") * 2).to(dtype)
+    gamma = _gamma(hidden, offset, dtype, gen)
+    normed, res = moe_finalize_add_rmsnorm(routed, indices, weights, residual, gamma, EPS, shared=shared_t, weight_offset=offset)
+    torch.cuda.synchronize()
+    _check_moe_norm(routed, indices, weights, shared_t, residual, gamma, offset, normed, res)
+
+
+@pytest.mark.parametrize(
+    "dtype, hidden, top_k, tokens",
+    [
+        (torch.float16, 4096, 8, 5),
+        (torch.bfloat16, 1024, 2, 1),
+        (torch.bfloat16, 8192, 6, 3),
+        (torch.bfloat16, 5120, 4, 3000),  # with 37 CTAs: each loops over ~81 rows
+    ],
+)
+def test_moe_finalize_other_shapes(dtype, hidden, top_k, tokens, monkeypatch):
+    from layer_boundary_cutedsl.kernels import _launch
+
+    monkeypatch.setattr(_launch, "MAX_CTAS", 37 if tokens > 37 else None)
+    gen = torch.Generator(device="cuda").manual_seed(tokens)
+    routed, indices, weights, shared = _moe_inputs(tokens, top_k, hidden, dtype, True, True, gen)
+    residual = torch.randn(tokens, hidden, generator=gen, device="cuda").to(dtype)
+    gamma = _gamma(hidden, 0.0, dtype, gen)
+    res_in = residual.clone()
+    normed, res = moe_finalize_add_rmsnorm(routed, indices.long(), weights, residual, gamma, EPS, shared=shared, residual_out=residual)
+    torch.cuda.synchronize()
+    assert res.data_ptr() == residual.data_ptr()  # in place
+    _check_moe_norm(routed, indices, weights, shared, res_in, gamma, 0.0, normed, res)
+
+
+@pytest.mark.parametrize("norm_cls", [RMSNorm, GemmaRMSNorm])
+def test_core_handoff(norm_cls):
+    """A core MoeFinalizeHandoff ([T, top_k, H] rows, expanded weights) with a core norm module."""
+    gen = torch.Generator(device="cuda").manual_seed(11)
+    tokens, top_k, hidden, dtype = 9, 4, 2048, torch.bfloat16
+    rows = torch.randn(tokens, top_k, hidden, generator=gen, device="cuda").to(dtype)
+    weights = torch.rand(1, top_k, generator=gen, device="cuda").expand(tokens, -1)
+    group = type("Group", (), {"size": 1})()
+    handoff = MoeFinalizeHandoff(rows, weights, torch.zeros(tokens, top_k, dtype=torch.long, device="cuda"), None, group, None)
+    norm = norm_cls(hidden, 1e-5, dtype=dtype, device="cuda")
+    with torch.no_grad():
+        norm.weight.copy_(torch.randn(hidden, generator=gen, device="cuda") * 0.1 + (0.0 if norm.offset else 1.0))
+    residual = torch.randn(tokens, hidden, generator=gen, device="cuda").to(dtype)
+    normed, res = finalize_handoff_add_rmsnorm(handoff, residual, norm)
+    torch.cuda.synchronize()
+    ref_normed, ref_total = moe_finalize_add_rmsnorm_reference(
+        rows, None, weights, None, residual, norm.weight.detach(), 1e-5, weight_offset=norm.offset, exact=True
+    )
+    err = (top_k + 3) * U32 * moe_terms_abs_sum(rows, None, weights, None, residual)
+    _check("new residual", res, ref_total, U[dtype] * ref_total.abs() + err * 2 + ATOL)
+    rstd = torch.rsqrt(ref_total.pow(2).mean(-1, keepdim=True) + 1e-5)
+    g = (norm.weight.detach().double() + norm.offset).abs()
+    _check("normed", normed, ref_normed, _norm_bound(ref_normed, dtype, hidden, 2 * rstd * g * err))
+    # and the core's own unfused path agrees to bf16 accuracy
+    core_normed, _ = norm.add_forward(handoff.finalize_local(), residual)
+    assert torch.allclose(normed.float(), core_normed.float(), rtol=2**-5, atol=2**-5)
+
+
+def test_moe_cuda_graph_capture():
+    gen = torch.Generator(device="cuda").manual_seed(12)
+    tokens, top_k, hidden, dtype = 16, 8, 4096, torch.bfloat16
+    routed, indices, weights, shared = _moe_inputs(tokens, top_k, hidden, dtype, True, True, gen)
+    residual = torch.randn(tokens, hidden, generator=gen, device="cuda").to(dtype)
+    gamma = _gamma(hidden, 0.0, dtype, gen)
+    normed, res = torch.empty_like(residual), torch.empty_like(residual)
+    args = (routed, indices, weights, residual, gamma, EPS)
+    moe_finalize_add_rmsnorm(*args, shared=shared, out=normed, residual_out=res)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        moe_finalize_add_rmsnorm(*args, shared=shared, out=normed, residual_out=res)
+    routed.copy_(torch.randn(routed.shape, generator=gen, device="cuda"))
+    normed.zero_()
+    graph.replay()
+    torch.cuda.synchronize()
+    _check_moe_norm(routed, indices, weights, shared, residual, gamma, 0.0, normed, res)
+
+
+@pytest.mark.parametrize("norm_cls", [RMSNorm, GemmaRMSNorm])
+def test_provider_candidates_run_the_kernels(norm_cls):
+    """The CuteDSLFusion candidates on real bf16 CUDA tensors (group of one rank)."""
+    from layer_boundary.output import UnreducedOutput
+    from layer_boundary_cutedsl.provider import CuteDSLFusion
+
+    gen = torch.Generator(device="cuda").manual_seed(13)
+    tokens, top_k, hidden, dtype = 6, 8, 4096, torch.bfloat16
+    norm = norm_cls(hidden, 1e-6, dtype=dtype, device="cuda")
+    with torch.no_grad():
+        norm.weight.copy_(torch.randn(hidden, generator=gen, device="cuda") * 0.1 + (0.0 if norm.offset else 1.0))
+    plan = type("Plan", (), {"norm": norm})()
+    handoff_c, unreduced_c = CuteDSLFusion().attention_input(plan)
+    group = type("Group", (), {"size": 1, "all_reduce": staticmethod(lambda x: x)})()
+    rows = torch.randn(tokens, top_k, hidden, generator=gen, device="cuda").to(dtype)
+    weights = torch.rand(tokens, top_k, generator=gen, device="cuda")
+    residual = torch.randn(tokens, hidden, generator=gen, device="cuda").to(dtype)
+    owed = MoeFinalizeHandoff(rows, weights, torch.zeros(tokens, top_k, dtype=torch.long, device="cuda"), None, group, None)
+    out = handoff_c.run(owed, residual, None)
+    assert out is not None, "the handoff candidate declined on CUDA bf16 tensors"
+    normed, res = out
+    torch.cuda.synchronize()
+    _check_moe_norm(rows, None, weights, None, residual, norm.weight.detach(), norm.offset, normed, res)
+    partial = torch.randn(tokens, hidden, generator=gen, device="cuda").to(dtype)
+    out = unreduced_c.run(UnreducedOutput(partial, group, None, declared=True), residual, None)
+    assert out is not None, "the all-reduce candidate declined on CUDA bf16 tensors"
+    torch.cuda.synchronize()
+    _check_add_norm(partial, residual, norm.weight.detach(), norm.offset, *out)
