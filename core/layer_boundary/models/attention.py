@@ -14,7 +14,7 @@ from torch import nn
 from ..layers import ColumnParallelLinear, RowParallelLinear
 from ..residual.add_norm import RMSNorm
 
-__all__ = ["RotaryEmbedding", "KVCache", "TPAttention", "StepLayout"]
+__all__ = ["RotaryEmbedding", "KVCache", "StaticKVCache", "TPAttention", "StepLayout", "DecodeLayout"]
 
 
 class StepLayout:
@@ -33,6 +33,44 @@ class StepLayout:
     @property
     def num_tokens(self) -> int:
         return sum(self.counts)
+
+
+class DecodeLayout:
+    """A decode step with device tensors only (CUDA-graph capturable): one token per request,
+    request `i` in cache slot `slots[i]` at position `positions[i]`."""
+
+    __slots__ = ("slots", "positions")
+
+    def __init__(self, slots: torch.Tensor, positions: torch.Tensor):
+        self.slots = slots
+        self.positions = positions
+
+    @property
+    def num_tokens(self) -> int:
+        return self.positions.shape[0]
+
+
+class StaticKVCache:
+    """Preallocated keys/values [slots, kv_heads_local, max_len, head_dim] per layer; writes and
+    reads use device index tensors, so a decode step has fixed shapes and no host sync."""
+
+    def __init__(self, num_layers: int, slots: int, max_len: int, kv_heads: int, head_dim: int, *, dtype, device):
+        shape = (slots, kv_heads, max_len, head_dim)
+        self.k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+        self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+        self.max_len = max_len
+
+    def write(self, layer: int, slots, positions, k, v) -> None:
+        """k, v: [tokens, kv_heads, D] at (slots[i], positions[i])."""
+        self.k[layer][slots, :, positions] = k
+        self.v[layer][slots, :, positions] = v
+
+    def snapshot(self):
+        return [t.clone() for t in self.k], [t.clone() for t in self.v]
+
+    def restore(self, snap) -> None:
+        for dst, src in zip(self.k + self.v, snap[0] + snap[1]):
+            dst.copy_(src)
 
 
 class RotaryEmbedding(nn.Module):
@@ -117,7 +155,9 @@ class TPAttention(nn.Module):
             self.k_proj.weight.copy_(k_full[rows])
             self.v_proj.weight.copy_(v_full[rows])
 
-    def forward(self, x: torch.Tensor, step: StepLayout, rope: tuple, cache: Optional[KVCache]) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, step, rope: tuple, cache) -> torch.Tensor:
+        if isinstance(cache, StaticKVCache):
+            return self._forward_static(x, step, rope, cache)
         T, D = x.shape[0], self.head_dim
         q = self.q_proj(x).view(T, self.heads, D)
         k = self.k_proj(x).view(T, self.kv_heads, D)
@@ -143,4 +183,47 @@ class TPAttention(nn.Module):
                 scores = scores + torch.zeros_like(mask, dtype=scores.dtype).masked_fill(~mask, torch.finfo(scores.dtype).min)
             probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(qs.dtype)
             out[start : start + count] = torch.matmul(probs, vs).transpose(0, 1)
+        return self.o_proj(out.reshape(T, self.heads * D))
+
+    def _project(self, x, rope):
+        T, D = x.shape[0], self.head_dim
+        q = self.q_proj(x).view(T, self.heads, D)
+        k = self.k_proj(x).view(T, self.kv_heads, D)
+        v = self.v_proj(x).view(T, self.kv_heads, D)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        cos, sin = rope
+        return apply_rotary(q, cos, sin), apply_rotary(k, cos, sin), v
+
+    def _forward_static(self, x, step, rope, cache: "StaticKVCache") -> torch.Tensor:
+        """Prefill (a StepLayout: per request, contiguous positions) or decode (a DecodeLayout)
+        against the preallocated cache; decode has no host sync and no data-dependent shape."""
+        q, k, v = self._project(x, rope)
+        T, D = x.shape[0], self.head_dim
+        groups = self.heads // self.kv_heads
+        if isinstance(step, DecodeLayout):
+            cache.write(self.layer, step.slots, step.positions, k, v)
+            keys = cache.k[self.layer][step.slots].repeat_interleave(groups, dim=1)  # [T, heads, L, D]
+            values = cache.v[self.layer][step.slots].repeat_interleave(groups, dim=1)
+            scores = torch.matmul(q[:, :, None, :], keys.transpose(-1, -2))[:, :, 0] * self.scaling  # [T, heads, L]
+            visible = torch.arange(cache.max_len, device=x.device)[None, :] <= step.positions[:, None]
+            scores = scores.masked_fill(~visible[:, None, :], torch.finfo(scores.dtype).min)
+            probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
+            out = torch.matmul(probs[:, :, None, :], values)[:, :, 0]
+            return self.o_proj(out.reshape(T, self.heads * D))
+        out = x.new_empty(T, self.heads, D)
+        for slot, start, count, past in zip(step.rids, step.starts, step.counts, step.past):
+            rows = slice(start, start + count)
+            positions = torch.arange(past, past + count, device=x.device)
+            cache.write(self.layer, torch.full_like(positions, slot), positions, k[rows], v[rows])
+            total = past + count
+            ks = cache.k[self.layer][slot, :, :total].repeat_interleave(groups, dim=0)
+            vs = cache.v[self.layer][slot, :, :total].repeat_interleave(groups, dim=0)
+            qs = q[rows].transpose(0, 1)
+            scores = torch.matmul(qs, ks.transpose(1, 2)) * self.scaling
+            if count > 1:
+                mask = torch.ones(count, total, dtype=torch.bool, device=x.device).tril(total - count)
+                scores = scores + torch.zeros_like(mask, dtype=scores.dtype).masked_fill(~mask, torch.finfo(scores.dtype).min)
+            probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(qs.dtype)
+            out[rows] = torch.matmul(probs, vs).transpose(0, 1)
         return self.o_proj(out.reshape(T, self.heads * D))

@@ -12,7 +12,7 @@ from torch import nn
 
 from .. import declare_attn, declare_ffn, layer_stack, make_stages, residual_batch
 from ..residual.add_norm import GemmaRMSNorm, RMSNorm
-from .attention import KVCache, RotaryEmbedding, StepLayout, TPAttention
+from .attention import KVCache, RotaryEmbedding, StaticKVCache, StepLayout, TPAttention
 from .config import DecoderConfig
 from .mlp import TPGatedMLP
 from .moe import TPMoE
@@ -79,6 +79,12 @@ class CausalLM(nn.Module):
 
     def new_cache(self) -> KVCache:
         return KVCache(self.config.num_layers)
+
+    def new_static_cache(self, slots: int, max_len: int) -> StaticKVCache:
+        """A preallocated cache for CUDA-graph decode (requests live in slots 0..slots-1)."""
+        attn = self.layers[0].self_attn
+        w = self.embed_tokens.weight
+        return StaticKVCache(self.config.num_layers, slots, max_len, attn.kv_heads, attn.head_dim, dtype=w.dtype, device=w.device)
 
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         h = self.embed_tokens(input_ids)

@@ -69,15 +69,27 @@ class TPMoE(nn.Module):
             weights = weights / weights.sum(dim=-1, keepdim=True)
         return weights.to(logits.dtype), idx
 
+    #: up to this many tokens every owned expert runs on every token (no host sync, graph-capturable)
+    DENSE_DISPATCH_TOKENS = 32
+
+    def _expert(self, j: int, x: torch.Tensor) -> torch.Tensor:
+        gate, up = nn.functional.linear(x, self.gate_up[j]).split(self.width, dim=-1)
+        return nn.functional.linear(self.act(gate) * up, self.down[j])
+
     def forward(self, x: torch.Tensor):
         weights, idx = self.route(x)
         rows = x.new_zeros(x.shape[0], self.top_k, x.shape[1])
+        dense = x.shape[0] <= self.DENSE_DISPATCH_TOKENS or (x.is_cuda and torch.cuda.is_current_stream_capturing())
         for j in range(self.owned):
+            if dense:
+                # the same rows as the sparse path: each (token, k) matches one expert, others add zeros
+                y = self._expert(j, x)
+                rows += (idx == self.first + j).unsqueeze(-1).to(x.dtype) * y.unsqueeze(1)
+                continue
             tok, k = torch.where(idx == self.first + j)
             if tok.numel() == 0:
                 continue
-            gate, up = nn.functional.linear(x[tok], self.gate_up[j]).split(self.width, dim=-1)
-            rows[tok, k] = nn.functional.linear(self.act(gate) * up, self.down[j])
+            rows[tok, k] = self._expert(j, x[tok])
         shared = None
         if self.shared is not None:
             shared = self.shared(x) * torch.sigmoid(nn.functional.linear(x, self.shared_gate))

@@ -1,0 +1,316 @@
+"""Benchmark of the cutedsl kernels on one GPU: check, then time, then print a table.
+
+    python benchmarks/cutedsl_bench.py --out results.json [--quick] [--no-flashinfer]
+
+(a) fused residual add + RMSNorm against the device's copy bandwidth measured in the same run
+    (torch `copy_` of 1 GiB), an unfused torch path, and flashinfer.norm.fused_add_rmsnorm when
+    it imports. Bandwidth counts the bytes a perfect kernel moves: read x and residual, write
+    the new residual and the norm (4 * T * H * 2 bytes).
+(b) MoE finalize + add + RMSNorm (top_k 8, gathered rows, shared expert) against the unfused
+    torch path (gather, weight, sum, add shared, add + norm).
+
+Each case is timed by CUDA-graph replay (ITERS calls per graph, events around each replay,
+median of REPEATS replays) on random data after a correctness check against the float64
+reference. Our results are written to --out before flashinfer is tried (its first use may
+JIT-compile for minutes), and again after.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import platform
+import statistics
+import sys
+import time
+import traceback
+
+import torch
+
+from layer_boundary_cutedsl.kernels import (
+    add_rmsnorm_reference,
+    fused_add_rmsnorm,
+    moe_finalize_add_rmsnorm,
+    moe_finalize_add_rmsnorm_reference,
+)
+
+EPS = 1e-6
+DT = torch.bfloat16
+
+
+def time_graph(fn, iters: int, repeats: int) -> float:
+    """Median microseconds per call of `fn` under CUDA-graph replay."""
+    fn()  # eager warm-up: compiles and loads kernels before capture
+    torch.cuda.synchronize()
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        fn()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(iters):
+            fn()
+    graph.replay()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(repeats):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        graph.replay()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) * 1e3 / iters)
+    del graph
+    return statistics.median(times)
+
+
+def copy_bandwidth(iters: int, repeats: int) -> float:
+    """GB/s of a device-to-device torch copy of 1 GiB, counting bytes read plus written."""
+    n = 1 << 29  # 2^29 bf16 = 1 GiB
+    src = torch.randn(n, device="cuda", dtype=torch.float32).to(DT)
+    dst = torch.empty_like(src)
+    us = time_graph(lambda: dst.copy_(src), max(2, iters // 5), repeats)
+    del src, dst
+    torch.cuda.empty_cache()
+    return 2 * n * 2 / (us * 1e-6) / 1e9
+
+
+def torch_add_rmsnorm(x, r, gamma):
+    total = x.float() + r.float()
+    normed = total * torch.rsqrt(total.pow(2).mean(-1, keepdim=True) + EPS) * gamma.float()
+    return normed.to(x.dtype), total.to(r.dtype)
+
+
+def check_add_norm(x, r, gamma, normed, res) -> float:
+    """Max error of the norm relative to the float64 reference, in units of the row's max |ref|."""
+    assert torch.equal(res, (x.float() + r.float()).to(x.dtype)), "new residual mismatch"
+    ref, _ = add_rmsnorm_reference(x[:256], r[:256], gamma, EPS, exact=True)
+    err = ((normed[:256].double() - ref).abs() / ref.abs().clamp(min=1e-3)).max().item()
+    assert err < 2**-7, f"normed error {err}"
+    return err
+
+
+def bench_add_norm(cases, iters, repeats, copy_gbs, results):
+    for tokens, hidden in cases:
+        gen = torch.Generator(device="cuda").manual_seed(tokens + hidden)
+        x = torch.randn(tokens, hidden, generator=gen, device="cuda").to(DT)
+        r = torch.randn(tokens, hidden, generator=gen, device="cuda").to(DT)
+        gamma = (1 + 0.1 * torch.randn(hidden, generator=gen, device="cuda")).to(DT)
+        normed, res = torch.empty_like(x), torch.empty_like(r)
+        fused_add_rmsnorm(x, r, gamma, EPS, out=normed, residual_out=res)
+        torch.cuda.synchronize()
+        err = check_add_norm(x, r, gamma, normed, res)
+        nbytes = 4 * tokens * hidden * 2
+        ours = time_graph(lambda: fused_add_rmsnorm(x, r, gamma, EPS, out=normed, residual_out=res), iters, repeats)
+        # the torch baseline allocates fp32 temporaries per call: fewer calls per graph
+        unfused = time_graph(lambda: torch_add_rmsnorm(x, r, gamma), max(2, iters // 4), repeats)
+        gbs = nbytes / (ours * 1e-6) / 1e9
+        results.append(
+            dict(
+                kernel="add_rmsnorm", tokens=tokens, hidden=hidden, bytes=nbytes, cutedsl_us=ours, torch_unfused_us=unfused,
+                cutedsl_gbs=gbs, copy_gbs=copy_gbs, frac_of_copy=gbs / copy_gbs, max_rel_err=err,
+            )
+        )
+        print(f"  add_rmsnorm T={tokens:6d} H={hidden}: {ours:8.2f} us  {gbs:7.0f} GB/s = {100 * gbs / copy_gbs:5.1f}% of copy", flush=True)
+        del x, r, normed, res
+
+
+def torch_moe(routed, indices, weights, shared, residual, gamma):
+    picked = routed[indices.clamp(min=0).long()].float()  # [T, k, H]
+    w = torch.where(indices >= 0, weights, torch.zeros_like(weights))
+    total = (picked * w.unsqueeze(-1)).sum(1) + shared.float() + residual.float()
+    normed = total * torch.rsqrt(total.pow(2).mean(-1, keepdim=True) + EPS) * gamma.float()
+    return normed.to(residual.dtype), total.to(residual.dtype)
+
+
+def bench_moe(cases, top_k, iters, repeats, results):
+    for tokens, hidden in cases:
+        gen = torch.Generator(device="cuda").manual_seed(tokens * 3 + hidden)
+        rows = tokens * top_k
+        routed = torch.randn(rows, hidden, generator=gen, device="cuda").to(DT)
+        indices = torch.randperm(rows, generator=gen, device="cuda").view(tokens, top_k).to(torch.int32)
+        weights = torch.rand(tokens, top_k, generator=gen, device="cuda")
+        shared = torch.randn(tokens, hidden, generator=gen, device="cuda").to(DT)
+        residual = torch.randn(tokens, hidden, generator=gen, device="cuda").to(DT)
+        gamma = (1 + 0.1 * torch.randn(hidden, generator=gen, device="cuda")).to(DT)
+        normed, res = torch.empty_like(residual), torch.empty_like(residual)
+        args = (routed, indices, weights, residual, gamma, EPS)
+        moe_finalize_add_rmsnorm(*args, shared=shared, out=normed, residual_out=res)
+        torch.cuda.synchronize()
+        n = min(tokens, 64)
+        ref_normed, ref_total = moe_finalize_add_rmsnorm_reference(
+            routed, indices[:n], weights[:n], shared[:n], residual[:n], gamma, EPS, exact=True
+        )
+        err = ((normed[:n].double() - ref_normed).abs() / ref_normed.abs().clamp(min=1e-2)).max().item()
+        assert err < 2**-6, f"moe normed error {err}"
+        nbytes = (top_k + 4) * tokens * hidden * 2  # k routed rows, shared, residual in; 2 out
+        ours = time_graph(lambda: moe_finalize_add_rmsnorm(*args, shared=shared, out=normed, residual_out=res), iters, repeats)
+        unfused = time_graph(lambda: torch_moe(routed, indices, weights, shared, residual, gamma), max(2, iters // 4), repeats)
+        gbs = nbytes / (ours * 1e-6) / 1e9
+        results.append(
+            dict(
+                kernel="moe_finalize_add_rmsnorm", tokens=tokens, hidden=hidden, top_k=top_k, bytes=nbytes,
+                cutedsl_us=ours, torch_unfused_us=unfused, cutedsl_gbs=gbs, max_rel_err=err,
+            )
+        )
+        print(f"  moe T={tokens:6d} H={hidden} k={top_k}: {ours:8.2f} us vs torch {unfused:8.2f} us", flush=True)
+        del routed, indices, weights, shared, residual, normed, res
+
+
+def bench_flashinfer(results, iters, repeats):
+    """flashinfer.norm.fused_add_rmsnorm (in place: input <- norm, residual <- sum) on the same shapes."""
+    try:
+        from flashinfer.norm import fused_add_rmsnorm as fi_fused
+    except Exception as exc:  # not installed, or its import fails
+        print(f"  flashinfer not importable: {type(exc).__name__}: {exc}", flush=True)
+        return f"not importable: {type(exc).__name__}: {exc}"
+    for row in results:
+        if row["kernel"] != "add_rmsnorm":
+            continue
+        tokens, hidden = row["tokens"], row["hidden"]
+        try:
+            x = torch.randn(tokens, hidden, device="cuda").to(DT)
+            r = torch.randn(tokens, hidden, device="cuda").to(DT)
+            gamma = (1 + 0.1 * torch.randn(hidden, device="cuda")).to(DT)
+            t0 = time.time()
+            fi_fused(x, r, gamma, EPS)
+            torch.cuda.synchronize()
+            us = time_graph(lambda: fi_fused(x, r, gamma, EPS), iters, repeats)
+            row["flashinfer_us"] = us
+            row["flashinfer_gbs"] = row["bytes"] / (us * 1e-6) / 1e9
+            print(f"  flashinfer T={tokens:6d} H={hidden}: {us:8.2f} us (first call {time.time() - t0:.1f} s)", flush=True)
+        except Exception as exc:
+            row["flashinfer_error"] = f"{type(exc).__name__}: {exc}"
+            print(f"  flashinfer failed at T={tokens} H={hidden}: {exc}", flush=True)
+            return f"failed: {type(exc).__name__}: {exc}"
+    return "ok"
+
+
+def flashinfer_in_child(results, iters, repeats, budget_s: float):
+    """Run bench_flashinfer in a child process killed after `budget_s` (its first call may
+    JIT-compile for minutes); merge what it measured into `results`."""
+    import subprocess
+    import tempfile
+
+    if budget_s < 20:
+        return f"skipped: {budget_s:.0f} s of the time budget left"
+    with tempfile.TemporaryDirectory() as tmp:
+        src, dst = os.path.join(tmp, "in.json"), os.path.join(tmp, "out.json")
+        with open(src, "w") as f:
+            json.dump(dict(results=results, iters=iters, repeats=repeats), f)
+        cmd = [sys.executable, "-m", "layer_boundary_cutedsl.bench", "--flashinfer-child", src, dst]
+        try:
+            proc = subprocess.run(cmd, timeout=budget_s, capture_output=True, text=True)
+            sys.stdout.write(proc.stdout[-4000:])
+            if proc.returncode != 0:
+                sys.stdout.write(proc.stderr[-2000:])
+        except subprocess.TimeoutExpired:
+            return f"timed out after {budget_s:.0f} s (JIT compile?); rerun with a larger --budget-s"
+        if not os.path.exists(dst):
+            return f"child failed (rc {proc.returncode})"
+        with open(dst) as f:
+            child = json.load(f)
+    for mine, theirs in zip(results, child["results"]):
+        for key in ("flashinfer_us", "flashinfer_gbs", "flashinfer_error"):
+            if key in theirs:
+                mine[key] = theirs[key]
+    return child["status"]
+
+
+def table(results) -> str:
+    lines = []
+    head = f"{'kernel':<26}{'T':>7}{'H':>6}{'cutedsl us':>12}{'GB/s':>8}{'%copy':>7}{'torch us':>10}{'flashinfer us':>15}"
+    lines.append(head)
+    lines.append("-" * len(head))
+    for r in results:
+        frac = f"{100 * r['frac_of_copy']:6.1f}%" if "frac_of_copy" in r else f"{'':>7}"
+        fi = f"{r['flashinfer_us']:15.2f}" if "flashinfer_us" in r else f"{'-':>15}"
+        name = r["kernel"] + (f" k{r['top_k']}" if "top_k" in r else "")
+        lines.append(
+            f"{name:<26}{r['tokens']:>7}{r['hidden']:>6}{r['cutedsl_us']:12.2f}{r['cutedsl_gbs']:8.0f}{frac}{r['torch_unfused_us']:10.2f}{fi}"
+        )
+    return "\n".join(lines)
+
+
+def write(path, payload):
+    if not path:
+        return
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    with open(path + ".tmp", "w") as f:
+        json.dump(payload, f, indent=1)
+    os.replace(path + ".tmp", path)
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--out", default="", help="write the results as JSON here")
+    ap.add_argument("--quick", action="store_true", help="fewer shapes and repeats")
+    ap.add_argument("--no-flashinfer", action="store_true")
+    ap.add_argument("--iters", type=int, default=20, help="calls per captured graph")
+    ap.add_argument("--repeats", type=int, default=50, help="graph replays timed (median taken)")
+    ap.add_argument("--budget-s", type=float, default=220, help="wall-clock budget; flashinfer gets what is left")
+    ap.add_argument("--flashinfer-child", nargs=2, metavar=("IN", "OUT"), help=argparse.SUPPRESS)
+    args = ap.parse_args(argv)
+    if args.flashinfer_child:
+        with open(args.flashinfer_child[0]) as f:
+            job = json.load(f)
+        status = bench_flashinfer(job["results"], job["iters"], job["repeats"])
+        write(args.flashinfer_child[1], dict(results=job["results"], status=status))
+        return 0
+    if not torch.cuda.is_available():
+        print("no CUDA device: nothing to benchmark", file=sys.stderr)
+        return 2
+    t_start = time.time()
+    iters, repeats = (10, 20) if args.quick else (args.iters, args.repeats)
+    torch.cuda.manual_seed(0)
+    dev = torch.cuda.get_device_properties(0)
+    meta = dict(
+        device=dev.name, sms=dev.multi_processor_count, torch=torch.__version__, cuda=torch.version.cuda,
+        python=platform.python_version(), iters=iters, repeats=repeats,
+    )
+    try:
+        import cutlass
+
+        meta["cutlass_dsl"] = getattr(cutlass, "__version__", "?")
+    except Exception as exc:
+        meta["cutlass_dsl"] = f"not importable: {exc}"
+    print(f"# {meta}", flush=True)
+
+    copy_gbs = copy_bandwidth(iters, repeats)
+    print(f"  torch copy: {copy_gbs:.0f} GB/s (read + write)", flush=True)
+    meta["copy_gbs"] = copy_gbs
+
+    big = [(8192, 4096), (8192, 8192), (16384, 4096), (32768, 4096)]
+    small = [(1, 4096), (16, 4096), (128, 4096), (1024, 4096), (1024, 8192)]
+    add_cases = small + big if not args.quick else [(1, 4096), (128, 4096), (8192, 4096), (8192, 8192)]
+    moe_cases = [(1, 4096), (16, 4096), (128, 4096), (1024, 4096), (4096, 4096), (1024, 7168)]
+    if args.quick:
+        moe_cases = [(1, 4096), (128, 4096), (4096, 4096)]
+    results = []
+    payload = dict(meta=meta, results=results)
+    try:
+        bench_add_norm(add_cases, iters, repeats, copy_gbs, results)
+        write(args.out, payload)
+        bench_moe(moe_cases, 8, iters, repeats, results)
+    except Exception:
+        traceback.print_exc()
+        payload["error"] = traceback.format_exc()
+    write(args.out, payload)
+    print(table(results), flush=True)
+    if not args.no_flashinfer:
+        payload["flashinfer"] = flashinfer_in_child(results, iters, repeats, args.budget_s - (time.time() - t_start))
+        write(args.out, payload)
+        print(table(results), flush=True)
+    target = [r for r in results if r["kernel"] == "add_rmsnorm" and (r["tokens"], r["hidden"]) == (8192, 4096)]
+    if target:
+        frac = target[0]["frac_of_copy"]
+        print(f"add_rmsnorm 8192x4096: {100 * frac:.1f}% of copy bandwidth (target >= 80%): {'PASS' if frac >= 0.8 else 'BELOW TARGET'}")
+    print(f"done in {time.time() - t_start:.0f} s")
+    return 1 if "error" in payload else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
