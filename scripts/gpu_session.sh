@@ -17,7 +17,7 @@ cutedsl)
   timeout 250 python3 benchmarks/cutedsl_bench.py --out "$OUT/cutedsl_bench.json" 2>&1 | tee "$OUT/cutedsl_bench.log" | tail -40 ;;
 graphs)
   timeout 200 python3 -m pytest -q -p no:cacheprovider tests/models/test_static_decode.py 2>&1 | tee "$OUT/graphs.log" | tail -6
-  timeout 300 python3 -m layer_boundary bench decode --out "$OUT/decode.json" 2>&1 | tee "$OUT/decode.log" | tail -12 ;;
+  timeout 300 python3 -m layer_boundary.bench.decode --out "$OUT/decode.json" 2>&1 | tee "$OUT/decode.log" | tail -12 ;;
 models)
   pip install -q --no-deps --no-build-isolation -e . -e plugins/cutedsl >/dev/null 2>&1 || echo "editable install failed"
   for m in qwen3 qwen3_moe; do timeout 120 python3 -m layer_boundary run --model $m --tp 1 --device cuda --dtype bfloat16 --json > "$OUT/run_$m.json" 2>"$OUT/run_$m.err"; echo "$m rc=$?"; python3 -c "import json;d=json.load(open('$OUT/run_$m.json'));print(d['check'],d['timings']['decode_step_s'])"; done

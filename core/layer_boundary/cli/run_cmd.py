@@ -131,11 +131,17 @@ def _verdict(args, results, reference):
         return report
     max_abs = 0.0
     scale = 0.0
+    finite = True
     for r in range(n):
         for ours, theirs in zip(got[r], reference[r]):
             ours64, theirs64 = ours.double(), theirs.double().reshape(ours.shape)
+            # a NaN never compares greater: check finiteness explicitly so it cannot pass
+            finite = finite and bool(torch.isfinite(ours64).all()) and bool(torch.isfinite(theirs64).all())
             max_abs = max(max_abs, (ours64 - theirs64).abs().max().item())
             scale = max(scale, theirs64.abs().max().item())
+    if not finite:
+        report.update(max_abs_err=float("nan"), rel_err=float("nan"), tolerance=TOLERANCES[args.dtype], passed=False)
+        return report
     rel = max_abs / scale if scale else max_abs
     report.update(max_abs_err=max_abs, rel_err=rel, tolerance=TOLERANCES[args.dtype], passed=rel < TOLERANCES[args.dtype])
     return report

@@ -74,7 +74,7 @@ class CausalLM(nn.Module):
         self.lm_head = nn.Linear(H, config.vocab_size, bias=False, dtype=dtype, device=device)
         if config.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
-        self.rotary = RotaryEmbedding(config.head_dim, config.rope_theta)
+        self.rotary = RotaryEmbedding(config.head_dim, config.rope_theta).to(device) if device is not None else RotaryEmbedding(config.head_dim, config.rope_theta)
         self.handoff_norm = None  # a fusion service that takes a terminal MoE finalize handoff
 
     def new_cache(self) -> KVCache:
