@@ -46,3 +46,7 @@ class Messages:
     PARTIAL_FFN = "PARTIAL is not supported for ffn stages"
     LOCAL_TAIL_ATTN = "LOCAL_TAIL is not supported for attention stages"
     SNAPSHOT_PLAIN = "snapshot requires a plain residual update"
+    FINAL_READ = (
+        "the residual is a tuple of row tensors (a multi-stream residual kind such as mhc); leave the stack with "
+        "residual_batch.norm(..., final_read=ops.final_read), the kind's stack-exit read"
+    )
