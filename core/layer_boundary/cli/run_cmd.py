@@ -125,7 +125,12 @@ def _verdict(args, results, reference):
             max_abs = max(max_abs, (ours64 - theirs64).abs().max().item())
             scale = max(scale, theirs64.abs().max().item())
     rel = max_abs / scale if scale else max_abs
-    report.update(max_abs_err=max_abs, rel_err=rel, tolerance=TOLERANCES[args.dtype], passed=rel < TOLERANCES[args.dtype])
+    tolerance = TOLERANCES[args.dtype]
+    if args.check == "hf":
+        from ..models import family
+
+        tolerance = family(args.model).tolerances.get(args.dtype, tolerance)
+    report.update(max_abs_err=max_abs, rel_err=rel, tolerance=tolerance, passed=rel < tolerance)
     return report
 
 
