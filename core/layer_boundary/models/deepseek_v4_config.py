@@ -68,8 +68,8 @@ class DeepseekV4Config:
         head_dim = int(cfg.get("head_dim", 512))
         theta, partial = _main_rope(cfg, head_dim)
         rope_dim = int(head_dim * partial)
-        if rope_dim % 2 or rope_dim > head_dim:
-            raise ConfigError(f"the rotary width head_dim * partial_rotary_factor = {rope_dim} must be even and at most head_dim")
+        if rope_dim % 2 or not 2 <= rope_dim <= head_dim:
+            raise ConfigError(f"the rotary width head_dim * partial_rotary_factor = {rope_dim} must be even, between 2 and head_dim")
         if int(cfg.get("hc_mult", 4)) < 1:
             raise ConfigError("hc_mult must be at least 1")
         return cls(
