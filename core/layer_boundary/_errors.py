@@ -7,6 +7,7 @@ __all__ = ["MissingPluginError", "missing_feature", "FEATURE_DISTRIBUTIONS", "Me
 #: Which distribution provides a feature the core only names.
 FEATURE_DISTRIBUTIONS = {
     "mhc": "layer-boundary-mhc",
+    "ihc": "layer-boundary-mhc",
     "cp": "layer-boundary-cp",
     "tbo": "layer-boundary-tbo",
     "branch": "layer-boundary-tbo",

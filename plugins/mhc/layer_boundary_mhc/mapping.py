@@ -22,10 +22,14 @@ __all__ = [
     "Coefficients",
     "expand",
     "projected_logits",
+    "scaled_projection",
+    "independent_coefficients",
+    "independent_head_weights",
     "sinkhorn",
     "stage_coefficients",
     "collapse",
     "write_back",
+    "inject",
     "head_weights",
     "check_mapping",
 ]
@@ -52,6 +56,12 @@ def projected_logits(streams: torch.Tensor, fn: torch.Tensor, rms_eps: float) ->
     flat = streams.reshape(streams.shape[0], streams.shape[1] * streams.shape[2]).float()
     flat = flat * torch.rsqrt(flat.square().mean(-1, keepdim=True) + rms_eps)
     return F.linear(flat, fn.float())
+
+
+def scaled_projection(streams: torch.Tensor, fn: torch.Tensor, rms_eps: float) -> torch.Tensor:
+    """(fn @ x) / rms(x): the same quantity projected first, then scaled (iHC's order), float32."""
+    flat = streams.reshape(streams.shape[0], streams.shape[1] * streams.shape[2]).float()
+    return F.linear(flat, fn.float()) * torch.rsqrt(flat.square().mean(-1, keepdim=True) + rms_eps)
 
 
 def _gate_dtype(base: torch.Tensor) -> torch.dtype:
@@ -86,6 +96,22 @@ def stage_coefficients(streams, fn, base, scale, *, iters: int, eps: float, rms_
     return Coefficients(pre, post, sinkhorn(comb_logits, iters, eps))
 
 
+def independent_coefficients(streams, fn, base, scale, *, magnitude: float, eps: float, rms_eps: float):
+    """iHC (independent hyper-connections, HY-V4): (pre [T, n], post [T, n]) without a mixing
+    matrix. fn [2n, n H], base [2n], scale [2]; post = magnitude * sigmoid(...) + eps."""
+    n = streams.shape[1]
+    logits = scaled_projection(streams, fn, rms_eps)
+    pre = torch.sigmoid(_affine(logits[:, :n], scale[0], base[:n])) + eps
+    post = magnitude * torch.sigmoid(_affine(logits[:, n:], scale[1], base[n:])) + eps
+    return pre, post
+
+
+def independent_head_weights(streams, fn, base, scale, *, eps: float, rms_eps: float) -> torch.Tensor:
+    """iHC's exit contraction weights: as `head_weights`, projected first, in float32."""
+    logits = scaled_projection(streams, fn, rms_eps)
+    return torch.sigmoid(logits * scale.float() + base.float()) + eps
+
+
 def collapse(streams: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
     """sum_i w_i X_i, accumulated in the wider of the two dtypes, rounded once. [T, n, H] -> [T, H]."""
     return (weights.unsqueeze(-1) * streams).sum(dim=1).to(streams.dtype)
@@ -98,6 +124,12 @@ def write_back(output: torch.Tensor, streams: torch.Tensor, post: torch.Tensor, 
     return (post.to(acc).unsqueeze(-1) * output.to(acc).unsqueeze(-2) + mixed).to(streams.dtype)
 
 
+def inject(output: torch.Tensor, streams: torch.Tensor, post: torch.Tensor) -> torch.Tensor:
+    """X'[i] = post[i] F + X[i] (iHC: no stream mixing), in at least float32, rounded once."""
+    acc = torch.promote_types(torch.float32, streams.dtype)
+    return (post.to(acc).unsqueeze(-1) * output.to(acc).unsqueeze(-2) + streams.to(acc)).to(streams.dtype)
+
+
 def head_weights(streams, fn, base, scale, *, eps: float, rms_eps: float) -> torch.Tensor:
     """The learned stack-exit contraction weights (DeepSeek-V4's head): sigmoid gates, no
     Sinkhorn, all in float32. fn [n, n H], base [n], scale [1]. Returns [T, n]."""
@@ -106,15 +138,15 @@ def head_weights(streams, fn, base, scale, *, eps: float, rms_eps: float) -> tor
 
 
 def check_mapping(where: str, mapping, n: int, rows: int, scales: int) -> int:
-    """Validate a mapping's fn/base/scale shapes; returns the hidden size."""
+    """Validate a mapping's fn/base/scale shapes (`where` names it: "mhc attn"); returns the hidden size."""
     for attr in ("fn", "base", "scale"):
         if not isinstance(getattr(mapping, attr, None), torch.Tensor):
-            raise TypeError(f"mhc {where} mapping needs tensors fn, base and scale; {type(mapping).__name__} has no tensor {attr!r}")
+            raise TypeError(f"{where} mapping needs tensors fn, base and scale; {type(mapping).__name__} has no tensor {attr!r}")
     fn, base, scale = mapping.fn, mapping.base, mapping.scale
     if fn.dim() != 2 or fn.shape[0] != rows or fn.shape[1] % n:
-        raise ValueError(f"mhc {where} mapping: fn has shape {tuple(fn.shape)}, expected [{rows}, {n} * hidden]")
+        raise ValueError(f"{where} mapping: fn has shape {tuple(fn.shape)}, expected [{rows}, {n} * hidden]")
     if tuple(base.shape) != (rows,):
-        raise ValueError(f"mhc {where} mapping: base has shape {tuple(base.shape)}, expected [{rows}]")
+        raise ValueError(f"{where} mapping: base has shape {tuple(base.shape)}, expected [{rows}]")
     if tuple(scale.shape) != (scales,):
-        raise ValueError(f"mhc {where} mapping: scale has shape {tuple(scale.shape)}, expected [{scales}]")
+        raise ValueError(f"{where} mapping: scale has shape {tuple(scale.shape)}, expected [{scales}]")
     return fn.shape[1] // n

@@ -1,4 +1,5 @@
-"""A small stack on the mhc residual for the test worlds, and an independent plain-torch reference.
+"""A small stack on a hyper-connection residual (mhc or ihc) for the test worlds, and an
+independent plain-torch reference.
 
 Compute is the grid's (float64, inputs rounded to 1/8, weights multiples of 1/8), so partial sums
 are exact however ranks split them: a run on any layout must give the bits of a single rank run
@@ -26,8 +27,13 @@ from layer_boundary import (
 )
 from layer_boundary.testing.grid import quant
 
-H, STREAMS, WIDTH, LAYERS, ITERS = 16, 3, 16, 2, 6
+H, STREAMS, WIDTH, LAYERS, ITERS, MAGNITUDE = 16, 3, 16, 2, 6, 2.0
 EPS, RMS_EPS = 1e-6, 1e-6
+#: per kind: (mapping rows, scales, kind options)
+KINDS = {
+    "mhc": ((2 + STREAMS) * STREAMS, 3, {"sinkhorn_iters": ITERS}),
+    "ihc": (2 * STREAMS, 2, {"magnitude": MAGNITUDE}),
+}
 
 
 def _grid(gen, *shape):
@@ -50,10 +56,11 @@ def _norm(gen):
 
 
 class MhcLayer:
-    def __init__(self, gen, parallel, head, previous, terminal, policy, fusions):
+    def __init__(self, gen, parallel, head, previous, terminal, policy, fusions, kind):
         groups = parallel.groups
-        self.attn_hc = _mapping(gen, (2 + STREAMS) * STREAMS, 3)
-        self.ffn_hc = _mapping(gen, (2 + STREAMS) * STREAMS, 3)
+        rows, scales, options = KINDS[kind]
+        self.attn_hc = _mapping(gen, rows, scales)
+        self.ffn_hc = _mapping(gen, rows, scales)
         self.attn_norm, self.ffn_norm = _norm(gen), _norm(gen)
         self.attn_up = ColumnParallelLinear(H, WIDTH, groups["attn_tp"], dtype=torch.float64)
         self.attn_down = RowParallelLinear(WIDTH, H, groups["attn_tp"], reduce_results=False, dtype=torch.float64)
@@ -62,7 +69,7 @@ class MhcLayer:
         for linear, shape in ((self.attn_up, (WIDTH, H)), (self.attn_down, (H, WIDTH)), (self.ffn_up, (WIDTH, H)), (self.ffn_down, (H, WIDTH))):
             linear.load_full(_grid(gen, *shape))
         self.ops = residual_kind(
-            "mhc", streams=STREAMS, sinkhorn_iters=ITERS, eps=EPS, rms_eps=RMS_EPS, attn=self.attn_hc, ffn=self.ffn_hc, head=head
+            kind, streams=STREAMS, eps=EPS, rms_eps=RMS_EPS, attn=self.attn_hc, ffn=self.ffn_hc, head=head, **options
         )
         opts = {"fusions": fusions} if fusions is not None else {}
         self.attn, self.ffn = make_stages(
@@ -83,12 +90,12 @@ class MhcLayer:
 
 
 class MhcStack:
-    def __init__(self, parallel, *, policy="ar", seed=0, fusions=None):
+    def __init__(self, parallel, *, policy="ar", seed=0, fusions=None, kind="mhc"):
         gen = torch.Generator().manual_seed(seed)
         self.head = _mapping(gen, STREAMS, 1)
         self.layers, previous = [], None
         for i in range(LAYERS):
-            layer = MhcLayer(gen, parallel, self.head, previous, i == LAYERS - 1, policy, fusions)
+            layer = MhcLayer(gen, parallel, self.head, previous, i == LAYERS - 1, policy, fusions, kind)
             self.layers.append(layer)
             previous = layer.ops
         self.final_norm = _norm(gen)
@@ -111,49 +118,63 @@ def stack_inputs(counts, seed=1):
     return [_grid(gen, n, H) * 4 for n in counts]
 
 
-def run_stack_rank(parallel, counts, *, policy="ar", padding="sum_len", sequence_parallel=False, fusions=None):
+def run_stack_rank(parallel, counts, *, policy="ar", padding="sum_len", sequence_parallel=False, fusions=None, kind="mhc"):
     x = stack_inputs(counts)[parallel.attn_dp_rank]
     fwd = Forward(parallel, x.shape[0], dp_counts=counts, dp_padding=DpPadding(padding), sequence_parallel=sequence_parallel)
-    return MhcStack(parallel, policy=policy, fusions=fusions).run(x, fwd)
+    return MhcStack(parallel, policy=policy, fusions=fusions, kind=kind).run(x, fwd)
 
 
-def single_rank(counts):
+def single_rank(counts, kind="mhc"):
     """Each DP token set through the same stack on one rank."""
-    stack = MhcStack(Parallel.single())
+    stack = MhcStack(Parallel.single(), kind=kind)
     return [stack.run(x, Forward(Parallel.single(), x.shape[0])) for x in stack_inputs(counts)]
 
 
 # an independent reference: the formulas, with none of the plugin's code ------------------------
 
 
-def _coefficients(X, m):
+def _gates(X, m):
+    """The mapping's logits: scale * (fn @ x) / rms(x) + base, per coefficient group."""
     T, n, _ = X.shape
     x = X.reshape(T, n * H).float()
-    inv_rms = torch.rsqrt(x.pow(2).mean(-1) + RMS_EPS)
-    mix = inv_rms[:, None] * (x @ m.fn.float().T)
-    z = mix.double() * torch.cat([m.scale[0].repeat(n), m.scale[1].repeat(n), m.scale[2].repeat(n * n)]) + m.base
+    mix = torch.rsqrt(x.pow(2).mean(-1) + RMS_EPS)[:, None] * (x @ m.fn.float().T)
+    sizes = [n, n, n * n][: len(m.scale)]
+    return mix.double() * torch.cat([m.scale[k].repeat(size) for k, size in enumerate(sizes)]) + m.base
+
+
+def _mhc_stage(X, m, compute, norm):
+    n = X.shape[1]
+    z = _gates(X, m)
     pre = torch.sigmoid(z[:, :n]) + EPS
     post = 2 * torch.sigmoid(z[:, n : 2 * n])
-    comb = torch.exp(z[:, 2 * n :].reshape(T, n, n))
+    comb = torch.exp(z[:, 2 * n :].reshape(-1, n, n))
     comb = comb / comb.sum(-1, keepdim=True) + EPS
     comb = comb / (comb.sum(-2, keepdim=True) + EPS)
     for _ in range(ITERS - 1):
         comb = comb / (comb.sum(-1, keepdim=True) + EPS)
         comb = comb / (comb.sum(-2, keepdim=True) + EPS)
-    return pre, post, comb
+    F = compute(norm((pre[..., None] * X).sum(1)))
+    return post[..., None] * F[:, None, :] + torch.einsum("tio,tih->toh", comb, X)
 
 
-def plain_reference(x):
+def _ihc_stage(X, m, compute, norm):
+    n = X.shape[1]
+    z = _gates(X, m)
+    pre = torch.sigmoid(z[:, :n]) + EPS
+    post = MAGNITUDE * torch.sigmoid(z[:, n:]) + EPS
+    F = compute(norm((pre[..., None] * X).sum(1)))
+    return post[..., None] * F[:, None, :] + X
+
+
+def plain_reference(x, kind="mhc"):
     """The stack's output from the formulas: expand, per stage coefficients -> collapse -> norm ->
-    compute -> X' = post F + comb^T X, then the head contraction and the final norm."""
-    stack = MhcStack(Parallel.single())
+    compute -> write back (mhc: post F + comb^T X; ihc: post F + X), then the head contraction and
+    the final norm."""
+    stack = MhcStack(Parallel.single(), kind=kind)
+    stage = {"mhc": _mhc_stage, "ihc": _ihc_stage}[kind]
     X = x[:, None, :].repeat(1, STREAMS, 1)
     for layer in stack.layers:
-        for m, norm, compute in ((layer.attn_hc, layer.attn_norm, layer.attention), (layer.ffn_hc, layer.ffn_norm, layer.mlp)):
-            pre, post, comb = _coefficients(X, m)
-            F = compute(norm((pre[..., None] * X).sum(1)))
-            X = post[..., None] * F[:, None, :] + torch.einsum("tio,tih->toh", comb, X)
-    flat = X.reshape(X.shape[0], STREAMS * H).float()
-    mix = torch.rsqrt(flat.pow(2).mean(-1, keepdim=True) + RMS_EPS) * (flat @ stack.head.fn.float().T)
-    w = torch.sigmoid(mix * stack.head.scale.float() + stack.head.base.float()) + EPS
+        X = stage(X, layer.attn_hc, layer.attention, layer.attn_norm)
+        X = stage(X, layer.ffn_hc, layer.mlp, layer.ffn_norm)
+    w = torch.sigmoid(_gates(X, stack.head).float()) + EPS
     return stack.final_norm((w[..., None] * X).sum(1))

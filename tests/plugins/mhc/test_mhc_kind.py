@@ -99,7 +99,7 @@ def test_read_and_update_follow_the_formulas_including_zero_rows():
 
 def test_an_update_without_coefficients_is_refused():
     ops = _ops()
-    with pytest.raises(ValueError, match="needs the \\(streams, post, comb\\) its stage's read left"):
+    with pytest.raises(ValueError, match="needs the coefficients its stage's read left"):
         ops.ffn_update.apply(torch.zeros(2, H), torch.zeros(2, N, H))
     streams = torch.zeros(3, N, H)
     _, residual = ops.attn_read.read(streams, _norm().float())
@@ -141,3 +141,20 @@ def test_without_the_plugin_asking_for_mhc_names_the_distribution(monkeypatch):
     finally:
         monkeypatch.delenv("LAYER_BOUNDARY_DISABLE_PLUGINS")
         reset_registry()
+
+
+def test_the_ihc_kind_shares_the_contract():
+    (record,) = get_registry().residual_kinds_of("ihc")
+    assert record.name == "mhc.ihc_torch" and record.distribution == "layer-boundary-mhc"
+    ops = residual_kind("ihc", streams=N, attn=_mapping(2 * N, 2, 1), ffn=_mapping(2 * N, 2, 2))
+    assert ops.attn_update.plain_add is False and ops.ffn_read.plain_norm is False
+    with pytest.raises(ValueError, match=re.escape("ihc attn mapping: fn has shape (15, 24), expected [6, 3 * hidden]")):
+        residual_kind("ihc", streams=N, attn=_mapping(15, 3), ffn=_mapping(2 * N, 2))
+    streams = torch.randn(4, N, H, dtype=torch.float64)
+    _, residual = ops.attn_read.read(streams, _norm())
+    with pytest.raises(ValueError, match="an ihc update needs the coefficients"):
+        ops.attn_update.apply(torch.zeros(4, H, dtype=torch.float64), residual + (None,))
+    F = torch.randn(4, H, dtype=torch.float64)
+    torch.testing.assert_close(ops.attn_update.apply(F, residual), residual[1][..., None] * F[:, None] + streams, rtol=0, atol=1e-14)
+    normed, _ = ops.final_read.read(streams, _norm())  # no head: the streams' mean
+    torch.testing.assert_close(normed, _norm()(streams.mean(1)), rtol=0, atol=0)

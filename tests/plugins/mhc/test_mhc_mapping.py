@@ -3,11 +3,22 @@
 import pytest
 import torch
 
-from layer_boundary_mhc.mapping import collapse, expand, head_weights, sinkhorn, stage_coefficients, write_back
+from layer_boundary_mhc.mapping import (
+    collapse,
+    expand,
+    head_weights,
+    independent_coefficients,
+    independent_head_weights,
+    inject,
+    sinkhorn,
+    stage_coefficients,
+    write_back,
+)
 
 transformers = pytest.importorskip("transformers")
 from transformers.models.deepseek_v4.modeling_deepseek_v4 import DeepseekV4HyperConnection, DeepseekV4HyperHead  # noqa: E402
 from transformers.models.glm5_next.modeling_glm5_next import Glm5NextTextHyperConnection, Glm5NextTextHyperHead  # noqa: E402
+from transformers.models.hy_v4.modeling_hy_v4 import HYV4HyperConnection, HYV4HyperHead  # noqa: E402
 
 H = 32
 DTYPES = [torch.float32, torch.float64]
@@ -73,6 +84,25 @@ def test_exit_contractions_equal_the_hf_heads(dtype):
     weights = head_weights(X, head.hc_fn, head.hc_base, head.hc_scale, eps=1e-6, rms_eps=1e-6)
     assert torch.equal(collapse(X, weights), head(X[None])[0])
     assert torch.equal(X.mean(dim=1), Glm5NextTextHyperHead()(X[None])[0])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_independent_hyper_connections_equal_hy_v4(dtype):
+    """iHC: HF keeps the mapping in float32 and mixes in float32 whatever the activations are."""
+    cfg = transformers.HYV4Config(hidden_size=H, hc_mult=3, hc_eps=1e-6, rms_norm_eps=1e-6, num_hidden_layers=1)
+    hc, head = HYV4HyperConnection(cfg), HYV4HyperHead(cfg)
+    _randomize(hc.fn, hc.base, hc.scale, seed=21)
+    _randomize(head.hc_fn, head.hc_base, head.hc_scale, seed=22)
+    X = _streams(8, 3, dtype, seed=6)
+    post, collapsed = hc(X[None])
+    pre, ours_post = independent_coefficients(X, hc.fn, hc.base, hc.scale, magnitude=cfg.hc_magnitude, eps=1e-6, rms_eps=1e-6)
+    assert torch.equal(ours_post, post[0]) and torch.equal(collapse(X, pre), collapsed[0])
+    weights = independent_head_weights(X, head.hc_fn, head.hc_base, head.hc_scale, eps=1e-6, rms_eps=1e-6)
+    assert torch.equal(collapse(X, weights), head(X[None])[0])
+    F = torch.randn(8, H, generator=_gen(8)).to(dtype)
+    # HY-V4's decoder layer: X' = post F + X in float32, rounded once
+    expected = (post[0].float().unsqueeze(-1) * F.float().unsqueeze(-2) + X.float()).to(dtype)
+    assert torch.equal(inject(F, X, ours_post), expected)
 
 
 def test_write_back_uses_comb_transposed():

@@ -1,5 +1,6 @@
-"""The mhc residual through the boundaries in the threaded world: every layout gives a single
-rank's bits, zero-row ranks included; the single rank matches the plain-torch formulas."""
+"""Hyper-connection residuals (mhc, ihc) through the boundaries in the threaded world: every
+layout gives a single rank's bits, zero-row ranks included; the single rank matches the
+plain-torch formulas."""
 
 import pytest
 import torch
@@ -21,19 +22,20 @@ LAYOUTS = {
 }
 
 
-def _assert_matches_single_rank(results, topology, counts):
-    expected = single_rank(counts)
+def _assert_matches_single_rank(results, topology, counts, kind="mhc"):
+    expected = single_rank(counts, kind)
     for rank, out in enumerate(results):
         dp_rank = topology.coordinates(rank)["attn_dp"]
         assert out.shape == expected[dp_rank].shape
         assert torch.equal(out, expected[dp_rank]), f"rank {rank}: max diff {(out - expected[dp_rank]).abs().max()}"
 
 
+@pytest.mark.parametrize("kind", ["mhc", "ihc"])
 @pytest.mark.parametrize("layout", list(LAYOUTS))
-def test_every_layout_gives_a_single_ranks_bits(layout):
+def test_every_layout_gives_a_single_ranks_bits(layout, kind):
     topology, counts, policy = LAYOUTS[layout]
-    results = run_threaded(run_stack_rank, topology, counts, policy=policy)
-    _assert_matches_single_rank(results, topology, counts)
+    results = run_threaded(run_stack_rank, topology, counts, policy=policy, kind=kind)
+    _assert_matches_single_rank(results, topology, counts, kind)
 
 
 def test_max_len_padding_under_attention_dp():
@@ -42,21 +44,22 @@ def test_max_len_padding_under_attention_dp():
     _assert_matches_single_rank(results, topology, counts)
 
 
-@pytest.mark.parametrize("tp, n", [(2, 5), (4, 6)])
-def test_sequence_parallel_slices_carry_their_coefficients(tp, n):
+@pytest.mark.parametrize("kind, tp, n", [("mhc", 2, 5), ("mhc", 4, 6), ("ihc", 2, 5)])
+def test_sequence_parallel_slices_carry_their_coefficients(kind, tp, n):
     """On attention-TP slices each rank reads its own rows: the coefficients are computed on a
     slice (a float32 projection over fewer rows, so equal to ~1 ulp, not bitwise)."""
-    results = run_threaded(run_stack_rank, Topology(tp=tp), (n,), policy="rs+rsv", sequence_parallel=True)
-    (expected,) = single_rank((n,))
+    results = run_threaded(run_stack_rank, Topology(tp=tp), (n,), policy="rs+rsv", sequence_parallel=True, kind=kind)
+    (expected,) = single_rank((n,), kind)
     for out in results:
         torch.testing.assert_close(out, expected, rtol=1e-6, atol=1e-9)
 
 
+@pytest.mark.parametrize("kind", ["mhc", "ihc"])
 @pytest.mark.parametrize("n", [6, 1, 0])
-def test_a_single_rank_follows_the_formulas(n):
+def test_a_single_rank_follows_the_formulas(n, kind):
     x = stack_inputs((n,))[0]
-    (ours,) = single_rank((n,))
-    torch.testing.assert_close(ours, plain_reference(x), rtol=1e-6, atol=1e-9)
+    (ours,) = single_rank((n,), kind)
+    torch.testing.assert_close(ours, plain_reference(x, kind), rtol=1e-6, atol=1e-9)
 
 
 class _RecordingProvider:
