@@ -6,6 +6,13 @@ Every layer asks for `residual_kind("mhc", ...)` with its two stage mappings (`a
 collapse them into the stage input, write each stage's completed output back, and contract the
 streams through the head before the final norm. The model keeps only its compute (attention,
 MoE) and the mapping weights. Without layer-boundary-mhc installed, construction fails naming it.
+
+What is simplified against Hugging Face's DeepseekV4ForCausalLM (parity holds for every config
+this parser accepts): compressed attention (CSA / HCA and their indexer) and hash-routed MoE
+layers are rejected at config parse; the shared expert is TP-sharded where HF replicates it (the
+same sum); mapping weights are kept in at least float32 and norm weights in the model dtype (HF
+keeps both in float32 for bfloat16 checkpoints, so bfloat16 runs round differently); the MTP
+layers are not built (HF does not build them either).
 """
 
 from __future__ import annotations

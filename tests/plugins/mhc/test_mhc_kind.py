@@ -158,3 +158,31 @@ def test_the_ihc_kind_shares_the_contract():
     torch.testing.assert_close(ops.attn_update.apply(F, residual), residual[1][..., None] * F[:, None] + streams, rtol=0, atol=1e-14)
     normed, _ = ops.final_read.read(streams, _norm())  # no head: the streams' mean
     torch.testing.assert_close(normed, _norm()(streams.mean(1)), rtol=0, atol=0)
+
+
+def _through_one_layer(parallel, ops, attn, ffn, x):
+    fwd = Forward(parallel, x.shape[0])
+    residual_batch.start(fwd)
+    h = attn.finish(attn.prepare(x, fwd), fwd)
+    inp = ffn.prepare(h, fwd)
+    with ffn.exit(fwd) as out:
+        y = inp * 0.5
+    return fwd, out.finish(y)
+
+
+def test_the_final_read_in_every_stream_state():
+    """Pending (update, then contract + norm), written (after fold) and initial (an empty stack)
+    all leave through the kind's exit read; fold-then-norm equals norm of the pending output."""
+    parallel = Parallel.single()
+    ops, attn, ffn = _one_layer(parallel)
+    final, x = _norm(), torch.randn(5, H, dtype=torch.float64)
+    fwd, h = _through_one_layer(parallel, ops, attn, ffn, x)
+    pending = residual_batch.norm(h, fwd, final, final_read=ops.final_read)
+    fwd, h = _through_one_layer(parallel, ops, attn, ffn, x)
+    folded = residual_batch.fold(h, fwd)
+    assert folded.shape == (5, N, H)
+    assert torch.equal(residual_batch.norm(folded, fwd, final, final_read=ops.final_read), pending)
+    fwd = Forward(parallel, 5)
+    residual_batch.start(fwd)
+    empty_stack = residual_batch.norm(x, fwd, final, final_read=ops.final_read)
+    assert torch.equal(empty_stack, ops.final_read.read(ops.final_read.enter(x), final)[0])
