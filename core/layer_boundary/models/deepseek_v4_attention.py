@@ -20,7 +20,7 @@ from typing import Optional
 import torch
 from torch import nn
 
-from ..layers import ColumnParallelLinear, shard_cols
+from ..layers import ColumnParallelLinear
 from ..residual.add_norm import RMSNorm
 from .attention import StepLayout
 
