@@ -11,6 +11,10 @@ Rounding order (the reference's, which Hugging Face's DeepSeek-V4 follows in flo
 - gates and Sinkhorn-Knopp run in the mapping parameters' dtype, at least float32;
 - the collapse `sum_i pre_i X_i` and the write-back `post F + comb^T X` accumulate in at least
   float32 and are rounded once to the residual's dtype.
+
+iHC (independent hyper-connections, HY-V4) shares the layout without `comb` (`fn [2n, n H]`,
+`scale [2]`), projects before scaling by the inverse RMS (HY-V4's order), adds eps to `post`, and
+writes back `post F + X`.
 """
 
 from __future__ import annotations
