@@ -7,6 +7,7 @@ __all__ = ["MissingPluginError", "missing_feature", "FEATURE_DISTRIBUTIONS", "Me
 #: Which distribution provides a feature the core only names.
 FEATURE_DISTRIBUTIONS = {
     "mhc": "layer-boundary-mhc",
+    "ihc": "layer-boundary-mhc",
     "cp": "layer-boundary-cp",
     "tbo": "layer-boundary-tbo",
     "branch": "layer-boundary-tbo",
@@ -46,3 +47,7 @@ class Messages:
     PARTIAL_FFN = "PARTIAL is not supported for ffn stages"
     LOCAL_TAIL_ATTN = "LOCAL_TAIL is not supported for attention stages"
     SNAPSHOT_PLAIN = "snapshot requires a plain residual update"
+    FINAL_READ = (
+        "the residual is a tuple of row tensors (a multi-stream residual kind such as mhc); leave the stack with "
+        "residual_batch.norm(..., final_read=ops.final_read), the kind's stack-exit read"
+    )

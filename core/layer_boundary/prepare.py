@@ -82,7 +82,8 @@ def run_entry(plan, entry, hidden, fwd, capture_output=None, captured=None):
     if state == "written":
         stream.check(hidden)
         residual = align_rows(stream.residual, stream.rows, entry.residual_rows, fwd)
-        _capture(capture_output, _to_producer_rows(residual, entry, fwd), owned=entry.capture_allocates)
+        if capture_output is not None:
+            _capture(capture_output, _to_producer_rows(residual, entry, fwd), owned=entry.capture_allocates)
         inp, residual = read.read(residual, norm)
         stream.write(residual, entry.residual_rows)
         return _finish_entry(plan, entry, inp, residual, fwd, captured, owned=False)
@@ -118,7 +119,8 @@ def run_entry(plan, entry, hidden, fwd, capture_output=None, captured=None):
         residual = align_rows(residual, stream.rows, SLICE_ROWS, fwd)
         inp, residual = read.update_and_read(contribution.update, value, residual, norm)
         stream.write(residual, SLICE_ROWS)
-        _capture(capture_output, _to_producer_rows(residual, entry, fwd), owned=True)
+        if capture_output is not None:
+            _capture(capture_output, _to_producer_rows(residual, entry, fwd), owned=True)
         return _finish_entry(plan, entry, inp, residual, fwd, captured, owned=False)
     if mode in ("branch", "adapter"):  # pragma: no cover - dispatched by StageBoundary
         raise AssertionError(mode)
@@ -134,13 +136,14 @@ def run_entry(plan, entry, hidden, fwd, capture_output=None, captured=None):
 
 
 def _to_producer_rows(residual, entry, fwd):
-    return gather_slices(residual, fwd) if entry.residual_rows == SLICE_ROWS else residual
+    """The residual on the producer's (attention) rows; a collective on slices, so only for a capture."""
+    return align_rows(residual, entry.residual_rows, ATTENTION_ROWS, fwd)
 
 
 def _finish_entry(plan, entry, inp, residual, fwd, captured, *, owned, skip_move=False):
     if captured is not None:
         if entry.residual_rows == SLICE_ROWS:
-            _capture(captured, gather_slices(residual, fwd), owned=True)
+            _capture(captured, align_rows(residual, SLICE_ROWS, ATTENTION_ROWS, fwd), owned=True)
         else:
             _capture(captured, residual, owned=owned)
     if entry.input_move is not None and not skip_move:

@@ -95,6 +95,21 @@ def _require_features(args, topology) -> None:
             raise UsageError(f"--device cuda needs {topology.world_size} GPUs, {torch.cuda.device_count()} visible; lower --tp/--attn-dp")
 
 
+def _preflight(config, topology, policy) -> None:
+    """Build rank 0's model on the meta device (no memory, no process group), so a construction
+    error (a missing plugin, an impossible stage combination) is one line before any rank starts."""
+    from .._errors import MissingPluginError
+    from ..models import ConfigError, build_model
+    from ..parallel import Parallel
+    from .plan_cmd import PlanningCollectives
+
+    parallel = Parallel.create(topology, 0, lambda name, ranks: PlanningCollectives(name, ranks, 0))
+    try:
+        build_model(config, parallel, reduction=policy, device="meta")
+    except (ConfigError, MissingPluginError, ValueError, NotImplementedError) as exc:
+        raise UsageError(str(exc)) from None
+
+
 def _reference(args, config, job, dtype):
     """Per request: a list of per-step logits, or None for --check none."""
     from ..models import oracle
@@ -143,7 +158,12 @@ def _verdict(args, results, reference):
         report.update(max_abs_err=float("nan"), rel_err=float("nan"), tolerance=TOLERANCES[args.dtype], passed=False)
         return report
     rel = max_abs / scale if scale else max_abs
-    report.update(max_abs_err=max_abs, rel_err=rel, tolerance=TOLERANCES[args.dtype], passed=rel < TOLERANCES[args.dtype])
+    tolerance = TOLERANCES[args.dtype]
+    if args.check == "hf":
+        from ..models import family
+
+        tolerance = family(args.model).tolerances.get(args.dtype, tolerance)
+    report.update(max_abs_err=max_abs, rel_err=rel, tolerance=tolerance, passed=rel < tolerance)
     return report
 
 
@@ -178,6 +198,7 @@ def run(args) -> int:
         policy = resolve_reduction(args.reduction, dict(config.hf)).value
     except ValueError as exc:
         raise UsageError(str(exc)) from None
+    _preflight(config, topology, policy)
     from ..models.runner import DTYPES
 
     dtype = DTYPES[args.dtype]

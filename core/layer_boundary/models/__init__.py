@@ -18,7 +18,7 @@ from .config import ConfigError, DecoderConfig, load_hf_config
 __all__ = ["MODELS", "ModelFamily", "ConfigError", "DecoderConfig", "build_model", "family", "load_hf_config", "model_config", "register_model"]
 
 #: modules that register model families when first needed (one line per family module)
-FAMILY_MODULES = ("layer_boundary.models.decoder_families",)
+FAMILY_MODULES = ("layer_boundary.models.decoder_families", "layer_boundary.models.deepseek_v4_family")
 
 
 @attrs.frozen(kw_only=True)
@@ -40,6 +40,9 @@ class ModelFamily:
     #: features from plugins the model needs, as (registry kind, name): ("residual_kind", "mhc"),
     #: ("adapter", "branch"); checked before any rank starts, naming the distribution to install
     requires: tuple = ()
+    #: per-dtype overrides of the relative logit error allowed against Hugging Face, for a family
+    #: whose HF reference itself rounds parts through float32 (and so is not reproducible beyond that)
+    tolerances: dict = attrs.field(factory=dict)
 
 
 MODELS: dict[str, ModelFamily] = {}

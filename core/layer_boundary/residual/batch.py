@@ -9,7 +9,7 @@ from __future__ import annotations
 import torch
 
 from .._errors import Messages
-from ..ops import gather_slices
+from ..ops import gather_slices, move_residual
 from ..output import HandoffOutput, UnreducedOutput
 from ..prepare import align_rows
 from .add_norm import is_rms_norm
@@ -87,26 +87,45 @@ def _call(callback, value, owned):
     (callback.capture if hasattr(callback, "capture") and not callable(callback) else callback)(value, owned=owned)
 
 
-def norm(hidden_states, forward, layernorm, *, skip_empty: bool = False, capture_output=None, handoff_norm=None):
+def norm(
+    hidden_states,
+    forward,
+    layernorm,
+    *,
+    skip_empty: bool = False,
+    capture_output=None,
+    handoff_norm=None,
+    final_read=None,
+):
     """Leave the stack: complete what is owed, apply the last update, run the final norm.
 
     `skip_empty` still completes owed work on an empty batch (other ranks may wait in that
     collective) and skips only the norm. With `handoff_norm`, a finalize handoff goes to
     `handoff_norm.finalize(handoff, residual, gamma)` (fused finalize + sum + add + norm).
-    Releases the stream.
+    `final_read` is the residual kind's stack-exit read (`ResidualOps.final_read`, a `StageRead`
+    that must accept zero rows): a kind whose residual is not one [tokens, hidden] tensor (mHC's
+    streams) contracts it there before `layernorm`. Releases the stream.
     """
     stream = stream_of(forward)
     state = stream.state
+    if final_read is None and isinstance(stream.residual, tuple):
+        raise ValueError(Messages.FINAL_READ)
     if state == "initial":
-        normed, new_residual = layernorm(hidden_states), hidden_states
+        if final_read is not None:
+            normed, new_residual = final_read.read(final_read.enter(hidden_states), layernorm)
+        else:
+            normed, new_residual = layernorm(hidden_states), hidden_states
     elif state == "written":
         stream.check(hidden_states)
         new_residual = stream.residual
-        normed = _maybe_empty(layernorm, new_residual, skip_empty)
+        if final_read is not None:
+            normed, new_residual = final_read.read(new_residual, layernorm)
+        else:
+            normed = _maybe_empty(layernorm, new_residual, skip_empty)
     else:
         contribution, residual = stream.take(hidden_states)
         owed = contribution.owed
-        if isinstance(owed, HandoffOutput) and handoff_norm is not None:
+        if isinstance(owed, HandoffOutput) and handoff_norm is not None and final_read is None:
             if capture_output is not None:
                 raise RuntimeError(
                     "norm(handoff_norm=...) received a finalize handoff, which it fuses; capture_output needs the unfused "
@@ -116,7 +135,9 @@ def norm(hidden_states, forward, layernorm, *, skip_empty: bool = False, capture
         else:
             value = align_rows(contribution.complete(), contribution.rows, stream.rows, forward)
             update = contribution.update
-            if skip_empty and value.shape[0] == 0:
+            if final_read is not None:
+                normed, new_residual = final_read.update_and_read(update, value, residual, layernorm)
+            elif skip_empty and value.shape[0] == 0:
                 new_residual = update.apply(value, residual)
                 normed = new_residual
             elif update.plain_add and is_rms_norm(layernorm):
@@ -127,7 +148,7 @@ def norm(hidden_states, forward, layernorm, *, skip_empty: bool = False, capture
     if stream.rows == SLICE_ROWS:
         normed = gather_slices(normed, forward)
         if capture_output is not None:
-            _call(capture_output, gather_slices(new_residual, forward), True)
+            _call(capture_output, move_residual(new_residual, lambda t: gather_slices(t, forward)), True)
     elif capture_output is not None:
         _call(capture_output, new_residual, False)
     forward.residual_stream = None
@@ -178,13 +199,13 @@ def snapshot(hidden_states, forward) -> torch.Tensor:
     stream = stream_of(forward)
     stream.check(hidden_states)
     pending = stream.pending
+    if isinstance(stream.residual, tuple) or (pending is not None and not pending.update.plain_add):
+        raise NotImplementedError(Messages.SNAPSHOT_PLAIN)
     residual = align_rows(stream.residual, stream.rows, ATTENTION_ROWS, forward)
     if pending is None:
         return residual.clone() if stream.rows == ATTENTION_ROWS else residual
     if isinstance(pending.owed, HandoffOutput):
         raise NotImplementedError("a finalize handoff requires main-output capture")
-    if not pending.update.plain_add:
-        raise NotImplementedError(Messages.SNAPSHOT_PLAIN)
     if isinstance(pending.owed, UnreducedOutput):
         value = pending.owed.group.all_reduce(pending.owed.partial.clone())
     else:
