@@ -158,26 +158,42 @@ class ProcessWorld:
             conn.send((fn, topology, args, kwargs))
         return self._collect(getattr(fn, "__name__", "call"), timeout)
 
+    #: once a rank has failed, how long the others get to report before the world is torn down
+    FAILURE_GRACE_S = 10.0
+
     def _collect(self, what: str, timeout: Optional[float] = None) -> list:
+        """Answers of every rank. A rank's error is reported as soon as it arrives (the others,
+        likely stuck in a collective with it, get a short grace), never as a timeout."""
+        from multiprocessing.connection import wait
+
         deadline = timeout if timeout is not None else self.timeout
         results: list[Any] = [None] * self.size
         errors: list[str] = []
-        missing: list[int] = []
+        pending = dict(enumerate(self._conns))
         end = time.monotonic() + deadline
-        for rank, conn in enumerate(self._conns):
-            left = max(0.0, end - time.monotonic())
-            if not conn.poll(left):
-                missing.append(rank)
-                continue
-            try:
-                status, payload = conn.recv()
-            except (EOFError, OSError):
-                missing.append(rank)
-                continue
-            if status == "error":
-                errors.append(f"rank {rank}:\n{payload}")
-            else:
-                results[rank] = payload
+        while pending:
+            left = end - time.monotonic()
+            if left <= 0:
+                break
+            for conn in wait(list(pending.values()), timeout=left):
+                rank = next(r for r, c in pending.items() if c is conn)
+                del pending[rank]
+                try:
+                    status, payload = conn.recv()
+                except (EOFError, OSError):
+                    errors.append(f"rank {rank}: died (exit code {self._procs[rank].exitcode})")
+                    continue
+                if status == "error":
+                    errors.append(f"rank {rank}:\n{payload}")
+                else:
+                    results[rank] = payload
+            if errors:
+                end = min(end, time.monotonic() + self.FAILURE_GRACE_S)
+        missing = sorted(pending)
+        if errors:
+            self.close()
+            waiting = f" (ranks {missing} still waiting, likely in a collective with the failed rank)" if missing else ""
+            raise RankError(f"{self.backend} world: {what} failed on {len(errors)} rank(s){waiting}\n" + "\n".join(errors))
         if missing:
             dead = [r for r in missing if not self._procs[r].is_alive()]
             self.close()
@@ -185,7 +201,4 @@ class ProcessWorld:
                 f"{self.backend} world: {what} got no answer from ranks {missing} within {deadline:.0f}s"
                 + (f" (ranks {dead} died)" if dead else " (a hang: a rank waits in a collective the others never issued)")
             )
-        if errors:
-            self.close()
-            raise RankError(f"{self.backend} world: {what} failed on {len(errors)} rank(s)\n" + "\n".join(errors))
         return results

@@ -94,3 +94,24 @@ def test_counting_collectives_counts_only_what_reaches_other_ranks():
 
     run_threaded(fn, Topology(tp=2))
     assert counter.snapshot() == {"all_reduce@tp": 2}  # one per rank
+
+
+def _one_rank_raises(parallel):
+    import torch as _torch
+
+    if parallel.rank == 1:
+        raise ValueError("rank 1 broke before the collective")
+    return parallel.groups["tp"].all_reduce(_torch.ones(1))
+
+
+@pytest.mark.gloo
+def test_a_rank_error_under_gloo_is_reported_not_a_timeout():
+    from layer_boundary.launch import ProcessWorld, RankError
+
+    world = ProcessWorld(2, timeout=60, collective_timeout=20)
+    world.FAILURE_GRACE_S = 2.0
+    try:
+        with pytest.raises(RankError, match="rank 1 broke before the collective"):
+            world.run(_one_rank_raises, Topology(tp=2))
+    finally:
+        world.close()
