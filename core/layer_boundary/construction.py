@@ -113,6 +113,8 @@ class ExitPath:
     rs_allowed: bool = False
     rsv_allowed: bool = False
     complete_move: Optional[str] = None  # None, "dp_scatter" or "slice"
+    #: compute sees (and returns) the DP-gathered full rows rather than the attention rows
+    compute_rows_full: bool = False
     adapter: Any = None
     #: set when no batch fact can change the decision (then exits reuse one decision object)
     static_decision: Any = None
@@ -161,6 +163,7 @@ class StagePlan:
         self.is_branch = declaration.prepared_from is not None
         self.enters_stack = declaration.previous is None and not self.is_branch
         self.read = declaration.read
+        self.hidden_size = getattr(norm, "hidden_size", None)
         self.qkv_latent_func = options.get("qkv_latent_func")
         self.fusions = options.get("fusions")
         self.providers: list[tuple[Any, str]] = []
@@ -387,6 +390,7 @@ def _exit(plan: StagePlan, variant: BatchVariant) -> ExitPath:
             rs_allowed=dp_rs and policy.allows_rs,
             rsv_allowed=dp_rs and policy.allows_rsv,
             complete_move="dp_scatter",
+            compute_rows_full=True,
         )
     may_defer = (
         not decl.terminal

@@ -11,6 +11,7 @@ from __future__ import annotations
 import torch
 
 from ._errors import Messages
+from .checks import check_rows
 from .forward import _DEFAULT_FLAGS, _FLAGS, BatchVariant, ComputeFlags, DpPadding
 from .ops import dp_reduce_scatter, dp_scatter, reduce_scatter_slices, take_slice
 from .output import HandoffOutput, UnreducedOutput
@@ -59,8 +60,8 @@ def record_complete(plan, value, rows, fwd):
 
 def record_attention(plan, out, fwd):
     """A PARTIAL attention output: its attention-TP sum is always left to the next input."""
-    decl = plan.declaration
     ex = plan.path_for(fwd).exit
+    check_rows(plan, out, fwd.num_tokens, fwd, "attention output")
     return _leave_sum(plan, ex, out, fwd, declared=True)
 
 
@@ -172,8 +173,10 @@ class FfnExit(_ExitScope):
     def finish(self, out):
         self._begin_finish()
         plan, path, fwd, decision = self.plan, self.path, self.fwd, self.decision
-        if decision is COMPLETE_NOW and type(out) is torch.Tensor:
-            return complete_reduced(plan, path, out, fwd)
+        if type(out) is torch.Tensor:
+            check_rows(plan, out, fwd.full_rows if path.exit.compute_rows_full else fwd.num_tokens, fwd, "FFN output")
+            if decision is COMPLETE_NOW:
+                return complete_reduced(plan, path, out, fwd)
         stream = _stream(fwd)
         decl = plan.declaration
         if isinstance(out, HandoffOutput):
@@ -236,6 +239,7 @@ class MixerExit(_ExitScope):
         plan, path, fwd, decision = self.plan, self.path, self.fwd, self.decision
         if not isinstance(out, torch.Tensor):
             raise TypeError(f"stage {plan.label}: a mixer returns a tensor, got {type(out).__name__}")
+        check_rows(plan, out, fwd.num_tokens, fwd, "mixer output")
         if decision.declared or decision.defer_sum:
             return _leave_sum(plan, path.exit, out, fwd, declared=decision.declared)
         return complete_reduced(plan, path, out, fwd)

@@ -106,6 +106,8 @@ def run_candidates(candidates, owed, residual, fwd, is_handoff: bool):
         try:
             out = fused.run(owed, residual, fwd)
         except Exception as exc:
+            if fused.always:  # the core's own completion: its error is not a plugin's
+                raise
             raise FusionError(
                 f"fusion candidate {cand.name!r} from {cand.source} raised: {type(exc).__name__}: {exc}"
             ) from exc

@@ -181,6 +181,7 @@ class ProcessWorld:
                 try:
                     status, payload = conn.recv()
                 except (EOFError, OSError):
+                    self._procs[rank].join(5)  # reap it, so its exit code is known
                     errors.append(f"rank {rank}: died (exit code {self._procs[rank].exitcode})")
                     continue
                 if status == "error":

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from . import debug
 from ._errors import Messages
+from .checks import check_rows
 from .fusions import run_candidates
 from .ops import dp_partial_sum, dp_scatter, gather_slices, move_residual, reduce_scatter_slices, take_slice
 from .output import HandoffOutput, UnreducedOutput
@@ -74,6 +75,7 @@ def run_entry(plan, entry, hidden, fwd, capture_output=None, captured=None):
             )
         if debug.DEBUG:
             debug.check_batch_facts(fwd)
+        check_rows(plan, hidden, fwd.num_tokens, fwd, "stack input")
         _capture(capture_output, hidden, owned=False)
         h = take_slice(hidden, fwd) if entry.slices_on_entry else hidden
         inp, residual = read.read(read.enter(h), norm)

@@ -6,6 +6,7 @@ from typing import Mapping
 
 from ._errors import Messages
 from .contracts import StageKind
+from .checks import check_rows
 from .construction import StagePlan, arriving_sum, plan_stage
 from .forward import BatchVariant
 from .exit import FfnExit, MixerExit, complete_reduced, record_attention
@@ -74,7 +75,9 @@ class StageBoundary:
         fully reduced; apply the output transform, move it back to the handoff rows, owe nothing."""
         if self.plan.kind is StageKind.ATTENTION:
             raise RuntimeError("postprocess() is for FFN and mixer stages; attention publishes with finish()")
-        return complete_reduced(self.plan, self.plan.path_for(forward), output, forward)
+        path = self.plan.path_for(forward)
+        check_rows(self.plan, output, forward.full_rows if path.exit.compute_rows_full else forward.num_tokens, forward, "output")
+        return complete_reduced(self.plan, path, output, forward)
 
     # capture and pipeline ---------------------------------------------------------------------
     def capture_output(self, hidden_states, forward):

@@ -28,13 +28,14 @@ class _GroupState:
         self.name = name
         self.ranks = ranks
         self.slots: list[Any] = [None] * len(ranks)
+        self.ops: list[Any] = [None] * len(ranks)
         self.barrier = threading.Barrier(len(ranks))
 
 
 class ThreadCollectives(CollectivesBase):
-    def __init__(self, state: _GroupState, global_rank: int):
+    def __init__(self, state: _GroupState, global_rank: int, name: str):
         self._state = state
-        self.name = state.name
+        self.name = name
         self.ranks = state.ranks
         self.size = len(state.ranks)
         self.rank = state.ranks.index(global_rank)
@@ -42,7 +43,14 @@ class ThreadCollectives(CollectivesBase):
     def _exchange(self, op: str, x: torch.Tensor, combine: Callable[[list], torch.Tensor]) -> torch.Tensor:
         state = self._state
         state.slots[self.rank] = x
+        state.ops[self.rank] = (op, tuple(x.shape[1:]), x.dtype)
         self._wait(op)
+        ops = list(state.ops)
+        if len(set(ops)) != 1:
+            # real backends hang or corrupt data here; every rank of the threaded world sees the
+            # same table and fails with it (no second barrier, so no rank is left waiting)
+            detail = ", ".join(f"rank {r}: {o[0]} {o[1]} {o[2]}" for r, o in zip(state.ranks, ops))
+            raise CollectiveAborted(f"ranks of {self.name} issued different collectives: {detail}")
         try:
             return combine(list(state.slots))
         finally:
@@ -97,7 +105,7 @@ class ThreadWorld:
         self.timeout = timeout
         self.failed = threading.Event()
         self._lock = threading.Lock()
-        self._groups: dict[tuple[str, tuple[int, ...]], _GroupState] = {}
+        self._groups: dict[tuple[int, ...], _GroupState] = {}
 
     def abort(self) -> None:
         self.failed.set()
@@ -106,12 +114,14 @@ class ThreadWorld:
                 state.barrier.abort()
 
     def group(self, name: str, ranks: tuple[int, ...], rank: int) -> ThreadCollectives:
-        key = (name, ranks)
+        # one state per rank set, as torch.distributed shares one process group among axes with
+        # the same ranks: two axes' collectives then meet (and a mismatch between them is seen)
+        key = ranks
         with self._lock:
             state = self._groups.get(key)
             if state is None:
                 state = self._groups[key] = _GroupState(self, name, ranks)
-        return ThreadCollectives(state, rank)
+        return ThreadCollectives(state, rank, name)
 
     def parallel(self, topology: Topology, rank: int) -> Parallel:
         return Parallel.create(topology, rank, lambda name, ranks: self.group(name, ranks, rank))
@@ -130,7 +140,7 @@ class ThreadWorld:
                 results[rank] = fn(parallel, *args, **kwargs)
             except BaseException as exc:  # noqa: BLE001 - reported below
                 errors[rank] = exc
-                if not isinstance(exc, CollectiveAborted):
+                if not _caused_by_abort(exc):
                     self.abort()
 
         threads = [threading.Thread(target=target, args=(r,), name=f"rank{r}", daemon=True) for r in range(self.size)]
@@ -142,13 +152,22 @@ class ThreadWorld:
         if alive:
             self.abort()
             raise CollectiveAborted(f"ranks {alive} did not finish within {self.timeout * 4:.0f}s")
-        root = [e for e in errors if e is not None and not isinstance(e, CollectiveAborted)]
+        root = [e for e in errors if e is not None and not _caused_by_abort(e)]
         if root:
             raise root[0]
         aborted = [e for e in errors if e is not None]
         if aborted:
             raise aborted[0]
         return results
+
+
+def _caused_by_abort(exc: BaseException) -> bool:
+    """A failure that is the consequence of a collective failing (possibly wrapped)."""
+    while exc is not None:
+        if isinstance(exc, CollectiveAborted):
+            return True
+        exc = exc.__cause__
+    return False
 
 
 def run_threaded(fn: Callable, topology: Topology, *args, timeout: float = 30.0, **kwargs) -> list:
