@@ -522,28 +522,29 @@ class NemotronHForCausalLM(nn.Module):
 
     # pipeline transport ----------------------------------------------------------------------
     # Handoff s (stage s -> s + 1) is one all_gather over the pipeline group that every stage
-    # joins in order: the sender contributes (hidden, residual), the others zeros, and stage
-    # s + 1 keeps the sender's part. A stage joins the handoffs before its own compute first.
+    # joins in order: the sender contributes (hidden, residual, owes_declared_sum) flattened, the
+    # others zeros, and stage s + 1 keeps the sender's part. A stage first joins the handoffs
+    # before its own compute, then its own, then the later ones.
 
     def _handoff(self, index: int, rows: int, device, payload: Optional[torch.Tensor]) -> torch.Tensor:
-        group = self.parallel.groups["pp"]
-        H = self.config.hidden_size
-        mine = payload if payload is not None else torch.zeros(2, rows, H, dtype=self.dtype, device=device)
-        gathered = group.all_gather(mine.reshape(1, -1))
-        return gathered[index].reshape(2, rows, H)
+        size = 2 * rows * self.config.hidden_size + 1
+        mine = payload if payload is not None else torch.zeros(size, dtype=self.dtype, device=device)
+        return self.parallel.groups["pp"].all_gather(mine.reshape(1, size))[index]
 
     def _receive(self, rows: int, device) -> dict:
         got = None
         for index in range(self.parallel.pp_rank):
             got = self._handoff(index, rows, device, None)
-        return {"hidden_states": got[0], "residual": got[1]}
+        pair = got[:-1].reshape(2, rows, self.config.hidden_size)
+        return {"hidden_states": pair[0], "residual": pair[1], "owes_declared_sum": bool(got[-1] != 0)}
 
     def _send(self, tensors: dict) -> None:
         if tensors["residual"] is None:
             raise RuntimeError("a Nemotron-H pipeline handoff always carries a residual (every layer leaves a contribution)")
-        payload = torch.stack((tensors["hidden_states"], tensors["residual"]))
-        rows, device = payload.shape[1], payload.device
+        hidden = tensors["hidden_states"]
+        flag = hidden.new_full((1,), float(tensors["owes_declared_sum"]))
+        payload = torch.cat((hidden.reshape(-1), tensors["residual"].reshape(-1), flag))
         stage, pp = self.parallel.pp_rank, self.parallel.topology.pp
-        self._handoff(stage, rows, device, payload)
+        self._handoff(stage, hidden.shape[0], hidden.device, payload)
         for index in range(stage + 1, pp - 1):
-            self._handoff(index, rows, device, None)
+            self._handoff(index, hidden.shape[0], hidden.device, None)
