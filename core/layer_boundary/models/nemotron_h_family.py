@@ -66,23 +66,39 @@ def _parse(raw):
     return NemotronHConfig.from_hf(raw)
 
 
+def _prefix(src: TensorSource, model) -> str:
+    """`model` (a state dict of the HF module) or `backbone` (checkpoints as NVIDIA ships them
+    and as save_pretrained() writes them)."""
+    probe = f"layers.{model.layers[0].layer_id}.norm.weight" if len(model.layers) else "norm_f.weight"
+    return "backbone" if src.get(f"model.{probe}") is None and src.get(f"backbone.{probe}") is not None else "model"
+
+
+def _experts(src: TensorSource, m: str, name: str, count: int) -> torch.Tensor:
+    """Stacked expert weights [E, out, in]: fused (`experts.up_proj`) or one tensor per expert."""
+    fused = src.get(f"{m}.experts.{name}")
+    if fused is not None:
+        return fused
+    return torch.stack([src.require(f"{m}.experts.{e}.{name}.weight") for e in range(count)])
+
+
 @torch.no_grad()
 def load_weights(model, src: TensorSource) -> None:
     """Copy this pipeline stage's weights from `src` (Hugging Face names), sharded per rank."""
     cfg = model.config
     ref = next(model.parameters())
+    top = _prefix(src, model)
 
     def get(name):
         return src.require(name).to(dtype=ref.dtype, device=ref.device)
 
     if model.embeddings is not None:
-        model.embeddings.weight.copy_(get("model.embeddings.weight"))
+        model.embeddings.weight.copy_(get(f"{top}.embeddings.weight"))
     if model.norm_f is not None:
-        model.norm_f.weight.copy_(get("model.norm_f.weight"))
+        model.norm_f.weight.copy_(get(f"{top}.norm_f.weight"))
         tied = cfg.tie_word_embeddings and src.get("lm_head.weight") is None
-        model.lm_head.weight.copy_(get("model.embeddings.weight" if tied else "lm_head.weight"))
+        model.lm_head.weight.copy_(get(f"{top}.embeddings.weight" if tied else "lm_head.weight"))
     for layer in model.layers:
-        p = f"model.layers.{layer.layer_id}"
+        p = f"{top}.layers.{layer.layer_id}"
         m = f"{p}.mixer"
         layer.norm.weight.copy_(get(f"{p}.norm.weight"))
         if layer.kind == "M":
@@ -108,8 +124,8 @@ def load_weights(model, src: TensorSource) -> None:
             layer.mixer.load_full(
                 router=get(f"{m}.gate.weight"),
                 score_bias=get(f"{m}.gate.e_score_correction_bias"),
-                up=get(f"{m}.experts.up_proj"),
-                down=get(f"{m}.experts.down_proj"),
+                up=_experts(src, m, "up_proj", cfg.n_routed_experts).to(dtype=ref.dtype, device=ref.device),
+                down=_experts(src, m, "down_proj", cfg.n_routed_experts).to(dtype=ref.dtype, device=ref.device),
                 shared_up=get(f"{m}.shared_experts.up_proj.weight"),
                 shared_down=get(f"{m}.shared_experts.down_proj.weight"),
                 latent_in=get(f"{m}.fc1_latent_proj.weight") if latent else None,
