@@ -30,6 +30,7 @@ from ..residual.add_norm import RMSNorm
 from .attention import KVCache, StepLayout, TPAttention
 from .config import ConfigError
 from .mamba import MambaStates, TPMamba2Mixer
+from .mlp import activation
 
 __all__ = ["NemotronHConfig", "NemotronHRMSNorm", "NemotronHForCausalLM", "NemotronHCache", "stage_declaration", "pipeline_layers"]
 
@@ -157,6 +158,12 @@ class NemotronHConfig:
 
         hidden = int(cfg["hidden_size"])
         heads = int(get("num_attention_heads"))
+        try:
+            activation(get("mlp_hidden_act"))
+        except ValueError:
+            raise ConfigError(f"mlp_hidden_act={get('mlp_hidden_act')!r} is not supported by the nemotron_h reference model") from None
+        if get("mamba_hidden_act") != "silu":
+            raise ConfigError("mamba_hidden_act must be 'silu' (the Mamba-2 convolution's activation)")
         return cls(
             model_type="nemotron_h",
             architecture=(cfg.get("architectures") or ["NemotronHForCausalLM"])[0],
@@ -262,18 +269,6 @@ class NemotronHRMSNorm(RMSNorm):
         return (self.weight.to(normalized.dtype) * normalized).to(out_dtype)
 
 
-def _activation(name: str):
-    if name == "relu2":
-        return lambda x: torch.square(F.relu(x))
-    if name == "silu":
-        return F.silu
-    if name in ("gelu_pytorch_tanh", "gelu_tanh"):
-        return lambda x: F.gelu(x, approximate="tanh")
-    if name == "gelu":
-        return F.gelu
-    raise ConfigError(f"mlp_hidden_act {name!r} is not supported by the nemotron_h reference model")
-
-
 class TPPlainMLP(nn.Module):
     """down(act(up(x))), up split by output feature and down by input feature over `group`."""
 
@@ -281,7 +276,7 @@ class TPPlainMLP(nn.Module):
         super().__init__()
         self.up = ColumnParallelLinear(hidden, intermediate, group, dtype=dtype, device=device)
         self.down = RowParallelLinear(intermediate, hidden, group, reduce_results=reduce_results, dtype=dtype, device=device)
-        self.act = _activation(act)
+        self.act = activation(act)
 
     def load_full(self, up: torch.Tensor, down: torch.Tensor) -> None:
         self.up.load_full(up)
@@ -357,7 +352,7 @@ class TPNemotronHMoE(nn.Module):
         inner = config.moe_latent_size or H
         self.up = nn.Parameter(torch.empty(per_rank, width, inner, dtype=dtype, device=device))
         self.down = nn.Parameter(torch.empty(per_rank, inner, width, dtype=dtype, device=device))
-        self.act = _activation(config.mlp_hidden_act)
+        self.act = activation(config.mlp_hidden_act)
         self.top_k = config.top_k
         self.latent_in = self.latent_out = None
         if config.moe_latent_size:

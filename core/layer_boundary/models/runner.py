@@ -75,7 +75,6 @@ def run_rank(parallel, job: RunJob) -> dict:
     topo = parallel.topology
     dp, dp_rank = topo.attn_dp, parallel.attn_dp_rank
     mine = [r for r in range(len(job.prompts)) if r % dp == dp_rank]
-    counts_of = lambda per_request: tuple(sum(per_request(r) for r in range(len(job.prompts)) if r % dp == d) for d in range(dp))  # noqa: E731
     requests_of = lambda per_request: tuple(tuple(per_request(r) for r in range(len(job.prompts)) if r % dp == d) for d in range(dp))  # noqa: E731
     cache = model.new_cache()
     logits: dict[int, list] = {r: [] for r in mine}
@@ -86,14 +85,14 @@ def run_rank(parallel, job: RunJob) -> dict:
     for index, (name, mode) in enumerate(steps):
         if index == 0:
             ids = [torch.tensor(job.prompts[r]) for r in mine]
-            lengths = requests_of(lambda r: len(job.prompts[r]))
-            step = StepLayout(mine, [len(job.prompts[r]) for r in mine], [0] * len(mine), device=device, dp_request_counts=lengths)
-            dp_counts = counts_of(lambda r: len(job.prompts[r]))
+            per_request = requests_of(lambda r: len(job.prompts[r]))
+            step = StepLayout(mine, [len(job.prompts[r]) for r in mine], [0] * len(mine), device=device, dp_request_counts=per_request)
         else:
             ids = [torch.tensor([job.decode_tokens[index - 1][r]]) for r in mine]
+            per_request = requests_of(lambda r: 1)
             past = [len(job.prompts[r]) + index - 1 for r in mine]
-            step = StepLayout(mine, [1] * len(mine), past, device=device, dp_request_counts=requests_of(lambda r: 1))
-            dp_counts = counts_of(lambda r: 1)
+            step = StepLayout(mine, [1] * len(mine), past, device=device, dp_request_counts=per_request)
+        dp_counts = tuple(sum(counts) for counts in per_request)
         input_ids = (torch.cat(ids) if ids else torch.zeros(0, dtype=torch.long)).to(device)
         fwd = Forward(
             counted,
