@@ -319,6 +319,7 @@ def make_stages(
         )
     if terminal and following is not None:
         raise ValueError("a terminal stage has no following stage; drop following= or terminal=True")
+    _check_edges(resolved[0], resolved[-1])
     parallel, policy, stack = _context(parallel, reduction)
     if stack is not None and prepared_from is None:  # a branch is a side line, not the stack's chain
         stack.admit(resolved[0], previous, resolved[-1], following, terminal)
@@ -328,15 +329,26 @@ def make_stages(
     )
 
 
+def _check_edges(first: StageDeclaration, last: StageDeclaration) -> None:
+    """A neighbour declaration that itself names its neighbour must name the local stage: both
+    sides of an edge (even on two pipeline ranks) describe it the same way."""
+    following, previous = last.following, first.previous
+    if following is not None and following.previous is not None and following.previous.facts() != last.facts():
+        raise ValueError(
+            f"following={following.describe()} names a previous stage ({following.previous.describe()}) that is not "
+            f"this {last.describe()} stage"
+        )
+    if previous is not None and previous.following is not None and previous.following.facts() != first.facts():
+        raise ValueError(
+            f"previous={previous.describe()} names a following stage ({previous.following.describe()}) that is not "
+            f"this {first.describe()} stage"
+        )
+
+
 def _single(declaration: StageDeclaration, norm, options, parallel, reduction, label):
     from .stage import build_boundaries
 
-    if declaration.following is not None and declaration.following.previous is not None:
-        if declaration.following.previous.facts() != declaration.facts():
-            raise ValueError(
-                f"following={declaration.following.describe()} names a previous stage "
-                f"({declaration.following.previous.describe()}) that is not this {declaration.describe()} stage"
-            )
+    _check_edges(declaration, declaration)
     parallel, policy, stack = _context(parallel, reduction)
     if stack is not None and declaration.prepared_from is None:
         stack.admit(declaration, declaration.previous, declaration, declaration.following, declaration.terminal)

@@ -94,13 +94,29 @@ class StageBoundary:
         return hidden_states, batch.snapshot(hidden_states, forward)
 
     def from_pp(self, tensors: Mapping, forward):
-        """Rebuild the stream on the first local stage of a pipeline rank from `to_pp()`'s tensors."""
+        """Rebuild the stream on the first local stage of a pipeline rank from `to_pp()`'s tensors.
+
+        The stage completes the sum its `previous=` declares, unless `to_pp()` reported
+        (`owes_declared_sum`) that the sender already completed it; a partial arriving where no
+        sum is declared is an error (the two ranks describe the edge differently).
+        """
         plan = self.plan
         if plan.enters_stack or plan.is_branch:
             raise RuntimeError("from_pp() belongs on the first stage after a pipeline cut (a stage with previous=)")
         hidden = tensors["hidden_states"]
         residual = tensors.get("residual")
         path = plan.path_for(forward)
+        owes = tensors.get("owes_declared_sum")
+        owes = None if owes is None else bool(owes)  # a transported flag may arrive as a tensor
+        declared = path.entry.expects == "declared"
+        if owes and not declared:
+            decl = plan.declaration
+            raise ValueError(
+                f"from_pp() at stage {plan.label}: the sender handed off a partial sum it leaves declared (an attention, "
+                f"or a mixer built with following= an FFN), but this {decl.describe()} stage with "
+                f"previous={decl.previous.describe()} expects a complete output; describe the same edge on both "
+                "pipeline ranks (the sender's following= must be this stage's declaration)"
+            )
         rows = SLICE_ROWS if path.entry.residual_rows == SLICE_ROWS else ATTENTION_ROWS
         update = plan.declaration.previous.update
         if residual is None:
@@ -110,7 +126,7 @@ class StageBoundary:
                 raise NotImplementedError("pipeline boundaries require a plain add or a producer-written residual")
             _, sum_group = arriving_sum(plan.declaration)
             owed_sum = transform = None
-            if path.entry.expects == "declared":
+            if declared and owes is not False:  # owes False: the sender completed the sum already
                 transform = plan.declaration.previous.output_transform
                 group = plan.group(sum_group)
                 owed_sum = lambda h: UnreducedOutput(h, group, sum_group, declared=True)  # noqa: E731

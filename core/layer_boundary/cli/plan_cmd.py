@@ -34,6 +34,7 @@ def add_parser(sub) -> None:
     p.add_argument("--attn-dp", type=int, default=1)
     p.add_argument("--attn-cp", type=int, default=1)
     p.add_argument("--moe-ep", type=int, default=1)
+    p.add_argument("--pp", type=int, default=1, help="pipeline stages; --rank picks whose stage is shown")
     p.add_argument("--reduction", default="auto", choices=["ar", "rs", "rsv", "rs+rsv", "auto"])
     p.add_argument("--rank", type=int, default=0, help="whose view to show (default 0)")
     p.add_argument("--json", action="store_true")
@@ -59,7 +60,7 @@ def build_plans(model_name: str, hf_config, topology: Topology, reduction: str, 
 
 def run(args) -> int:
     try:
-        topology = Topology(tp=args.tp, attn_dp=args.attn_dp, attn_cp=args.attn_cp, moe_ep=args.moe_ep)
+        topology = Topology(tp=args.tp, attn_dp=args.attn_dp, attn_cp=args.attn_cp, moe_ep=args.moe_ep, pp=args.pp)
     except TopologyError as exc:
         raise UsageError(str(exc)) from None
     if not 0 <= args.rank < topology.world_size:

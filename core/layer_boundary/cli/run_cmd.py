@@ -31,6 +31,7 @@ def add_parser(sub) -> None:
     p.add_argument("--attn-dp", type=int, default=1, help="attention data-parallel size")
     p.add_argument("--attn-cp", type=int, default=1, help="attention context-parallel size (needs layer-boundary-cp)")
     p.add_argument("--moe-ep", type=int, default=1, help="expert-parallel size of MoE layers")
+    p.add_argument("--pp", type=int, default=1, help="pipeline stages, each with --tp ranks (models that support it: nemotron_h)")
     p.add_argument("--reduction", default="auto", choices=["ar", "rs", "rsv", "rs+rsv", "auto"])
     p.add_argument("--dp-padding", default="sum_len", choices=["sum_len", "max_len"])
     p.add_argument("--sequence-parallel", action="store_true", help="run prefill as a sequence-parallel batch")
@@ -63,7 +64,7 @@ def _config(args):
         if args.hf_config:
             raw = load_hf_config(args.hf_config)
         config = model_config(args.model, raw)
-        topology = Topology(tp=args.tp, attn_dp=args.attn_dp, attn_cp=args.attn_cp, moe_ep=args.moe_ep)
+        topology = Topology(tp=args.tp, attn_dp=args.attn_dp, attn_cp=args.attn_cp, moe_ep=args.moe_ep, pp=args.pp)
         config.check_topology(topology)
     except (ConfigError, TopologyError) as exc:
         raise UsageError(str(exc)) from None

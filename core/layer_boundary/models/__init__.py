@@ -18,7 +18,11 @@ from .config import ConfigError, DecoderConfig, load_hf_config
 __all__ = ["MODELS", "ModelFamily", "ConfigError", "DecoderConfig", "build_model", "family", "load_hf_config", "model_config", "register_model"]
 
 #: modules that register model families when first needed (one line per family module)
-FAMILY_MODULES = ("layer_boundary.models.decoder_families", "layer_boundary.models.deepseek_v4_family")
+FAMILY_MODULES = (
+    "layer_boundary.models.decoder_families",
+    "layer_boundary.models.deepseek_v4_family",
+    "layer_boundary.models.nemotron_h_family",
+)
 
 
 @attrs.frozen(kw_only=True)

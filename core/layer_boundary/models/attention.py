@@ -18,14 +18,19 @@ __all__ = ["RotaryEmbedding", "KVCache", "StaticKVCache", "TPAttention", "StepLa
 
 
 class StepLayout:
-    """Which rows of a step belong to which request, and how long each request's past is."""
+    """Which rows of a step belong to which request, and how long each request's past is.
 
-    __slots__ = ("rids", "starts", "counts", "past", "positions")
+    `dp_request_counts` (optional) lists, for every attention-DP rank, the token counts of its
+    requests in row order: the request layout of the DP-gathered rows an FFN sees.
+    """
 
-    def __init__(self, rids, counts, past, device=None):
+    __slots__ = ("rids", "starts", "counts", "past", "positions", "dp_request_counts")
+
+    def __init__(self, rids, counts, past, device=None, dp_request_counts=None):
         self.rids = list(rids)
         self.counts = list(counts)
         self.past = list(past)
+        self.dp_request_counts = None if dp_request_counts is None else tuple(tuple(c) for c in dp_request_counts)
         self.starts = [sum(self.counts[:i]) for i in range(len(self.counts))]
         pos = [torch.arange(p, p + c) for p, c in zip(self.past, self.counts)]
         self.positions = torch.cat(pos).to(device) if pos else torch.zeros(0, dtype=torch.long, device=device)
@@ -121,9 +126,11 @@ class KVCache:
 
 class TPAttention(nn.Module):
     """Heads split over the attention-TP group; KV heads split, or replicated when fewer than
-    the group. The output projection never reduces: the boundary owns its sum (PARTIAL)."""
+    the group. By default the output projection never reduces: the boundary owns its sum
+    (PARTIAL). A single-stage mixer (SCOPED) passes `reduce_results=True`, so the projection
+    follows its exit's flags. Without `rope` (None at call time) no positions are applied."""
 
-    def __init__(self, config, parallel, layer: int, *, dtype=None, device=None):
+    def __init__(self, config, parallel, layer: int, *, reduce_results: bool = False, dtype=None, device=None):
         super().__init__()
         group = parallel.groups["attn_tp"]
         self.layer = layer
@@ -140,7 +147,7 @@ class TPAttention(nn.Module):
         self.kv_width = self.kv_heads * D
         self.k_proj = nn.Linear(H, self.kv_width, bias=False, dtype=dtype, device=device)
         self.v_proj = nn.Linear(H, self.kv_width, bias=False, dtype=dtype, device=device)
-        self.o_proj = RowParallelLinear(config.num_heads * D, H, group, reduce_results=False, dtype=dtype, device=device)
+        self.o_proj = RowParallelLinear(config.num_heads * D, H, group, reduce_results=reduce_results, dtype=dtype, device=device)
         self.q_norm = RMSNorm(D, config.rms_norm_eps, dtype=dtype, device=device) if config.qk_norm else None
         self.k_norm = RMSNorm(D, config.rms_norm_eps, dtype=dtype, device=device) if config.qk_norm else None
 
@@ -155,7 +162,7 @@ class TPAttention(nn.Module):
             self.k_proj.weight.copy_(k_full[rows])
             self.v_proj.weight.copy_(v_full[rows])
 
-    def forward(self, x: torch.Tensor, step, rope: tuple, cache) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, step, rope: Optional[tuple], cache) -> torch.Tensor:
         if isinstance(cache, StaticKVCache):
             return self._forward_static(x, step, rope, cache)
         T, D = x.shape[0], self.head_dim
@@ -164,8 +171,9 @@ class TPAttention(nn.Module):
         v = self.v_proj(x).view(T, self.kv_heads, D)
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
-        cos, sin = rope
-        q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+        if rope is not None:
+            cos, sin = rope
+            q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
         out = x.new_empty(T, self.heads, D)
         groups = self.heads // self.kv_heads
         for rid, start, count, past in zip(step.rids, step.starts, step.counts, step.past):
@@ -192,6 +200,8 @@ class TPAttention(nn.Module):
         v = self.v_proj(x).view(T, self.kv_heads, D)
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
+        if rope is None:
+            return q, k, v
         cos, sin = rope
         return apply_rotary(q, cos, sin), apply_rotary(k, cos, sin), v
 

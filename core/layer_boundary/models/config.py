@@ -107,6 +107,8 @@ class DecoderConfig:
     def check_topology(self, topology) -> None:
         """Raise `ConfigError` naming the fix when the topology cannot split this model."""
         attn_tp, tp = topology.attn_tp, topology.tp
+        if topology.pp > 1:
+            raise ConfigError(f"{self.model_type} runs without pipeline stages; use --pp 1 (nemotron_h supports --pp)")
         if self.num_heads % attn_tp:
             raise ConfigError(
                 f"num_attention_heads={self.num_heads} is not divisible by attention TP {attn_tp}; choose --tp/--attn-dp so that attention TP divides it"

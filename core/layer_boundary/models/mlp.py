@@ -13,6 +13,8 @@ __all__ = ["TPGatedMLP", "activation"]
 def activation(name: str):
     if name == "silu":
         return nn.functional.silu
+    if name == "relu2":  # squared ReLU (Nemotron-H)
+        return lambda x: torch.square(nn.functional.relu(x))
     if name in ("gelu_pytorch_tanh", "gelu_tanh"):
         return lambda x: nn.functional.gelu(x, approximate="tanh")
     if name == "gelu":

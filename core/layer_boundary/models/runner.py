@@ -75,7 +75,7 @@ def run_rank(parallel, job: RunJob) -> dict:
     topo = parallel.topology
     dp, dp_rank = topo.attn_dp, parallel.attn_dp_rank
     mine = [r for r in range(len(job.prompts)) if r % dp == dp_rank]
-    counts_of = lambda per_request: tuple(sum(per_request(r) for r in range(len(job.prompts)) if r % dp == d) for d in range(dp))  # noqa: E731
+    requests_of = lambda per_request: tuple(tuple(per_request(r) for r in range(len(job.prompts)) if r % dp == d) for d in range(dp))  # noqa: E731
     cache = model.new_cache()
     logits: dict[int, list] = {r: [] for r in mine}
     steps = [("prefill", ForwardMode.EXTEND)] + [(f"decode{s + 1}", ForwardMode.DECODE) for s in range(len(job.decode_tokens))]
@@ -85,12 +85,14 @@ def run_rank(parallel, job: RunJob) -> dict:
     for index, (name, mode) in enumerate(steps):
         if index == 0:
             ids = [torch.tensor(job.prompts[r]) for r in mine]
-            step = StepLayout(mine, [len(job.prompts[r]) for r in mine], [0] * len(mine), device=device)
-            dp_counts = counts_of(lambda r: len(job.prompts[r]))
+            per_request = requests_of(lambda r: len(job.prompts[r]))
+            step = StepLayout(mine, [len(job.prompts[r]) for r in mine], [0] * len(mine), device=device, dp_request_counts=per_request)
         else:
             ids = [torch.tensor([job.decode_tokens[index - 1][r]]) for r in mine]
-            step = StepLayout(mine, [1] * len(mine), [len(job.prompts[r]) + index - 1 for r in mine], device=device)
-            dp_counts = counts_of(lambda r: 1)
+            per_request = requests_of(lambda r: 1)
+            past = [len(job.prompts[r]) + index - 1 for r in mine]
+            step = StepLayout(mine, [1] * len(mine), past, device=device, dp_request_counts=per_request)
+        dp_counts = tuple(sum(counts) for counts in per_request)
         input_ids = (torch.cat(ids) if ids else torch.zeros(0, dtype=torch.long)).to(device)
         fwd = Forward(
             counted,
@@ -108,13 +110,14 @@ def run_rank(parallel, job: RunJob) -> dict:
         _sync(device)
         timings[name] = time.perf_counter() - start
         collectives[name] = counter.snapshot()
-        for r, s, c in zip(step.rids, step.starts, step.counts):
-            logits[r].append(out[s : s + c].float().cpu() if dtype in (torch.bfloat16, torch.float16) else out[s : s + c].cpu())
+        if out is not None:  # None: an earlier pipeline stage, whose output went to the next stage
+            for r, s, c in zip(step.rids, step.starts, step.counts):
+                logits[r].append(out[s : s + c].float().cpu() if dtype in (torch.bfloat16, torch.float16) else out[s : s + c].cpu())
         if show:
             print(f"\r  rank 0: {name} done ({index + 1}/{len(steps)})", end="", file=sys.stderr, flush=True)
     if show:
         print(file=sys.stderr)
-    report = parallel.attn_tp_rank == 0 and parallel.attn_cp_rank == 0
+    report = parallel.attn_tp_rank == 0 and parallel.attn_cp_rank == 0 and parallel.pp_rank == topo.pp - 1
     return {
         "rank": parallel.rank,
         "logits": logits if report else {},

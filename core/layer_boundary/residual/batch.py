@@ -166,12 +166,16 @@ def to_pp(hidden_states, forward, *, preserve_declared: bool = True) -> dict:
 
     Dynamic work (a deferred sum, a finalize) completes here; a statically declared partial sum
     is kept for the receiver's `from_pp()` to complete, unless `preserve_declared=False`.
-    Rows travel as attention rows.
+    Rows travel as attention rows. `owes_declared_sum` (a bool; transport it with the tensors)
+    says whether `hidden_states` is still that partial, so the receiver completes the sum
+    exactly once even when the sender completed it (`preserve_declared=False`, a terminal or
+    completed output) and refuses a partial it would otherwise take as complete.
     """
     stream = stream_of(forward)
     state = stream.state
     if state == "initial":
         raise RuntimeError(Messages.NOT_STARTED)
+    owes = False
     if state == "written":
         stream.check(hidden_states)
         out = {"hidden_states": align_rows(stream.residual, stream.rows, ATTENTION_ROWS, forward), "residual": None}
@@ -183,10 +187,11 @@ def to_pp(hidden_states, forward, *, preserve_declared: bool = True) -> dict:
         owed = contribution.owed
         if isinstance(owed, UnreducedOutput) and owed.declared and preserve_declared:
             # the receiver's from_pp() completes the sum and applies the producer's transform
-            value = owed.partial
+            value, owes = owed.partial, True
         else:
             value = align_rows(contribution.complete(), contribution.rows, ATTENTION_ROWS, forward)
         out = {"hidden_states": value, "residual": align_rows(residual, stream.rows, ATTENTION_ROWS, forward)}
+    out["owes_declared_sum"] = owes
     forward.residual_stream = None
     return out
 
