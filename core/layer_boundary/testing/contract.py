@@ -602,6 +602,7 @@ def _compare_ranks(results: list[dict], topology, report: ContractReport) -> Non
 
 
 def _runtime_report(record_ref, name: str, settings: ContractSettings, world=None) -> ContractReport:
+    from ..launch import RankTimeout
     from .threaded import CollectiveAborted, ThreadWorld
 
     report = ContractReport(name, "fusion provider")
@@ -611,7 +612,7 @@ def _runtime_report(record_ref, name: str, settings: ContractSettings, world=Non
         runner = world if world is not None else ThreadWorld(topology.world_size, timeout=settings.timeout)
         try:
             results = runner.run(_fusion_rank, topology, record_ref, settings)
-        except CollectiveAborted as exc:
+        except (CollectiveAborted, RankTimeout) as exc:
             report.add("rank_uniform", f"ranks of tp={topology.tp} did not meet in a collective ({exc}); a candidate or "
                                        "hook decided differently on some rank, or issued a collective only on some ranks")
             continue
