@@ -112,11 +112,14 @@ def test_plugins_cli_lists_it_in_selection_order_until_disabled(example_site, di
 
 
 def test_it_passes_the_contract_suite_the_way_its_author_runs_it(example_site):
-    out = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", str(EXAMPLE / "tests")],
-                         capture_output=True, text=True, cwd=ROOT, env=_env(example_site), timeout=300)
+    # the author's checkout (the copy pip built from) and their own pytest run; importlib mode
+    # leaves sys.path alone, so the package under test is the installed one
+    checkout = example_site.parent / "source"
+    out = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "--import-mode=importlib", "tests"],
+                         capture_output=True, text=True, cwd=checkout, env=_env(example_site), timeout=300)
     assert out.returncode == 0, out.stdout[-4000:] + out.stderr[-2000:]
     per_device = len(FUSION_CHECKS) - len(DEVICE_FREE_CHECKS)
-    expected = len(FUSION_CHECKS) + (per_device if torch.cuda.is_available() else 0)
+    expected = len(FUSION_CHECKS) + (per_device if torch.cuda.is_available() else 0) + 1  # + the install check
     assert int(re.search(r"(\d+) passed", out.stdout).group(1)) == expected, out.stdout[-2000:]
 
 
