@@ -97,7 +97,7 @@ def _one_law(first, update, second, hidden, contribution, norm, rows, tol, case,
 
 def residual_report(record, options: Sequence[dict], settings: ContractSettings) -> ContractReport:
     report = ContractReport(record.name, "residual kind")
-    with torch.no_grad():
+    with torch.inference_mode(False), torch.no_grad():
         for opts in options:
             tag = f"options {opts}" if opts else "no options"
             try:
