@@ -107,8 +107,8 @@ def test_plugins_cli_lists_it_in_selection_order_until_disabled(example_site, di
     else:
         assert plugin["status"] == "ok" and plugin["distribution"] == "layer-boundary-example"
         mine = records[names.index(RECORD)]
-        assert mine["plugin"] == "example" and mine["priority"] == Priority.GENERIC
-        assert all(r["priority"] > mine["priority"] for r in records[: names.index(RECORD)])
+        assert mine["plugin"] == "example" and mine["priority"] == Priority.REFERENCE > Priority.BUILTIN
+        assert names.index(RECORD) < names.index("core.unfused")
 
 
 def test_it_passes_the_contract_suite_the_way_its_author_runs_it(example_site):

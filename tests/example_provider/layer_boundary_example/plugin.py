@@ -25,6 +25,6 @@ def layer_boundary_fusion_providers():
     yield FusionProvider(
         name=RECORD_NAME,
         factory=build_provider,
-        priority=Priority.GENERIC,
+        priority=Priority.REFERENCE,
         description="example: all-reduce, then add + RMSNorm in one pure-torch function (float32/bfloat16/float64)",
     )
