@@ -1,7 +1,8 @@
 """The provider contract suite itself: it passes correct providers and catches each way a
 provider can break the contract (so a plugin that passes it has been checked, not waved through)."""
 
-import textwrap
+import importlib.util
+from pathlib import Path
 
 import pytest
 import torch
@@ -239,18 +240,19 @@ def layer_boundary_fusion_providers():
 """
 
 
-def _fake_distribution(root, dist, module, source):
-    (root / f"{module}.py").write_text(textwrap.dedent(source))
-    info = root / f"{dist}-0.1.dist-info"
-    info.mkdir()
-    (info / "METADATA").write_text(f"Metadata-Version: 2.1\nName: {dist}\nVersion: 0.1\n")
-    (info / "entry_points.txt").write_text(f"[layer_boundary]\n{dist} = {module}\n")
+def _make_dist():
+    """tests/core/fake_dists.make_dist (a throwaway distribution with an entry point)."""
+    spec = importlib.util.spec_from_file_location("fake_dists", Path(__file__).parents[1] / "core" / "fake_dists.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module.make_dist
 
 
 def test_heavy_imports_before_deciding_are_caught_without_hardware(tmp_path, monkeypatch, fresh_registry):
     (tmp_path / "heavy_vendor_lib.py").write_text(HEAVY)
-    _fake_distribution(tmp_path, "lazyvendor", "lazyvendor_plugin", LAZY_PLUGIN)
-    _fake_distribution(tmp_path, "eagervendor", "eagervendor_plugin", EAGER_PLUGIN)
+    make_dist = _make_dist()
+    make_dist(tmp_path, "lazyvendor", "lazyvendor_plugin", LAZY_PLUGIN)
+    make_dist(tmp_path, "eagervendor", "eagervendor_plugin", EAGER_PLUGIN)
     monkeypatch.syspath_prepend(str(tmp_path))
     reset_registry()
     lazy, eager = contract_cases("lazyvendor.fused", "eagervendor.fused", devices=("cpu",))[1::6]

@@ -152,11 +152,11 @@ class _RankRun:
         entry = next(iter(plan.paths.values())).entry
         if not entry.candidates:  # the core offers no candidate at this stage (non-plain update, other norm)
             return
+        _, sum_group = arriving_sum(plan.declaration)
         for owed_kind in situation.owed:
             for cand in candidates:
                 if cand.fused.handoff != (owed_kind == "handoff"):
                     continue
-                _, sum_group = arriving_sum(plan.declaration)
                 if cand.accepts is not None and sum_group not in cand.accepts:
                     continue
                 for rows in s.rows:
