@@ -5,11 +5,11 @@ made under torch.inference_mode() and so carry no version counter: there it comp
 import pytest
 import torch
 
-from layer_boundary import Forward, FusedMlpInput, FusionError, RMSNorm, Topology, declare_attn, declare_ffn, make_stages, residual_batch
+from layer_boundary import FusedMlpInput, FusionError, Topology
 from layer_boundary import fusions as fusions_module
 from layer_boundary.testing.threaded import run_threaded
 
-H = 8
+from test_fusion_chain import _layer_run
 
 
 def _debug_on(monkeypatch):
@@ -35,18 +35,8 @@ class Declines:
 
 
 def _step(parallel, provider):
-    with torch.inference_mode():
-        norm = lambda: RMSNorm(H, dtype=torch.float64, compute_dtype=torch.float64)  # noqa: E731
-        attn, ffn = make_stages((declare_attn(), norm(), {"fusions": provider}), (declare_ffn(), norm(), {"fusions": provider}),
-                                terminal=True, parallel=parallel)
-        fwd = Forward(parallel, 3)
-        residual_batch.start(fwd)
-        x = torch.arange(3 * H, dtype=torch.float64).reshape(3, H) / 8
-        h = attn.finish(attn.prepare(x, fwd) * 0.5, fwd)
-        y = ffn.prepare(h, fwd)
-        with ffn.exit(fwd) as out:
-            y = y * 0.25
-        return residual_batch.norm(out.finish(y), fwd, norm())
+    with torch.inference_mode():  # as model runs are
+        return _layer_run(parallel, fusions=provider)
 
 
 def test_a_clean_decline_passes_under_inference_mode(monkeypatch):
