@@ -121,10 +121,27 @@ def run_candidates(candidates, owed, residual, fwd, is_handoff: bool):
     raise FusionError("every fusion candidate declined, including the last-resort one")  # pragma: no cover
 
 
-def _versions(owed, residual):
+def _versions(owed, residual) -> "_InputState":
+    """What a declining candidate must leave as it was: each input's version counter, or a copy
+    of its values where it has none (tensors made under `torch.inference_mode()`, as in model
+    runs)."""
     tensors = []
     partial = getattr(owed, "partial", None)
     if partial is not None:
         tensors.append(partial)
     tensors.extend(residual if isinstance(residual, tuple) else (residual,))
-    return tuple(t._version for t in tensors if t is not None)
+    return _InputState(t.clone() if t.is_inference() else t._version for t in tensors if t is not None)
+
+
+class _InputState(tuple):
+    """Version counters and value copies; equal when every version and every value is unchanged."""
+
+    def __eq__(self, other):
+        return len(self) == len(other) and all(
+            a == b if isinstance(a, int) else a.equal(b) for a, b in zip(self, other)
+        )
+
+    def __ne__(self, other):
+        return not self == other
+
+    __hash__ = tuple.__hash__

@@ -1,6 +1,7 @@
 """Test worlds and helpers for the boundary and for plugin authors.
 
-Opt in from a conftest: `pytest_plugins = ["layer_boundary.testing.pytest_plugin"]`.
+Opt in from a conftest: `pytest_plugins = ["layer_boundary.testing.pytest_plugin"]`. Plugin
+authors check their records with the provider contract suite, `layer_boundary.testing.contract`.
 """
 
 import os

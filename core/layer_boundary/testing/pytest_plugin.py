@@ -5,6 +5,9 @@ Fixtures:
 - `gloo_world(size)`: a gloo world of `size` processes, started once per session and reused;
 - `fresh_registry`: forget the cached registry before and after the test;
 - `inline_plugin(obj, name=...)`: register hook implementations for the test's duration.
+
+The provider contract suite a plugin's records must pass is `layer_boundary.testing.contract`
+(`contract_params(...)` for one pytest case per rule and device).
 """
 
 from __future__ import annotations

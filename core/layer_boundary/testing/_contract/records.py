@@ -1,0 +1,55 @@
+"""Finding a record (by object or registered name) and the static rules every record keeps."""
+
+from __future__ import annotations
+
+import inspect
+from typing import Any, Optional
+
+from ...plugin.manager import get_registry
+from ...plugin.records import Adapter, FusionProvider, Priority, Registered, ResidualKind
+from .report import ContractReport
+
+
+def resolve(ref) -> tuple[Any, Optional[Registered]]:
+    """(record, its registry entry or None) for a record, a `Registered` or a registered name."""
+    if isinstance(ref, Registered):
+        return ref.record, ref
+    registry = get_registry()
+    entries = registry.fusion_providers + registry.residual_kinds + registry.adapters
+    if isinstance(ref, str):
+        for item in entries:
+            if item.name == ref:
+                return item.record, item
+        names = ", ".join(item.name for item in entries)
+        raise LookupError(f"no record named {ref!r} is registered (registered: {names}); install the plugin or pass "
+                          "the record itself")
+    if not isinstance(ref, (FusionProvider, ResidualKind, Adapter)):
+        raise TypeError(f"expected a FusionProvider, ResidualKind or Adapter record (or its name), got {type(ref).__name__}")
+    return ref, next((item for item in entries if item.record is ref), None)
+
+
+def kind_of(record) -> str:
+    return {FusionProvider: "fusion provider", ResidualKind: "residual kind", Adapter: "adapter"}[type(record)]
+
+
+def check_record(record, registered: Optional[Registered], report: ContractReport) -> None:
+    builtin = registered is not None and registered.plugin == "core"
+    if registered is not None and not record.name.startswith(registered.plugin + "."):
+        report.add("record", f"name {record.name!r} must start with its plugin's entry-point name {registered.plugin!r}")
+    if not isinstance(record.priority, int) or isinstance(record.priority, bool):
+        report.add("record", f"priority must be an int, got {record.priority!r}")
+    elif not builtin and record.priority <= Priority.BUILTIN:
+        report.add("record", f"priority {record.priority} is in the built-in band (<= {Priority.BUILTIN}): the core's "
+                             "never-declining candidate would always run first; use Priority.REFERENCE or above")
+    if not record.description.strip():
+        report.add("record", "description is empty; `layer-boundary plugins` shows it to users")
+    if isinstance(record, FusionProvider):
+        try:
+            inspect.signature(record.factory).bind(None)
+        except TypeError:
+            report.add("record", "factory must take exactly one argument, the stage description")
+        except ValueError:  # builtins without a signature
+            pass
+    elif not (isinstance(record.kind, str) and record.kind):
+        report.add("record", f"kind must be a non-empty string, got {record.kind!r}")
+    report.stats["records_checked"] += 1
