@@ -15,7 +15,7 @@ import attrs
 from ._errors import Messages, missing_feature
 from .contracts import ProducerReduction, ReductionPolicy, StageDescription, StageKind
 from .forward import BatchVariant
-from .fusions import Candidate, build_providers, consumer_candidates
+from .fusions import Candidate, build_providers, consumer_candidates, read_format
 from .layout import SumGroup
 from .ops import dp_gather, gather_slices
 from .residual.add_norm import GemmaRMSNorm, NormRead, is_rms_norm
@@ -188,7 +188,11 @@ class StagePlan:
     # facts for providers ----------------------------------------------------------------------
     @property
     def norm_name(self) -> str:
-        return type(self.norm).__name__ if self.norm is not None else "no norm"
+        name = type(self.norm).__name__ if self.norm is not None else "no norm"
+        fmt = getattr(self.read, "quant_format", None)
+        if fmt is not None:
+            return f"{name}, quantized to {fmt.replace('_', ' ')} (compute gets an Fp8Input)"
+        return name
 
     def group(self, sum_group: SumGroup):
         return self.parallel.groups[sum_group.group_name]
@@ -322,6 +326,7 @@ def _entry(plan: StagePlan, variant: BatchVariant, candidates) -> EntryPath:
     if source is None:
         return EntryPath(mode="enter", input_move=move, input_move_name=name)
     plain = arrives_plain and decl.read.plain_norm and source.output_transform is None
+    fusable = arrives_plain and read_format(decl.read) is not None and source.output_transform is None
     if (
         needs_full
         and expects == "declared"
@@ -331,7 +336,7 @@ def _entry(plan: StagePlan, variant: BatchVariant, candidates) -> EntryPath:
         and topo.attn_cp == 1
     ):
         return EntryPath(mode="dp_partial", input_move=move, input_move_name="", arrives_plain=True, expects=expects)
-    use_candidates = expects != "nothing" and plain and is_rms_norm(plan.norm)
+    use_candidates = expects != "nothing" and fusable and is_rms_norm(plan.norm)
     return EntryPath(
         mode="local",
         input_move=move,

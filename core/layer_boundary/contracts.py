@@ -70,6 +70,8 @@ class FusedMlpInput:
     runs over `completes`, or a `HandoffOutput` when `handoff=True`) and returns
     `(compute_input, new_residual)`, or None, before touching anything, to decline.
     `preserves_residual` says the candidate never writes the old residual in place.
+    `output_format` is what it returns as compute input: "plain" (the normalized tensor), or a
+    quantized format ("fp8_static", "fp8_dynamic"); a read is offered only candidates of its own.
     """
 
     run: Callable[..., Any]
@@ -77,6 +79,7 @@ class FusedMlpInput:
     handoff: bool = False
     name: str = ""
     preserves_residual: bool = False
+    output_format: str = "plain"
     #: set by the core for its own last-resort candidate, which never declines
     always: bool = False
 

@@ -73,10 +73,21 @@ def _equivalent_groups(topology) -> dict[SumGroup, frozenset]:
     return out
 
 
+def read_format(read) -> Optional[str]:
+    """The compute-input format a read produces: "plain", a quantized format, or None (a read no
+    fused candidate can stand in for)."""
+    fmt = getattr(read, "quant_format", None)
+    if fmt is not None:
+        return fmt
+    return "plain" if read.plain_norm else None
+
+
 def consumer_candidates(plan, providers) -> tuple[Candidate, ...]:
-    """The ordered consumer candidates of `plan`'s input; the last one never declines."""
+    """The ordered consumer candidates of `plan`'s input; the last one never declines. Only
+    candidates producing the read's own format are kept."""
     method = "ffn_input" if plan.kind is StageKind.FFN else "attention_input"
     groups = _equivalent_groups(plan.parallel.topology)
+    wanted = read_format(plan.read)
     out: list[Candidate] = []
     for provider, source in providers:
         fn = getattr(provider, method, None)
@@ -84,6 +95,8 @@ def consumer_candidates(plan, providers) -> tuple[Candidate, ...]:
             continue
         for raw in fn(plan) or ():
             fused = raw if isinstance(raw, FusedMlpInput) else FusedMlpInput(run=raw)
+            if not fused.always and fused.output_format != wanted:
+                continue
             accepts = None if fused.completes is None else groups[fused.completes]
             out.append(Candidate(fused, source, accepts))
             if fused.always:

@@ -15,7 +15,31 @@ from torch import nn
 from .forward import get_forward
 from .output import HandoffOutput
 
-__all__ = ["ColumnParallelLinear", "RowParallelLinear", "reduce_output", "MoeFinalizeHandoff", "shard_rows", "shard_cols"]
+__all__ = ["ColumnParallelLinear", "RowParallelLinear", "reduce_output", "MoeFinalizeHandoff", "shard_rows", "shard_cols", "linear"]
+
+
+def linear(x, weight: torch.Tensor, module: Optional[nn.Module] = None) -> torch.Tensor:
+    """x W^T for a tensor, or for a quantized input from a quantizing read (`Fp8Input`).
+
+    On CUDA an FP8 input runs an FP8 GEMM (`torch._scaled_mm`) against the weight quantized once
+    per tensor (cached on `module`); elsewhere the input is dequantized (the reference path).
+    """
+    if isinstance(x, torch.Tensor):
+        return nn.functional.linear(x, weight)
+    if x.data.is_cuda and hasattr(torch, "_scaled_mm"):
+        cached = getattr(module, "_fp8_weight", None) if module is not None else None
+        if cached is None or cached[0] is not weight:
+            from .residual.quant import quantize_fp8
+
+            wq = quantize_fp8(weight.float(), weight.dtype, weight.float().abs().amax() / 448.0)
+            cached = (weight, wq.data.t(), wq.scale.reshape(1, 1))
+            if module is not None:
+                module._fp8_weight = cached
+        _, w8_t, w_scale = cached
+        a_scale = x.scale.reshape(-1, 1) if x.per_token else x.scale.reshape(1, 1)
+        b_scale = w_scale.expand(1, w8_t.shape[1]).contiguous() if x.per_token else w_scale
+        return torch._scaled_mm(x.data, w8_t, scale_a=a_scale.float(), scale_b=b_scale.float(), out_dtype=x.dtype)
+    return nn.functional.linear(x.dequantize(weight.dtype), weight)
 
 
 def shard_rows(weight: torch.Tensor, rank: int, size: int) -> torch.Tensor:
@@ -53,8 +77,9 @@ class ColumnParallelLinear(nn.Module):
             if self.bias is not None and bias is not None:
                 self.bias.copy_(shard_rows(bias[:, None], self.group.rank, self.group.size)[:, 0])
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return nn.functional.linear(x, self.weight, self.bias)
+    def forward(self, x) -> torch.Tensor:
+        y = linear(x, self.weight, self)
+        return y if self.bias is None else y + self.bias
 
 
 class RowParallelLinear(nn.Module):

@@ -79,6 +79,13 @@ def reduce_scatter_slices(partial: torch.Tensor, fwd: Forward) -> torch.Tensor:
     return fwd.parallel.groups["attn_tp"].reduce_scatterv(partial, fwd.slice_sizes)
 
 
+def move_input(inp, move, fwd):
+    """Apply an input move to a tensor, or to a quantized input (data and per-token scales)."""
+    if isinstance(inp, torch.Tensor):
+        return move(inp, fwd)
+    return inp.map_rows(lambda t: move(t, fwd))
+
+
 def move_residual(residual, fn):
     """Apply a row move to a residual that is a tensor or a tuple of row tensors."""
     if isinstance(residual, tuple):

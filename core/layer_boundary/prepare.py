@@ -8,7 +8,7 @@ from . import debug
 from ._errors import Messages
 from .checks import check_rows
 from .fusions import run_candidates
-from .ops import dp_partial_sum, dp_scatter, gather_slices, move_residual, reduce_scatter_slices, take_slice
+from .ops import move_input, dp_partial_sum, dp_scatter, gather_slices, move_residual, reduce_scatter_slices, take_slice
 from .output import HandoffOutput, UnreducedOutput
 from .residual.stream import ATTENTION_ROWS, SLICE_ROWS
 
@@ -57,7 +57,7 @@ def run_local(plan, entry, hidden, fwd):
     stream.residual = residual
     stream.rows = ATTENTION_ROWS
     move = entry.input_move
-    return inp if move is None else move(inp, fwd)
+    return inp if move is None else move_input(inp, move, fwd)
 
 
 def run_entry(plan, entry, hidden, fwd, capture_output=None, captured=None):
@@ -149,5 +149,5 @@ def _finish_entry(plan, entry, inp, residual, fwd, captured, *, owned, skip_move
         else:
             _capture(captured, residual, owned=owned)
     if entry.input_move is not None and not skip_move:
-        inp = entry.input_move(inp, fwd)
+        inp = move_input(inp, entry.input_move, fwd)
     return inp

@@ -7,12 +7,13 @@ import functools
 from ..contracts import FusedMlpInput
 from ..plugin.hookspecs import hookimpl
 from ..plugin.records import FusionProvider, Priority, ResidualKind
-from ..residual.add_norm import PLAIN_RESIDUAL, add_rms_norm
+from ..residual.add_norm import PLAIN_ADD, PLAIN_RESIDUAL
 
 
-def _complete_then_add_norm(norm, owed, residual, forward):
-    """Complete the owed sum or finalize unfused, then add + norm with FP32 accumulation."""
-    return add_rms_norm(norm, owed.complete(), residual)
+def _complete_then_read(read, norm, owed, residual, forward):
+    """Complete the owed sum or finalize unfused, then the read's own add + norm (FP32
+    accumulation; a quantizing read quantizes the fp32 norm output)."""
+    return read.update_and_read(PLAIN_ADD, owed.complete(), residual, norm)
 
 
 class UnfusedCompletion:
@@ -21,7 +22,7 @@ class UnfusedCompletion:
     def attention_input(self, plan):
         return (
             FusedMlpInput(
-                run=functools.partial(_complete_then_add_norm, plan.norm),
+                run=functools.partial(_complete_then_read, plan.read, plan.norm),
                 name="core.unfused",
                 always=True,
                 preserves_residual=True,

@@ -11,7 +11,7 @@ from typing import Optional
 import torch
 from torch import nn
 
-from ..layers import ColumnParallelLinear, RowParallelLinear
+from ..layers import ColumnParallelLinear, RowParallelLinear, linear
 from ..residual.add_norm import RMSNorm
 
 __all__ = ["RotaryEmbedding", "KVCache", "StaticKVCache", "TPAttention", "StepLayout", "DecodeLayout"]
@@ -167,14 +167,14 @@ class TPAttention(nn.Module):
             return self._forward_static(x, step, rope, cache)
         T, D = x.shape[0], self.head_dim
         q = self.q_proj(x).view(T, self.heads, D)
-        k = self.k_proj(x).view(T, self.kv_heads, D)
-        v = self.v_proj(x).view(T, self.kv_heads, D)
+        k = linear(x, self.k_proj.weight, self.k_proj).view(T, self.kv_heads, D)
+        v = linear(x, self.v_proj.weight, self.v_proj).view(T, self.kv_heads, D)
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         if rope is not None:
             cos, sin = rope
             q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
-        out = x.new_empty(T, self.heads, D)
+        out = q.new_empty(T, self.heads, D)
         groups = self.heads // self.kv_heads
         for rid, start, count, past in zip(step.rids, step.starts, step.counts, step.past):
             qs = q[start : start + count].transpose(0, 1)  # [heads, count, D]
@@ -187,7 +187,7 @@ class TPAttention(nn.Module):
             scores = torch.matmul(qs, ks.transpose(1, 2)) * self.scaling
             if count > 1:
                 total = ks.shape[1]
-                mask = torch.ones(count, total, dtype=torch.bool, device=x.device).tril(total - count)
+                mask = torch.ones(count, total, dtype=torch.bool, device=q.device).tril(total - count)
                 scores = scores + torch.zeros_like(mask, dtype=scores.dtype).masked_fill(~mask, torch.finfo(scores.dtype).min)
             probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(qs.dtype)
             out[start : start + count] = torch.matmul(probs, vs).transpose(0, 1)
@@ -196,8 +196,8 @@ class TPAttention(nn.Module):
     def _project(self, x, rope):
         T, D = x.shape[0], self.head_dim
         q = self.q_proj(x).view(T, self.heads, D)
-        k = self.k_proj(x).view(T, self.kv_heads, D)
-        v = self.v_proj(x).view(T, self.kv_heads, D)
+        k = linear(x, self.k_proj.weight, self.k_proj).view(T, self.kv_heads, D)
+        v = linear(x, self.v_proj.weight, self.v_proj).view(T, self.kv_heads, D)
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         if rope is None:
@@ -216,15 +216,15 @@ class TPAttention(nn.Module):
             keys = cache.k[self.layer][step.slots].repeat_interleave(groups, dim=1)  # [T, heads, L, D]
             values = cache.v[self.layer][step.slots].repeat_interleave(groups, dim=1)
             scores = torch.matmul(q[:, :, None, :], keys.transpose(-1, -2))[:, :, 0] * self.scaling  # [T, heads, L]
-            visible = torch.arange(cache.max_len, device=x.device)[None, :] <= step.positions[:, None]
+            visible = torch.arange(cache.max_len, device=q.device)[None, :] <= step.positions[:, None]
             scores = scores.masked_fill(~visible[:, None, :], torch.finfo(scores.dtype).min)
             probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
             out = torch.matmul(probs[:, :, None, :], values)[:, :, 0]
             return self.o_proj(out.reshape(T, self.heads * D))
-        out = x.new_empty(T, self.heads, D)
+        out = q.new_empty(T, self.heads, D)
         for slot, start, count, past in zip(step.rids, step.starts, step.counts, step.past):
             rows = slice(start, start + count)
-            positions = torch.arange(past, past + count, device=x.device)
+            positions = torch.arange(past, past + count, device=q.device)
             cache.write(self.layer, torch.full_like(positions, slot), positions, k[rows], v[rows])
             total = past + count
             ks = cache.k[self.layer][slot, :, :total].repeat_interleave(groups, dim=0)
@@ -232,7 +232,7 @@ class TPAttention(nn.Module):
             qs = q[rows].transpose(0, 1)
             scores = torch.matmul(qs, ks.transpose(1, 2)) * self.scaling
             if count > 1:
-                mask = torch.ones(count, total, dtype=torch.bool, device=x.device).tril(total - count)
+                mask = torch.ones(count, total, dtype=torch.bool, device=q.device).tril(total - count)
                 scores = scores + torch.zeros_like(mask, dtype=scores.dtype).masked_fill(~mask, torch.finfo(scores.dtype).min)
             probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(qs.dtype)
             out[rows] = torch.matmul(probs, vs).transpose(0, 1)

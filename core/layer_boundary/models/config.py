@@ -44,6 +44,9 @@ class DecoderConfig:
     norm_topk_prob: bool = False
     sparse_layers: frozenset = frozenset()
     shared_expert_intermediate_size: int = 0
+    #: FP8 reads at attention and dense-FFN inputs: None, "fp8_dynamic" or "fp8_static"
+    #: (config key "layer_boundary_fp8"; not a Hugging Face field)
+    fp8_reads: Optional[str] = None
     hf: Mapping[str, Any] = attrs.field(factory=dict, repr=False)
 
     def is_sparse(self, layer: int) -> bool:
@@ -101,6 +104,7 @@ class DecoderConfig:
             norm_topk_prob=bool(cfg.get("norm_topk_prob", False)),
             sparse_layers=sparse,
             shared_expert_intermediate_size=int(cfg.get("shared_expert_intermediate_size", 0) or 0) if moe else 0,
+            fp8_reads=_fp8_option(cfg.get("layer_boundary_fp8")),
             hf=cfg,
         )
 
@@ -127,6 +131,19 @@ class DecoderConfig:
                 raise ConfigError(f"moe_intermediate_size={self.moe_intermediate_size} is not divisible by moe_tp={topology.moe_tp}")
             if self.shared_expert_intermediate_size % tp:
                 raise ConfigError(f"shared_expert_intermediate_size={self.shared_expert_intermediate_size} is not divisible by TP {tp}")
+
+
+#: the static FP8 scale of the reference models: |y| up to 8 maps onto E4M3's 448
+FP8_STATIC_SCALE = 8.0 / 448.0
+
+
+def _fp8_option(value):
+    if value in (None, "", "none"):
+        return None
+    fmt = value if str(value).startswith("fp8_") else f"fp8_{value}"
+    if fmt not in ("fp8_dynamic", "fp8_static"):
+        raise ConfigError(f"layer_boundary_fp8 must be dynamic or static, got {value!r}")
+    return fmt
 
 
 def load_hf_config(source: str) -> dict:

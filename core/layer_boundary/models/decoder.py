@@ -20,6 +20,19 @@ from .moe import TPMoE
 __all__ = ["DecoderLayer", "CausalLM"]
 
 
+def _residuals(config: DecoderConfig, sparse: bool):
+    """(attention, FFN) residual ops: FP8 reads where the config asks, for attention and dense
+    FFN inputs (a MoE's router and experts keep the plain read)."""
+    if config.fp8_reads is None:
+        return None, None
+    from ..residual.quant import fp8_residual
+    from .config import FP8_STATIC_SCALE
+
+    scale = FP8_STATIC_SCALE if config.fp8_reads == "fp8_static" else None
+    ops = fp8_residual(config.fp8_reads, static_scale=scale)
+    return ops, (None if sparse else ops)
+
+
 class DecoderLayer(nn.Module):
     def __init__(self, config: DecoderConfig, layer_id: int, parallel, *, fusions=None, dtype=None, device=None):
         super().__init__()
@@ -35,10 +48,12 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = norm(H, config.rms_norm_eps, dtype=dtype, device=device)
         self.post_attention_layernorm = norm(H, config.rms_norm_eps, dtype=dtype, device=device)
         options = {"fusions": fusions} if fusions is not None else {}
+        attn_res, ffn_res = _residuals(config, sparse)
+        _, prev_ffn_res = _residuals(config, config.is_sparse(layer_id - 1))
         self.attn_boundary, self.ffn_boundary = make_stages(
-            (declare_attn(), self.input_layernorm, options),
-            (declare_ffn(sparse=sparse, next_sparse=config.is_sparse(layer_id + 1)), self.post_attention_layernorm, options),
-            previous=declare_ffn(sparse=config.is_sparse(layer_id - 1), next_sparse=sparse) if layer_id else None,
+            (declare_attn(residual=attn_res), self.input_layernorm, options),
+            (declare_ffn(sparse=sparse, next_sparse=config.is_sparse(layer_id + 1), residual=ffn_res), self.post_attention_layernorm, options),
+            previous=declare_ffn(sparse=config.is_sparse(layer_id - 1), next_sparse=sparse, residual=prev_ffn_res) if layer_id else None,
             terminal=layer_id == config.num_layers - 1,
             label=f"layer{layer_id}",
         )

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from ..layers import RowParallelLinear, shard_rows
+from ..layers import RowParallelLinear, linear, shard_rows
 
 __all__ = ["TPGatedMLP", "activation"]
 
@@ -41,5 +41,5 @@ class TPGatedMLP(nn.Module):
         self.down.load_full(down)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = nn.functional.linear(x, self.gate_up).split(self.local, dim=-1)
+        gate, up = linear(x, self.gate_up, self).split(self.local, dim=-1)
         return self.down(self.act(gate) * up)
