@@ -1,15 +1,47 @@
-"""Hook implementations of the tbo plugin (records only; heavy imports stay in factories)."""
+"""Hook implementations of the tbo plugin: the two-batch-overlap and the branch adapters.
+
+Both are pure torch; CUDA streams are only touched when a batch lives on a GPU.
+"""
 
 from layer_boundary.plugin import Adapter, Priority, hookimpl
 
 
-def _decline(description):
-    return None
+def _overlap(request):
+    from .overlap import TwoBatchOverlap
+
+    return _one(TwoBatchOverlap)
+
+
+def _branch(request):
+    from .branch import BranchAdapter
+
+    return _one(BranchAdapter)
+
+
+_INSTANCES: dict = {}
+
+
+def _one(cls):
+    """One adapter object per process (they hold no per-batch state)."""
+    if cls not in _INSTANCES:
+        _INSTANCES[cls] = cls()
+    return _INSTANCES[cls]
 
 
 @hookimpl
 def layer_boundary_adapters():
     yield Adapter(
-        name="tbo.placeholder", kind="tbo-placeholder", factory=_decline,
-        description="two-batch overlap and branches (lands with issue 7)",
+        name="tbo.two_batch_overlap",
+        kind="tbo",
+        factory=_overlap,
+        priority=Priority.REFERENCE,
+        description="split a batch into two microbatches with their own streams, interleave their stages "
+        "(one CUDA stream each on a GPU), merge them back",
+    )
+    yield Adapter(
+        name="tbo.branch",
+        kind="branch",
+        factory=_branch,
+        priority=Priority.REFERENCE,
+        description="prepared branches: branch_input forks the stream, branch_output and merge_branch join it",
     )
