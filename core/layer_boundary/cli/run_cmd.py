@@ -34,6 +34,7 @@ def add_parser(sub) -> None:
     p.add_argument("--reduction", default="auto", choices=["ar", "rs", "rsv", "rs+rsv", "auto"])
     p.add_argument("--dp-padding", default="sum_len", choices=["sum_len", "max_len"])
     p.add_argument("--sequence-parallel", action="store_true", help="run prefill as a sequence-parallel batch")
+    p.add_argument("--tbo", action="store_true", help="run the layers as two overlapped microbatches (needs layer-boundary-tbo)")
     p.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
     p.add_argument("--dtype", default=None, choices=["float32", "float64", "bfloat16"], help="default float32 (cpu), bfloat16 (cuda)")
     p.add_argument("--batch", type=int, default=3, help="requests (default 3, lengths uneven)")
@@ -74,6 +75,8 @@ def _require_features(args, topology) -> None:
 
     if topology.attn_cp > 1 and not get_registry().adapters_of("cp"):
         raise UsageError(str(missing_feature(f"--attn-cp {topology.attn_cp}", "cp")))
+    if args.tbo and not get_registry().adapters_of("tbo"):
+        raise UsageError(str(missing_feature("--tbo", "tbo")))
     if args.sequence_parallel and (topology.attn_dp > 1 or topology.attn_tp < 2):
         raise UsageError("--sequence-parallel needs attention TP > 1 and no attention DP")
     if args.device == "cuda":
@@ -92,7 +95,8 @@ def _reference(args, config, job, dtype):
     if args.check == "none":
         return None
     if args.check == "single":
-        single = run_rank(Parallel.single(), _with(job, topology=Topology(), device="cpu", progress=False))
+        serial = {k: v for k, v in job.options.items() if k != "tbo"}  # the reference runs the layers in one batch
+        single = run_rank(Parallel.single(), _with(job, topology=Topology(), device="cpu", progress=False, options=serial))
         return [single["logits"][r] for r in range(len(job.prompts))]
     if args.checkpoint:
         model = oracle.hf_from_checkpoint(args.checkpoint, dtype)
@@ -194,8 +198,12 @@ def run(args) -> int:
             sequence_parallel=args.sequence_parallel,
             dp_padding=args.dp_padding,
             progress=not args.json,
+            options={"tbo": True} if args.tbo else {},
         )
-        say(f"layer-boundary run: {args.model} ({config.num_layers} layers), {topology.describe()}, reduction={policy}, {args.dtype}, {args.device}")
+        say(
+            f"layer-boundary run: {args.model} ({config.num_layers} layers), {topology.describe()}, reduction={policy}, "
+            f"{args.dtype}, {args.device}" + (", two-batch overlap" if args.tbo else "")
+        )
         start = time.perf_counter()
         results = _launch(job, topology, args, say)
         elapsed = time.perf_counter() - start
@@ -219,6 +227,7 @@ def run(args) -> int:
             "prompt_lengths": [len(p) for p in prompts],
             "decode_steps": args.decode_steps,
             "sequence_parallel": args.sequence_parallel,
+            "tbo": args.tbo,
         },
         "timings": timings,
         "collectives": collectives,

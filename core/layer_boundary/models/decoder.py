@@ -10,7 +10,7 @@ from typing import Optional
 import torch
 from torch import nn
 
-from .. import declare_attn, declare_ffn, layer_stack, make_stages, residual_batch
+from .. import declare_attn, declare_ffn, layer_stack, make_stages, residual_batch, two_batch_overlap
 from ..residual.add_norm import GemmaRMSNorm, RMSNorm
 from .attention import KVCache, RotaryEmbedding, StepLayout, TPAttention
 from .config import DecoderConfig
@@ -44,11 +44,16 @@ class DecoderLayer(nn.Module):
         )
 
     def forward(self, hidden_states, forward, step: StepLayout, rope, cache: Optional[KVCache]):
+        hidden_states = self.attention(hidden_states, forward, step, rope, cache)
+        return self.feed_forward(hidden_states, forward)
+
+    def attention(self, hidden_states, forward, step: StepLayout, rope, cache: Optional[KVCache]):
         hidden_states = self.attn_boundary.prepare(hidden_states, forward)
         if hidden_states.shape[0] != 0:
             hidden_states = self.self_attn(hidden_states, step, rope, cache)
-        hidden_states = self.attn_boundary.finish(hidden_states, forward)
+        return self.attn_boundary.finish(hidden_states, forward)
 
+    def feed_forward(self, hidden_states, forward):
         hidden_states = self.ffn_boundary.prepare(hidden_states, forward)
         with self.ffn_boundary.exit(forward) as output:
             hidden_states = self.mlp(hidden_states)
@@ -91,7 +96,53 @@ class CausalLM(nn.Module):
         residual_batch.start(forward)
         hidden_states = self.embed(input_ids)
         rope = self.rotary(step.positions, hidden_states.dtype)
-        for layer in self.layers:
-            hidden_states = layer(hidden_states, forward, step, rope, cache)
+        if forward.extras.get("tbo"):
+            hidden_states = run_overlapped(self.layers, hidden_states, forward, step, rope, cache)
+        else:
+            for layer in self.layers:
+                hidden_states = layer(hidden_states, forward, step, rope, cache)
         hidden_states = residual_batch.norm(hidden_states, forward, self.norm, skip_empty=True, handoff_norm=self.handoff_norm)
         return self.lm_head(hidden_states)
+
+
+def step_rows(step: StepLayout, start: int, stop: int) -> StepLayout:
+    """The layout of rows start:stop of a step. A request cut at `start` continues after the rows
+    before it: its past grows by them (they reach the KV cache first, in the earlier microbatch)."""
+    rids, counts, past = [], [], []
+    for rid, first, count, seen in zip(step.rids, step.starts, step.counts, step.past):
+        a, b = max(start, first), min(stop, first + count)
+        if a < b:
+            rids.append(rid)
+            counts.append(b - a)
+            past.append(seen + a - first)
+    return StepLayout(rids, counts, past, device=step.positions.device)
+
+
+def run_overlapped(layers, hidden_states, forward, step: StepLayout, rope, cache: Optional[KVCache]):
+    """The decoder layers as two-batch overlap: each layer's attention and FFN are operations
+    the two microbatches take turns at (neither keeps an exit scope open across a turn).
+
+    A request cut between the microbatches reads its first rows' keys from the cache: microbatch
+    0 runs each attention first, on the CPU and (the adapter orders them) on GPU streams.
+    """
+    # On a GPU each microbatch allocates on its own stream: keep every cache tensor this step
+    # replaces alive until both streams are done with it (the adapter joins them on return).
+    held = [] if cache is not None and hidden_states.is_cuda else None
+
+    def stages(hidden_states, microbatch, facts):
+        mb_step, mb_rope = facts
+        for layer in layers:
+            hidden_states = layer.attention(hidden_states, microbatch, mb_step, mb_rope, cache)
+            if held is not None:
+                held.append(dict(cache.layers[layer.layer_id]))
+            yield
+            hidden_states = layer.feed_forward(hidden_states, microbatch)
+            yield
+        return hidden_states
+
+    def context(start, stop):
+        return step_rows(step, start, stop), (rope[0][start:stop], rope[1][start:stop])
+
+    if held is not None:
+        held.extend(dict(entries) for entries in cache.layers)
+    return two_batch_overlap(forward).run(stages, hidden_states, forward, context=context)
