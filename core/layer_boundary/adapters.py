@@ -51,12 +51,13 @@ def branch_input(boundary, hidden_states, forward):
 
 
 def branch_output(hidden_states, branch_forward):
-    """Complete the branch's last contribution and place it on the handoff rows; releases the
-    branch's stream. Pass the result to `merge_branch()`."""
+    """Complete the branch's last contribution on the handoff rows and apply it to the branch's
+    residual; releases the branch's stream. Pass the result to `merge_branch()`."""
     return adapter_for("branch", None, "prepared branches (branch_output)").branch_output(hidden_states, branch_forward)
 
 
 def merge_branch(hidden_states, branch, forward):
-    """Combine the main line's output (`hidden_states`, the source stage's handle) with a
-    `branch_output()`; returns the handle the next stage takes."""
+    """Join a `branch_output()` with the main line's output (`hidden_states`, the source stage's
+    handle): the main line's contribution stays pending over the branch's residual, so the next
+    stage adds it once. Returns the handle the next stage takes."""
     return adapter_for("branch", None, "prepared branches (merge_branch)").merge_branch(hidden_states, branch, forward)

@@ -18,7 +18,7 @@ from .config import ConfigError, DecoderConfig, load_hf_config
 __all__ = ["MODELS", "ModelFamily", "ConfigError", "DecoderConfig", "build_model", "family", "load_hf_config", "model_config", "register_model"]
 
 #: modules that register model families when first needed (one line per family module)
-FAMILY_MODULES = ("layer_boundary.models.decoder_families",)
+FAMILY_MODULES = ("layer_boundary.models.decoder_families", "layer_boundary.models.longcat")
 
 
 @attrs.frozen(kw_only=True)
@@ -37,6 +37,11 @@ class ModelFamily:
     #: (config, dtype, seed) -> a state dict with Hugging Face names
     random_weights: Callable[..., dict]
     description: str = ""
+    #: per dtype, a looser check tolerance where the model's own arithmetic is not batch-invariant
+    #: (LongCat's fp32 router: CPU GEMV and GEMM round differently)
+    check_tolerance: dict = attrs.field(factory=dict)
+    #: adapter kinds the model's forward needs from plugins ("branch", "cp", ...)
+    requires: tuple = ()
 
 
 MODELS: dict[str, ModelFamily] = {}

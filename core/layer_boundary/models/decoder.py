@@ -59,6 +59,12 @@ class DecoderLayer(nn.Module):
             hidden_states = self.mlp(hidden_states)
         return output.finish(hidden_states)
 
+    def operations(self, hidden_states, forward, step: StepLayout, rope, cache: Optional[KVCache]):
+        """The layer for two-batch overlap: `yield` between its operations (no scope is open there)."""
+        hidden_states = self.attention(hidden_states, forward, step, rope, cache)
+        yield
+        return self.feed_forward(hidden_states, forward)
+
 
 class CausalLM(nn.Module):
     """Embedding, decoder layers, final norm and a replicated LM head."""
@@ -119,8 +125,8 @@ def step_rows(step: StepLayout, start: int, stop: int) -> StepLayout:
 
 
 def run_overlapped(layers, hidden_states, forward, step: StepLayout, rope, cache: Optional[KVCache]):
-    """The decoder layers as two-batch overlap: each layer's attention and FFN are operations
-    the two microbatches take turns at (neither keeps an exit scope open across a turn).
+    """Layers as two-batch overlap: the microbatches take turns at each layer's operations
+    (`layer.operations(...)`, a generator) and between layers.
 
     A request cut between the microbatches reads its first rows' keys from the cache: microbatch
     0 runs each attention first, on the CPU and (the adapter orders them) on GPU streams.
@@ -129,20 +135,28 @@ def run_overlapped(layers, hidden_states, forward, step: StepLayout, rope, cache
     # replaces alive until both streams are done with it (the adapter joins them on return).
     held = [] if cache is not None and hidden_states.is_cuda else None
 
+    def keep_cache():
+        if held is not None:
+            held.append([dict(entries) for entries in cache.layers])
+
     def stages(hidden_states, microbatch, facts):
         mb_step, mb_rope = facts
         for layer in layers:
-            hidden_states = layer.attention(hidden_states, microbatch, mb_step, mb_rope, cache)
-            if held is not None:
-                held.append(dict(cache.layers[layer.layer_id]))
-            yield
-            hidden_states = layer.feed_forward(hidden_states, microbatch)
+            operations = layer.operations(hidden_states, microbatch, mb_step, mb_rope, cache)
+            while True:
+                try:
+                    next(operations)
+                except StopIteration as done:
+                    hidden_states = done.value
+                    break
+                keep_cache()
+                yield
+            keep_cache()
             yield
         return hidden_states
 
     def context(start, stop):
         return step_rows(step, start, stop), (rope[0][start:stop], rope[1][start:stop])
 
-    if held is not None:
-        held.extend(dict(entries) for entries in cache.layers)
+    keep_cache()
     return two_batch_overlap(forward).run(stages, hidden_states, forward, context=context)

@@ -5,16 +5,18 @@ MoE (the main line) and to a shortcut of dense FFN -> attention -> dense FFN (th
 
     r0 = residual after the first attention, x = norm(r0)
     main line:  m  = MoE(x)
-    branch:     r1 = r0 + ffn0(x); r2 = r1 + attn1(norm r1); f1 = ffn1(norm r2)
-    merged:     r2 + (m + f1)      (= the layer's output r0 + ffn0 + attn1 + ffn1 + MoE)
+    branch:     r1 = r0 + ffn0(x); r2 = r1 + attn1(norm r1); r3 = r2 + ffn1(norm r2)
+    merged:     r3 + m
 
 `branch_input` moves the prepared input to the branch's rows and hands the residual to a new
 stream on a child Forward; the main line keeps only its pending output, and its residual slot
 holds a marker that fails loudly if anything reads it before the merge. `branch_output`
-completes the branch's last contribution on the handoff rows and releases its stream.
-`merge_branch` completes the main line's contribution, adds the branch's, and records the sum
-with the main line's update over the branch's residual, so the residual is added exactly once.
-Both contributions are added, so both updates must be plain adds.
+completes the branch's last contribution on the handoff rows and applies its update (r3); it
+releases the branch's stream. `merge_branch` puts r3 under the main line's output, which stays
+pending with the main line's update, so the next stage adds it exactly as the unsplit layer does
+((r2 + ffn1) + m, the same rounding as Hugging Face's layer), a sum the main line still owes may
+fuse into the next input, and the residual is added exactly once. The main line's update must be
+a plain add (the branch's residual replaces the one it would have updated).
 
 Branch transport uses ordinary token rows only: construction rejects context parallel, and a
 branch plan has no sequence-parallel or input-scattered path.
@@ -22,7 +24,7 @@ branch plan has no sequence-parallel or input-scattered path.
 
 from __future__ import annotations
 
-from layer_boundary import Contribution, Messages as CoreMessages, ResidualStream, StageKind
+from layer_boundary import Messages as CoreMessages, ResidualStream, StageKind
 from layer_boundary.ops import dp_gather, dp_scatter
 from layer_boundary.prepare import align_rows
 from layer_boundary.residual.stream import ATTENTION_ROWS
@@ -52,17 +54,16 @@ class ForkedResidual:
 
 
 class BranchOutput:
-    """A branch's complete last contribution on the handoff rows, and its residual."""
+    """A branch's result on the handoff rows: its residual with its last contribution applied."""
 
-    __slots__ = ("value", "residual", "origin")
+    __slots__ = ("residual", "origin")
 
-    def __init__(self, value, residual, origin: ResidualStream):
-        self.value = value
+    def __init__(self, residual, origin: ResidualStream):
         self.residual = residual
         self.origin = origin
 
     def __repr__(self) -> str:
-        return f"BranchOutput(rows={self.value.shape[0]})"
+        return "BranchOutput()"
 
 
 def _input_rows(declaration, topology) -> str:
@@ -130,10 +131,10 @@ class BranchAdapter:
         pending, residual = stream.take(hidden_states)
         if pending is None:
             raise RuntimeError("branch_output takes the output of the branch's last stage (after its finish()), not a written stream")
-        _plain(pending.update, "branch_output")
         value = align_rows(pending.complete(), pending.rows, stream.rows, branch_forward)
+        residual = pending.update.apply(value, residual)
         branch_forward.residual_stream = None
-        return BranchOutput(value, residual, stream)
+        return BranchOutput(align_rows(residual, stream.rows, ATTENTION_ROWS, branch_forward), stream)
 
     def merge_branch(self, hidden_states, branch: BranchOutput, forward):
         if not isinstance(branch, BranchOutput):
@@ -145,10 +146,9 @@ class BranchAdapter:
                 "merge_branch: this branch was not entered from this Forward's current stage; merge each branch into the "
                 "Forward it was entered from, once"
             )
-        pending, _ = stream.take(hidden_states)
-        if pending is None:
+        stream.check(hidden_states)
+        if stream.pending is None:
             raise RuntimeError("merge_branch needs the main line's output: finish the source stage's exit first")
-        _plain(pending.update, "merge_branch")
-        value = align_rows(pending.complete(), pending.rows, ATTENTION_ROWS, forward)
-        stream.write(branch.residual, ATTENTION_ROWS)
-        return stream.record(Contribution(value + branch.value, pending.update))
+        stream.residual = branch.residual
+        stream.rows = ATTENTION_ROWS
+        return hidden_states

@@ -59,7 +59,7 @@ def test_the_formula_check_sees_a_residual_added_twice(monkeypatch):
     real = branch.BranchAdapter.merge_branch
 
     def doubled(self, hidden, out, forward):
-        out.value = out.value + out.residual
+        out.residual = out.residual + out.residual
         return real(self, hidden, out, forward)
 
     monkeypatch.setattr(branch.BranchAdapter, "merge_branch", doubled)
