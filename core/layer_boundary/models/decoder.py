@@ -129,7 +129,8 @@ def run_overlapped(layers, hidden_states, forward, step: StepLayout, rope, cache
     (`layer.operations(...)`, a generator) and between layers.
 
     A request cut between the microbatches reads its first rows' keys from the cache: microbatch
-    0 runs each attention first, on the CPU and (the adapter orders them) on GPU streams.
+    0 runs each attention first, on the CPU and, ordered by the adapter, on GPU streams; without
+    a cut request the microbatches share no state and their streams run unordered.
     """
     # On a GPU each microbatch allocates on its own stream: keep every cache tensor this step
     # replaces alive until both streams are done with it (the adapter joins them on return).
@@ -159,4 +160,8 @@ def run_overlapped(layers, hidden_states, forward, step: StepLayout, rope, cache
         return step_rows(step, start, stop), (rope[0][start:stop], rope[1][start:stop])
 
     keep_cache()
-    return two_batch_overlap(forward).run(stages, hidden_states, forward, context=context)
+    overlap = two_batch_overlap(forward)
+    split = overlap.plan(forward).first
+    cut = split[forward.parallel.attn_dp_rank]
+    shares_a_request = 0 < cut < step.num_tokens and cut not in step.starts
+    return overlap.run(stages, hidden_states, forward, context=context, split=split, ordered=shares_a_request)

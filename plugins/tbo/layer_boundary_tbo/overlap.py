@@ -64,6 +64,7 @@ class TwoBatchOverlap:
         context: Optional[Callable[[int, int], Any]] = None,
         split=None,
         streams: Optional[bool] = None,
+        ordered: Optional[bool] = None,
     ):
         """Run `stages` over the batch as two interleaved microbatches; returns the merged handle
         (or the concatenated output, when the stages end with the final norm).
@@ -71,7 +72,9 @@ class TwoBatchOverlap:
         `split`: microbatch 0's rows per attention-DP rank (default: `forward.extras["tbo_split"]`,
         else each rank's token midpoint). When one microbatch would be empty on every rank the
         batch runs whole, through the same checks. `streams` overrides `forward.extras["tbo_streams"]`
-        and the adapter's default.
+        and the adapter's default; `ordered=False` lets microbatch 1's operation i start on its
+        stream before microbatch 0's finished (more overlap; only for microbatches that share no
+        state, e.g. no request cut between them). Both are local choices: no rank needs to agree.
         """
         if exit_scope_open():
             raise RuntimeError(Messages.NESTED)
@@ -83,7 +86,8 @@ class TwoBatchOverlap:
         microbatches = split_batch(hidden_states, forward, plan)
         if streams is None:
             streams = forward.extras.get("tbo_streams", self.streams)
-        schedule = schedule_for(microbatches[0].hidden, streams=bool(streams), ordered=self.ordered)
+        ordered = self.ordered if ordered is None else ordered
+        schedule = schedule_for(microbatches[0].hidden, streams=bool(streams), ordered=ordered)
         outputs = self._interleave(stages, microbatches, context, schedule)
         return merge_batch(microbatches, outputs, forward)
 

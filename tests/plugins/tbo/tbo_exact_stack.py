@@ -85,6 +85,9 @@ class ExactStage(nn.Module):
             self.expert_up = {e: shard_rows(ups[e], r, s) for e in self.owned}
             self.expert_down = {e: shard_cols(downs[e], r, s) for e in self.owned}
             self.route = torch.tensor([0.75, 0.25], dtype=torch.float64, device=device)
+            # logits are multiples of 1/64: distinct offsets below that make the choice tie-free,
+            # so no device or batch size can break a tie another way
+            self.tiebreak = torch.arange(4, dtype=torch.float64, device=device) / 1024
         else:
             raise ValueError(code)
 
@@ -100,7 +103,7 @@ class ExactStage(nn.Module):
         if self.code == "ffn":
             return self.down(quant(self.up(quant(h)) * 0.5))
         q = quant(h)
-        _, idx = torch.topk(q @ self.router.T, 2, dim=-1)
+        _, idx = torch.topk(q @ self.router.T + self.tiebreak, 2, dim=-1)
         rows = q.new_zeros(q.shape[0], 2, q.shape[1])
         for e in self.owned:
             tok, k = (idx == e).nonzero(as_tuple=True)
