@@ -32,7 +32,7 @@ from ..residual.add_norm import RMSNorm
 from . import ModelFamily, register_model
 from .attention import KVCache, RotaryEmbedding, StepLayout
 from .config import ConfigError
-from .decoder import run_overlapped
+from .overlapped import run_overlapped
 from .mla import TPLatentAttention
 from .mlp import TPGatedMLP, activation
 from .weights import TensorSource
