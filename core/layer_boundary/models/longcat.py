@@ -32,7 +32,7 @@ from ..residual.add_norm import RMSNorm
 from . import ModelFamily, register_model
 from .attention import KVCache, RotaryEmbedding, StepLayout
 from .config import ConfigError
-from .overlapped import run_overlapped
+from .overlapped import run_operations, run_overlapped
 from .mla import TPLatentAttention
 from .mlp import TPGatedMLP, activation
 from .weights import TensorSource
@@ -274,12 +274,7 @@ class LongcatLayer(nn.Module):
         return boundary.finish(x, forward)
 
     def forward(self, hidden_states, forward, step: StepLayout, rope, cache: Optional[KVCache]):
-        operations = self.operations(hidden_states, forward, step, rope, cache)
-        while True:
-            try:
-                next(operations)
-            except StopIteration as done:
-                return done.value
+        return run_operations(self.operations(hidden_states, forward, step, rope, cache))
 
 
 class LongcatForCausalLM(nn.Module):

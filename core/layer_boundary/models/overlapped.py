@@ -12,7 +12,16 @@ from typing import Optional
 from .. import two_batch_overlap
 from .attention import KVCache, StepLayout
 
-__all__ = ["run_overlapped", "step_rows"]
+__all__ = ["run_overlapped", "step_rows", "run_operations"]
+
+
+def run_operations(operations):
+    """Run a layer's operations generator to its end (no microbatch to switch to); its result."""
+    while True:
+        try:
+            next(operations)
+        except StopIteration as done:
+            return done.value
 
 
 def step_rows(step: StepLayout, start: int, stop: int) -> StepLayout:

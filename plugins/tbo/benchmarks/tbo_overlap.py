@@ -42,17 +42,9 @@ MODES = ("whole", "half0", "half1", "tbo-1stream", "tbo-2streams")
 
 
 def ensure_plugin() -> None:
-    """Register the tbo adapters in this process when the distribution is not installed."""
-    from layer_boundary.plugin.manager import get_plugin_manager, get_registry
+    from layer_boundary_tbo.plugin import register_in_process
 
-    if get_registry().adapters_of("tbo"):
-        return
-    import layer_boundary_tbo.plugin as plugin
-
-    pm, _, provenance = get_plugin_manager()
-    pm.register(plugin, name="tbo")
-    provenance["tbo"] = ("layer-boundary-tbo (from the source tree)", None)
-    get_registry.cache_clear()
+    register_in_process()
 
 
 def model_hf_config(args) -> dict:

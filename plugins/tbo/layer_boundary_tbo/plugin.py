@@ -3,6 +3,8 @@
 Both are pure torch; CUDA streams are only touched when a batch lives on a GPU.
 """
 
+import sys
+
 from layer_boundary.plugin import Adapter, Priority, hookimpl
 
 
@@ -45,3 +47,17 @@ def layer_boundary_adapters():
         priority=Priority.REFERENCE,
         description="prepared branches: branch_input forks the stream, branch_output and merge_branch join it",
     )
+
+
+def register_in_process() -> None:
+    """Register these hooks in this process when the distribution is not installed (a source
+    checkout on a bare GPU machine); a no-op when the entry point already provides them or
+    LAYER_BOUNDARY_DISABLE_PLUGINS names "tbo"."""
+    from layer_boundary.plugin.manager import _disabled, get_plugin_manager, get_registry
+
+    if get_registry().adapters_of("tbo") or "tbo" in _disabled():
+        return
+    pm, _, provenance = get_plugin_manager()
+    pm.register(sys.modules[__name__], name="tbo")
+    provenance["tbo"] = ("layer-boundary-tbo (source tree)", None)
+    get_registry.cache_clear()

@@ -25,7 +25,9 @@ from layer_boundary import (
     two_batch_overlap,
 )
 
-from tbo_exact_stack import H, ExactStage, _drain, _weights, inputs_of, rows_of
+from layer_boundary.models.overlapped import run_operations
+
+from tbo_exact_stack import H, ExactStage, _weights, inputs_of, rows_of
 
 
 class BranchLayer(nn.Module):
@@ -98,7 +100,7 @@ class BranchStack(nn.Module):
         if tbo:
             h = two_batch_overlap(fwd).run(self.stages, x, fwd, context=lambda a, b: rows_of(segments, a, b), split=split)
         else:
-            h = _drain(self.stages(x, fwd, segments))
+            h = run_operations(self.stages(x, fwd, segments))
         return residual_batch.norm(h, fwd, self.final_norm)
 
 

@@ -36,6 +36,7 @@ from layer_boundary import (
     two_batch_overlap,
 )
 from layer_boundary.layers import shard_cols, shard_rows
+from layer_boundary.models.overlapped import run_operations
 from layer_boundary.testing.grid import quant
 
 H = 16
@@ -185,7 +186,7 @@ class ExactStack(nn.Module):
         residual_batch.start(fwd)
         h = x
         serial = self.stages_of(0, tbo_from if tbo else self.num_layers)
-        h = _drain(serial(h, fwd, segments))
+        h = run_operations(serial(h, fwd, segments))
         if tbo:
             stages = self.stages_of(tbo_from, self.num_layers, final_norm=norm_in_stages)
             h = two_batch_overlap(fwd).run(
@@ -194,14 +195,6 @@ class ExactStack(nn.Module):
             if norm_in_stages:
                 return h
         return residual_batch.norm(h, fwd, self.final_norm)
-
-
-def _drain(gen):
-    while True:
-        try:
-            next(gen)
-        except StopIteration as stop:
-            return stop.value
 
 
 def rows_of(segments: Sequence[int], start: int, stop: int) -> list:

@@ -27,14 +27,11 @@ NCCL_ENV = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "N
 
 def _ensure_tbo():
     """Register the tbo adapters when the distribution is not installed (a bare GPU machine)."""
-    from layer_boundary.plugin.manager import get_plugin_manager, get_registry
-
-    if not get_registry().adapters_of("tbo"):
+    if str(ROOT / "plugins" / "tbo") not in sys.path:
         sys.path.append(str(ROOT / "plugins" / "tbo"))
-        import layer_boundary_tbo.plugin as plugin
+    from layer_boundary_tbo.plugin import register_in_process
 
-        get_plugin_manager()[0].register(plugin, name="tbo")
-        get_registry.cache_clear()
+    register_in_process()
 
 
 @pytest.fixture(autouse=True)
