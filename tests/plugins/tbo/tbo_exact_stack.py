@@ -12,7 +12,7 @@ runs operation-scheduled: no exit() scope, yields inside the FFN, `boundary.post
 
 from __future__ import annotations
 
-from typing import Optional, Sequence
+from typing import Sequence
 
 import torch
 from torch import nn

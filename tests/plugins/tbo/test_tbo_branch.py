@@ -19,7 +19,6 @@ from layer_boundary import (
     residual_batch,
 )
 from layer_boundary.testing.threaded import ThreadWorld, run_threaded
-from layer_boundary_tbo.messages import Messages
 
 from tbo_exact_branch import BranchStack, plain_reference, run_branch_rank
 from tbo_exact_stack import inputs_of, split_of
