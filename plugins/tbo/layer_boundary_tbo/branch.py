@@ -79,14 +79,6 @@ def _stream(forward):
     return stream
 
 
-def _plain(update, where: str) -> None:
-    if not update.plain_add:
-        raise NotImplementedError(
-            f"{where}: a branch merge adds the main line's and the branch's contributions, which needs plain-add "
-            f"updates; got {update!r}"
-        )
-
-
 class BranchAdapter:
     """The "branch" adapter: `branch_input`, `branch_output` and `merge_branch`."""
 
@@ -110,7 +102,11 @@ class BranchAdapter:
                 "prepare() on this Forward first"
             )
         source = plan.declaration.prepared_from
-        _plain(source.update, f"branch at stage {plan.label}")
+        if not source.update.plain_add:
+            raise NotImplementedError(
+                f"branch at stage {plan.label}: the merge adds the main line's output over the branch's residual, which "
+                f"needs a plain-add update on the main line; got {source.update!r}"
+            )
         topology = plan.parallel.topology
         moves = (_input_rows(source, topology), _input_rows(plan.declaration, topology))
         if moves == ("full", "attention"):

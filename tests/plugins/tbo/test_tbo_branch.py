@@ -147,3 +147,33 @@ def test_missing_plugin_names_the_distribution_for_branches(monkeypatch, fresh_r
         branch_input(layer.ffn0_b, x, fwd)
     assert info.value.distribution == "layer-boundary-tbo"
     assert "prepared branches (branch_input) needs the layer-boundary-tbo distribution" in str(info.value)
+
+
+class _Scaled:
+    """A nonlinear update (residual * 0.5 + contribution): the merge cannot put it over the branch."""
+
+    plain_add = False
+    at_producer = False
+    outlives_layer = True
+
+    def apply(self, contribution, residual):
+        return residual * 0.5 + contribution
+
+
+def test_a_main_line_without_a_plain_add_cannot_branch():
+    from layer_boundary import declare_attn
+
+    parallel = Parallel.single()
+    attn, moe = make_stages(
+        (declare_attn(), RMSNorm(4, dtype=torch.float64)),
+        (declare_ffn(update=_Scaled()), RMSNorm(4, dtype=torch.float64)),
+        terminal=True,
+        parallel=parallel,
+    )
+    (shortcut,) = make_stages((declare_ffn(), RMSNorm(4, dtype=torch.float64)), prepared_from=moe.declaration, parallel=parallel)
+    fwd = Forward(parallel, 2)
+    residual_batch.start(fwd)
+    h = attn.finish(attn.prepare(torch.ones(2, 4, dtype=torch.float64), fwd), fwd)
+    x = moe.prepare(h, fwd)
+    with pytest.raises(NotImplementedError, match="needs a plain-add update on the main line"):
+        branch_input(shortcut, x, fwd)
