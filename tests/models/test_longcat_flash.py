@@ -6,16 +6,14 @@ in fp32 even in a float64 model and scores one decode row at a time (a CPU GEMV)
 run scores several (a GEMM), and the two round differently; the family's check tolerance says so.
 """
 
-import functools
-
 import attrs
 import pytest
-import torch
 
 from layer_boundary import Parallel, Topology
 from layer_boundary.models import ConfigError, family, model_config
-from layer_boundary.models.oracle import hf_from_state, hf_logits
-from layer_boundary.models.runner import RunJob, make_requests, run_rank
+from layer_boundary.models.runner import run_rank
+
+from model_cases import setup
 
 MODEL = "longcat_flash"
 
@@ -23,22 +21,6 @@ MODEL = "longcat_flash"
 @pytest.fixture(scope="module")
 def weights_dir(tmp_path_factory):
     return str(tmp_path_factory.mktemp("longcat"))
-
-
-@functools.lru_cache(maxsize=None)
-def _setup(weights_dir: str, dtype: str):
-    torch_dtype = {"float64": torch.float64, "float32": torch.float32}[dtype]
-    config = model_config(MODEL)
-    state = family(MODEL).random_weights(config, torch_dtype, seed=7)
-    path = f"{weights_dir}/{dtype}.pt"
-    torch.save(state, path)
-    prompts, decode = make_requests(config.vocab_size, 4, 6, 2, seed=3)
-    ref = hf_logits(hf_from_state(dict(config.hf), state, torch_dtype), [torch.tensor(p) for p in prompts], decode)
-    job = RunJob(
-        model=MODEL, hf_config=dict(config.hf), topology=Topology(), reduction="ar", dtype=dtype,
-        weights=path, prompts=prompts, decode_tokens=decode,
-    )
-    return job, ref
 
 
 def _errors(results, ref):
@@ -72,7 +54,7 @@ CASES = {
 @pytest.mark.parametrize("case", list(CASES))
 def test_matches_hf_in_float64(gloo_world, weights_dir, case):
     topology, reduction, options = CASES[case]
-    job, ref = _setup(weights_dir, "float64")
+    job, ref = setup(MODEL, "float64", weights_dir, steps=2)
     job = attrs.evolve(job, topology=topology, reduction=reduction, options=options)
     prefill, every = _errors(_run(gloo_world, job, topology), ref)
     assert prefill < 1e-10
@@ -81,7 +63,7 @@ def test_matches_hf_in_float64(gloo_world, weights_dir, case):
 
 @pytest.mark.gloo
 def test_matches_hf_in_float32_under_attention_dp(gloo_world, weights_dir):
-    job, ref = _setup(weights_dir, "float32")
+    job, ref = setup(MODEL, "float32", weights_dir, steps=2)
     topology = Topology(tp=2, attn_dp=2)
     job = attrs.evolve(job, topology=topology, reduction="rs+rsv")
     _, every = _errors(_run(gloo_world, job, topology), ref)
@@ -92,7 +74,7 @@ def test_a_dropped_shortcut_fails_the_check(weights_dir, monkeypatch):
     """The oracle comparison sees the branch: a layer that skipped its shortcut FFN would fail."""
     from layer_boundary.models import longcat
 
-    job, ref = _setup(weights_dir, "float64")
+    job, ref = setup(MODEL, "float64", weights_dir, steps=2)
     monkeypatch.setattr(longcat.TPGatedMLP, "forward", lambda self, x: x.new_zeros(x.shape))
     prefill, _ = _errors([run_rank(Parallel.single(), job)], ref)
     assert prefill > 1e-3

@@ -16,7 +16,7 @@ from .attention import KVCache, RotaryEmbedding, StepLayout, TPAttention
 from .config import DecoderConfig
 from .mlp import TPGatedMLP
 from .moe import TPMoE
-from .overlapped import run_overlapped
+from .overlapped import run_layers
 
 __all__ = ["DecoderLayer", "CausalLM"]
 
@@ -103,10 +103,6 @@ class CausalLM(nn.Module):
         residual_batch.start(forward)
         hidden_states = self.embed(input_ids)
         rope = self.rotary(step.positions, hidden_states.dtype)
-        if forward.extras.get("tbo"):
-            hidden_states = run_overlapped(self.layers, hidden_states, forward, step, rope, cache)
-        else:
-            for layer in self.layers:
-                hidden_states = layer(hidden_states, forward, step, rope, cache)
+        hidden_states = run_layers(self.layers, hidden_states, forward, step, rope, cache)
         hidden_states = residual_batch.norm(hidden_states, forward, self.norm, skip_empty=True, handoff_norm=self.handoff_norm)
         return self.lm_head(hidden_states)

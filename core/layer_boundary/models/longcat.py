@@ -32,7 +32,7 @@ from ..residual.add_norm import RMSNorm
 from . import ModelFamily, register_model
 from .attention import KVCache, RotaryEmbedding, StepLayout
 from .config import ConfigError
-from .overlapped import run_operations, run_overlapped
+from .overlapped import run_layers, run_operations
 from .mla import TPLatentAttention
 from .mlp import TPGatedMLP, activation
 from .weights import TensorSource
@@ -302,11 +302,7 @@ class LongcatForCausalLM(nn.Module):
         residual_batch.start(forward)
         hidden_states = self.embed_tokens(input_ids)
         rope = self.rotary(step.positions, hidden_states.dtype)
-        if forward.extras.get("tbo"):
-            hidden_states = run_overlapped(self.layers, hidden_states, forward, step, rope, cache)
-        else:
-            for layer in self.layers:
-                hidden_states = layer(hidden_states, forward, step, rope, cache)
+        hidden_states = run_layers(self.layers, hidden_states, forward, step, rope, cache)
         hidden_states = residual_batch.norm(hidden_states, forward, self.norm, skip_empty=True)
         return self.lm_head(hidden_states)
 

@@ -12,7 +12,16 @@ from typing import Optional
 from .. import two_batch_overlap
 from .attention import KVCache, StepLayout
 
-__all__ = ["run_overlapped", "step_rows", "run_operations"]
+__all__ = ["run_layers", "run_overlapped", "step_rows", "run_operations"]
+
+
+def run_layers(layers, hidden_states, forward, step: StepLayout, rope, cache: Optional[KVCache]):
+    """A model's layers in order, or as two-batch overlap when `forward.extras["tbo"]` is set."""
+    if forward.extras.get("tbo"):
+        return run_overlapped(layers, hidden_states, forward, step, rope, cache)
+    for layer in layers:
+        hidden_states = layer(hidden_states, forward, step, rope, cache)
+    return hidden_states
 
 
 def run_operations(operations):
