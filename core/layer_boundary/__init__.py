@@ -7,6 +7,7 @@ where they apply and correct unfused code where they do not.
 """
 
 from ._errors import Messages, MissingPluginError
+from .adapters import branch_input, branch_output, merge_branch, two_batch_overlap
 from .collectives import Collectives, CollectiveCounter, CountingCollectives, SingleRankCollectives, TorchCollectives, split_sizes
 from .construction import StagePlan
 from .contracts import FusedMlpInput, ProducerReduction, ReductionPolicy, StageDescription, StageKind
@@ -20,7 +21,7 @@ from .factories import (
     make_ffn_stage,
     make_stages,
 )
-from .forward import BatchFactsError, BatchVariant, ComputeFlags, DpPadding, Forward, ForwardMode, get_forward
+from .forward import BatchFactsError, BatchVariant, ComputeFlags, DpPadding, Forward, ForwardMode, exit_scope_open, get_forward
 from .fusions import FusionError
 from .layers import ColumnParallelLinear, MoeFinalizeHandoff, RowParallelLinear, reduce_output
 from .layout import Layout, SumGroup, TokenAxis
@@ -77,6 +78,8 @@ __all__ = [
     "SingleRankCollectives",
     "StageBoundary",
     "boundaries_of",
+    "branch_input",
+    "branch_output",
     "StageDeclaration",
     "StageDescription",
     "StageKind",
@@ -91,6 +94,7 @@ __all__ = [
     "UnreducedOutput",
     "declare_attn",
     "declare_ffn",
+    "exit_scope_open",
     "get_forward",
     "get_registry",
     "hookimpl",
@@ -98,9 +102,11 @@ __all__ = [
     "make_attn_stage",
     "make_ffn_stage",
     "make_stages",
+    "merge_branch",
     "reduce_output",
     "residual_batch",
     "residual_kind",
     "resolve_reduction",
     "split_sizes",
+    "two_batch_overlap",
 ]

@@ -24,6 +24,7 @@ __all__ = [
     "Forward",
     "ComputeFlags",
     "get_forward",
+    "exit_scope_open",
     "publish_flags",
     "BatchFactsError",
 ]
@@ -219,6 +220,15 @@ _FLAGS: contextvars.ContextVar[ComputeFlags] = contextvars.ContextVar("layer_bou
 def get_forward() -> ComputeFlags:
     """The flags of the innermost open exit scope (defaults when none is open)."""
     return _FLAGS.get()
+
+
+def exit_scope_open() -> bool:
+    """Whether an exit scope (or a `publish_flags` block) is open in this context.
+
+    Schedulers that interleave work (two-batch overlap) check it where they switch microbatch:
+    an open scope would publish one microbatch's flags to the other's compute.
+    """
+    return _FLAGS.get() is not _DEFAULT_FLAGS
 
 
 @contextlib.contextmanager

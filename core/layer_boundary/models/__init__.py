@@ -22,6 +22,7 @@ FAMILY_MODULES = (
     "layer_boundary.models.decoder_families",
     "layer_boundary.models.deepseek_v4_family",
     "layer_boundary.models.nemotron_h_family",
+    "layer_boundary.models.longcat",
 )
 
 

@@ -16,6 +16,7 @@ from .attention import KVCache, RotaryEmbedding, StaticKVCache, StepLayout, TPAt
 from .config import DecoderConfig
 from .mlp import TPGatedMLP
 from .moe import TPMoE
+from .overlapped import run_layers
 
 __all__ = ["DecoderLayer", "CausalLM"]
 
@@ -59,15 +60,26 @@ class DecoderLayer(nn.Module):
         )
 
     def forward(self, hidden_states, forward, step: StepLayout, rope, cache: Optional[KVCache]):
+        hidden_states = self.attention(hidden_states, forward, step, rope, cache)
+        return self.feed_forward(hidden_states, forward)
+
+    def attention(self, hidden_states, forward, step: StepLayout, rope, cache: Optional[KVCache]):
         hidden_states = self.attn_boundary.prepare(hidden_states, forward)
         if hidden_states.shape[0] != 0:
             hidden_states = self.self_attn(hidden_states, step, rope, cache)
-        hidden_states = self.attn_boundary.finish(hidden_states, forward)
+        return self.attn_boundary.finish(hidden_states, forward)
 
+    def feed_forward(self, hidden_states, forward):
         hidden_states = self.ffn_boundary.prepare(hidden_states, forward)
         with self.ffn_boundary.exit(forward) as output:
             hidden_states = self.mlp(hidden_states)
         return output.finish(hidden_states)
+
+    def operations(self, hidden_states, forward, step: StepLayout, rope, cache: Optional[KVCache]):
+        """The layer for two-batch overlap: `yield` between its operations (no scope is open there)."""
+        hidden_states = self.attention(hidden_states, forward, step, rope, cache)
+        yield
+        return self.feed_forward(hidden_states, forward)
 
 
 class CausalLM(nn.Module):
@@ -112,7 +124,6 @@ class CausalLM(nn.Module):
         residual_batch.start(forward)
         hidden_states = self.embed(input_ids)
         rope = self.rotary(step.positions, hidden_states.dtype)
-        for layer in self.layers:
-            hidden_states = layer(hidden_states, forward, step, rope, cache)
+        hidden_states = run_layers(self.layers, hidden_states, forward, step, rope, cache)
         hidden_states = residual_batch.norm(hidden_states, forward, self.norm, skip_empty=True, handoff_norm=self.handoff_norm)
         return self.lm_head(hidden_states)
