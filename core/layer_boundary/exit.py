@@ -12,7 +12,7 @@ import torch
 
 from ._errors import Messages
 from .checks import check_rows
-from .forward import _DEFAULT_FLAGS, _FLAGS, BatchVariant, ComputeFlags, DpPadding
+from .forward import _FLAGS, BatchVariant, ComputeFlags, DpPadding
 from .ops import dp_reduce_scatter, dp_scatter, reduce_scatter_slices, take_slice
 from .output import HandoffOutput, UnreducedOutput
 from .residual.stream import Contribution
@@ -33,7 +33,9 @@ class ExitDecision:
         return f"ExitDecision({self.flags}, defer_sum={self.defer_sum}, reduce_scatter={self.reduce_scatter}, declared={self.declared})"
 
 
-_NO_SKIP = _DEFAULT_FLAGS
+#: the flags of an exit that lets compute reduce: equal to the defaults, but a distinct object so
+#: that an open exit scope stays detectable (`exit_scope_open()`, checked at TBO switch points)
+_NO_SKIP = ComputeFlags()
 
 
 #: the decision of an exit that can only let compute reduce: shared, never mutated
