@@ -153,17 +153,31 @@ class CuteDSLService:
 # ---------------------------------------------------------------------------------------------
 
 
+def _held_in_lists(model) -> list:
+    """Boundaries a module keeps in a list or tuple attribute (`boundaries_of` reads plain
+    attributes only, like a decoder layer's `attn_boundary`)."""
+    return [
+        b
+        for module in model.modules()
+        for value in vars(module).values()
+        if isinstance(value, (list, tuple))
+        for b in value
+        if isinstance(b, StageBoundary)
+    ]
+
+
 def _boundaries(layers_or_model) -> list:
     if isinstance(layers_or_model, StageBoundary):
-        return [layers_or_model]
-    if isinstance(layers_or_model, torch.nn.Module):
-        return boundaries_of(layers_or_model)
+        found = [layers_or_model]
+    elif isinstance(layers_or_model, torch.nn.Module):
+        found = boundaries_of(layers_or_model) + _held_in_lists(layers_or_model)
+    else:
+        found = [b for item in layers_or_model for b in _boundaries(item)]
     out, seen = [], set()
-    for item in layers_or_model:
-        for b in _boundaries(item):
-            if id(b) not in seen:
-                seen.add(id(b))
-                out.append(b)
+    for b in found:
+        if id(b) not in seen:
+            seen.add(id(b))
+            out.append(b)
     return out
 
 
