@@ -297,3 +297,26 @@ def test_batch_facts_that_turn_deferral_off():
         parallel = type("P", (), {"topology": Topology(tp=2, attn_dp=2)})()
 
     assert not fusion.can_defer_finalize(moe, DP()) and not fusion.can_defer_all_reduce(moe, DP())
+
+
+# ------------------------------------------------------------------------------------------ gloo
+
+
+def _gloo_rank(parallel):
+    calls = []
+    model, _ = _model(parallel, calls)
+    service = install_cutedsl_fusion(model, terminal_finalize=True, final_norm=model.final_norm)
+    prepare_cutedsl_fusion(model, max_tokens=8)
+    with torch.inference_mode():
+        out = _run(model, Forward(parallel, TOKENS), grid_inputs(SPEC, [TOKENS])[0], handoff_norm=service)
+    return out, service.usable, _names(calls)
+
+
+def test_terminal_finalize_under_gloo(gloo_world):
+    """The service's collectives (the prepare vote, finalize -> all-reduce -> add + norm at every
+    boundary and at the final norm) over real gloo process groups, TP=2."""
+    results = gloo_world(2).run(_gloo_rank, Topology(tp=2))
+    want = _want()
+    for out, usable, names in results:
+        assert usable and torch.allclose(out, want, rtol=1e-12, atol=1e-12)
+        assert names == results[0][2] and names.count("moe_finalize") == 2
