@@ -22,5 +22,8 @@ models)
   pip install -q --no-deps --no-build-isolation -e . -e plugins/cutedsl >/dev/null 2>&1 || echo "editable install failed"
   for m in qwen3 qwen3_moe; do timeout 120 python3 -m layer_boundary run --model $m --tp 1 --device cuda --dtype bfloat16 --json > "$OUT/run_$m.json" 2>"$OUT/run_$m.err"; echo "$m rc=$?"; python3 -c "import json;d=json.load(open('$OUT/run_$m.json'));print(d['check'],d['timings']['decode_step_s'])"; done
   LAYER_BOUNDARY_CUTEDSL=1 timeout 200 python3 -m layer_boundary run --model qwen3_moe --tp 1 --device cuda --dtype bfloat16 --json > "$OUT/run_moe_cutedsl.json" 2>"$OUT/run_moe_cutedsl.err"; echo "cutedsl rc=$?"; tail -3 "$OUT/run_moe_cutedsl.err"; python3 -c "import json;d=json.load(open('$OUT/run_moe_cutedsl.json'));print(d['check'])" ;;
+diagnose)
+  timeout 250 python3 plugins/cutedsl/gpu_diagnose.py --out "$OUT" 2>&1 | tee "$OUT/diagnose.log" | tail -60
+  timeout 60 python3 -m layer_boundary run --model gemma --tp 1 --device cuda --dtype bfloat16 --check single 2>&1 | grep -E "check|rror" ;;
 *) echo "unknown step $step"; exit 2 ;;
 esac

@@ -12,7 +12,10 @@ from typing import Any, Mapping, Optional
 
 import attrs
 
-__all__ = ["DecoderConfig", "ConfigError", "load_hf_config"]
+__all__ = ["DecoderConfig", "ConfigError", "load_hf_config", "FINAL_NORM_KEY"]
+
+#: a reference-model option (not a Hugging Face key): "gemma" gives qwen3_moe a (1 + w) final norm
+FINAL_NORM_KEY = "layer_boundary_final_norm"
 
 
 class ConfigError(ValueError):
@@ -47,6 +50,9 @@ class DecoderConfig:
     #: FP8 reads at attention and dense-FFN inputs: None, "fp8_dynamic" or "fp8_static"
     #: (config key "layer_boundary_fp8"; not a Hugging Face field)
     fp8_reads: Optional[str] = None
+    #: qwen3_moe option (config key `layer_boundary_final_norm: "gemma"`): a (1 + w) final norm, so a
+    #: fused terminal MoE finalize into a GemmaRMSNorm can run; no Hugging Face model has it
+    gemma_final_norm: bool = False
     hf: Mapping[str, Any] = attrs.field(factory=dict, repr=False)
 
     def is_sparse(self, layer: int) -> bool:
@@ -78,6 +84,9 @@ class DecoderConfig:
             mlp_only = set(cfg.get("mlp_only_layers") or ())
             sparse = frozenset(i for i in range(layers) if i not in mlp_only and (i + 1) % step == 0)
         gemma = model_type == "gemma"
+        final_norm = cfg.get(FINAL_NORM_KEY, "default")
+        if final_norm not in ("default", "gemma") or (final_norm == "gemma" and not moe):
+            raise ConfigError(f"{FINAL_NORM_KEY}={final_norm!r}: only qwen3_moe accepts it, with the value \"gemma\"")
         archs = cfg.get("architectures") or [
             {"qwen3": "Qwen3ForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM", "gemma": "GemmaForCausalLM"}[model_type]
         ]
@@ -105,6 +114,7 @@ class DecoderConfig:
             sparse_layers=sparse,
             shared_expert_intermediate_size=int(cfg.get("shared_expert_intermediate_size", 0) or 0) if moe else 0,
             fp8_reads=_fp8_option(cfg.get("layer_boundary_fp8")),
+            gemma_final_norm=final_norm == "gemma",
             hf=cfg,
         )
 

@@ -96,8 +96,8 @@ class CausalLM(nn.Module):
             self.layers = nn.ModuleList(
                 DecoderLayer(config, i, parallel, fusions=fusions, dtype=dtype, device=device) for i in range(config.num_layers)
             )
-        norm = GemmaRMSNorm if config.gemma_norm else RMSNorm
-        self.norm = norm(H, config.rms_norm_eps, dtype=dtype, device=device)
+        final = GemmaRMSNorm if config.gemma_norm or config.gemma_final_norm else RMSNorm
+        self.norm = final(H, config.rms_norm_eps, dtype=dtype, device=device)
         self.lm_head = nn.Linear(H, config.vocab_size, bias=False, dtype=dtype, device=device)
         if config.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight

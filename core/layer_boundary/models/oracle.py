@@ -35,6 +35,13 @@ def _options(model_type: str) -> dict:
 
 def build_hf_model(hf_config: dict, dtype: torch.dtype):
     """The HF model of `hf_config` (weights uninitialised; load them next)."""
+    from .config import FINAL_NORM_KEY, ConfigError
+
+    if hf_config.get(FINAL_NORM_KEY, "default") != "default":
+        raise ConfigError(
+            f"{FINAL_NORM_KEY}={hf_config[FINAL_NORM_KEY]!r} is a reference-model option no Hugging Face model has; "
+            "check against a single rank (--check single) instead"
+        )
     transformers = require_transformers()
     cfg = dict(hf_config)
     model_type = cfg.pop("model_type")

@@ -126,8 +126,8 @@ def random_weights(config, dtype: torch.dtype, seed: int) -> dict:
     def linear(out_f, in_f, *lead):
         return torch.randn(*lead, out_f, in_f, generator=gen) / in_f**0.5
 
-    def norm(n):
-        base = 0.0 if config.gemma_norm else 1.0
+    def norm(n, gemma=config.gemma_norm):
+        base = 0.0 if gemma else 1.0
         return base + 0.1 * torch.randn(n, generator=gen)
 
     state = {"model.embed_tokens.weight": torch.randn(V, H, generator=gen)}
@@ -157,6 +157,6 @@ def random_weights(config, dtype: torch.dtype, seed: int) -> dict:
             state[f"{p}.mlp.gate_proj.weight"] = linear(config.intermediate_size, H)
             state[f"{p}.mlp.up_proj.weight"] = linear(config.intermediate_size, H)
             state[f"{p}.mlp.down_proj.weight"] = linear(H, config.intermediate_size)
-    state["model.norm.weight"] = norm(H)
+    state["model.norm.weight"] = norm(H, config.gemma_norm or config.gemma_final_norm)
     state["lm_head.weight"] = state["model.embed_tokens.weight"] if config.tie_word_embeddings else linear(V, H)
     return {k: v.to(dtype) for k, v in state.items()}

@@ -7,144 +7,119 @@ A stage's fusion provider (core/layer_boundary/fusions.py). Its candidates take
   `fused_add_rmsnorm` (the one-shot fused collective is not built: docs/fused_allreduce.md);
 - an `UnreducedOutput` (a partial sum): its all-reduce, then `fused_add_rmsnorm`.
 
-Each candidate declines (returns None, touching nothing) unless everything is on a CUDA device
-in bf16/fp16 with a core RMSNorm computing in fp32 and a supported width, so the core's unfused
-candidate still runs everywhere else. The new residual goes to a new tensor (the old one is
-never written). Imports only torch and the kernels' wrappers; cutlass loads at the first launch.
+Each candidate declines (returns None, touching nothing) unless everything is on the kernels'
+device in a dtype they take, with a core RMSNorm computing in fp32 and a supported width, so
+the core's unfused candidate still runs everywhere else. The new residual goes to a new tensor.
+
+`install_cutedsl_fusion()` (service.py) binds every provider of a model to one shared
+`CuteDSLService`; from then on the deferral decisions are the service's (prepared, batch within
+its workspace) and the terminal MoE may hand its finalize to the final norm. A provider that was
+never installed still works on its own (`defer_finalize=True` lets its MoE stages defer).
 """
 
 from __future__ import annotations
 
 import functools
-import importlib.util
 from typing import Optional
 
-import torch
-
 from layer_boundary.contracts import FusedMlpInput
-from layer_boundary.layers import MoeFinalizeHandoff
-from layer_boundary.output import UnreducedOutput
-from layer_boundary.residual.add_norm import is_rms_norm
+from layer_boundary.forward import BatchVariant
 
-from .kernels import fused_add_rmsnorm, moe_finalize, moe_finalize_add_rmsnorm
-from .kernels.tiling import MAX_HIDDEN, MAX_TOP_K, SUPPORTED_DTYPES
+from . import fused_paths
+from .kernel_set import CUTEDSL_KERNELS, KernelSet, kernels_available
 
 __all__ = ["CuteDSLFusion", "kernels_available"]
 
-#: the norm statistic dtypes whose semantics the kernels reproduce (they compute in fp32)
-NORM_COMPUTE_DTYPES = (torch.float32,)
 
-
-@functools.lru_cache(maxsize=None)
-def kernels_available() -> bool:
-    """nvidia-cutlass-dsl importable and a CUDA device visible."""
-    return importlib.util.find_spec("cutlass") is not None and torch.cuda.is_available()
-
-
-def _on_device(t: torch.Tensor) -> bool:
-    return t.is_cuda
-
-
-def _rows_fit(t, dtype, shape) -> bool:
-    return (
-        isinstance(t, torch.Tensor)
-        and t.dtype == dtype
-        and tuple(t.shape) == shape
-        and _on_device(t)
-        and t.is_contiguous()
-        and t.data_ptr() % 16 == 0
-    )
-
-
-def _norm_args(norm, residual) -> Optional[tuple]:
-    """(gamma, weight_offset, eps) when the kernels compute exactly what `norm` does, else None."""
-    if not is_rms_norm(norm) or getattr(norm, "compute_dtype", torch.float32) not in NORM_COMPUTE_DTYPES:
-        return None
-    if not isinstance(residual, torch.Tensor) or residual.dim() != 2 or residual.dtype not in SUPPORTED_DTYPES:
-        return None
-    hidden = residual.shape[1]
-    if hidden % 8 or hidden > MAX_HIDDEN:
-        return None
-    gamma = norm.weight.detach()
-    if not _rows_fit(gamma, residual.dtype, (hidden,)) or not _rows_fit(residual, residual.dtype, tuple(residual.shape)):
-        return None
-    return gamma, float(getattr(type(norm), "offset", 0.0)), float(norm.eps)
-
-
-def _group_size(group) -> int:
-    return 1 if group is None else int(getattr(group, "size", 1))
-
-
-def finalize_add_norm(norm, owed, residual, forward=None):
+def finalize_add_norm(provider: "CuteDSLFusion", norm, owed, residual, forward=None):
     """Candidate for a `MoeFinalizeHandoff`: (normed, new_residual), or None to decline."""
-    if not isinstance(owed, MoeFinalizeHandoff) or not kernels_available():
-        return None
-    args = _norm_args(norm, residual)
+    kernels = provider.kernels
+    args = fused_paths.norm_args(kernels, norm, residual)
     if args is None:
         return None
     gamma, offset, eps = args
-    rows = owed.expert_rows
-    tokens, hidden = residual.shape
-    if not isinstance(rows, torch.Tensor) or rows.dim() != 3 or rows.shape[0] != tokens or rows.shape[2] != hidden:
-        return None
-    top_k = rows.shape[1]
-    if not 1 <= top_k <= MAX_TOP_K or not _rows_fit(rows, residual.dtype, (tokens, top_k, hidden)):
-        return None
-    weights = owed.weights
-    if not isinstance(weights, torch.Tensor) or tuple(weights.shape) != (tokens, top_k) or not weights.is_floating_point():
-        return None
-    if not _on_device(weights):
-        return None
-    shared = owed.shared
-    if shared is not None and not _rows_fit(shared, residual.dtype, (tokens, hidden)):
-        return None
-    if _group_size(owed.group) == 1:
-        return moe_finalize_add_rmsnorm(rows, None, weights, residual, gamma, eps, shared=shared, weight_offset=offset)
-    partial = moe_finalize(rows, None, weights, shared=shared)
-    total = owed.group.all_reduce(partial)
-    return fused_add_rmsnorm(total, residual, gamma, eps, weight_offset=offset)
+    service = provider.service
+    partial_out = service.partial_buffer(residual) if service is not None else None
+    return fused_paths.finalize_add_norm(kernels, owed, residual, gamma, offset, eps, partial_out=partial_out)
 
 
-def all_reduce_add_norm(norm, owed, residual, forward=None):
+def all_reduce_add_norm(provider: "CuteDSLFusion", norm, owed, residual, forward=None):
     """Candidate for an `UnreducedOutput`: its all-reduce, then the fused add + norm."""
-    if not isinstance(owed, UnreducedOutput) or not kernels_available():
-        return None
-    args = _norm_args(norm, residual)
+    kernels = provider.kernels
+    args = fused_paths.norm_args(kernels, norm, residual)
     if args is None:
         return None
     gamma, offset, eps = args
-    if not _rows_fit(owed.partial, residual.dtype, tuple(residual.shape)):
-        return None
-    total = owed.complete()
-    if not _rows_fit(total, residual.dtype, tuple(residual.shape)):  # a collective may hand back a view
-        total = total.contiguous()
-    return fused_add_rmsnorm(total, residual, gamma, eps, weight_offset=offset)
+    return fused_paths.all_reduce_add_norm(kernels, owed, residual, gamma, offset, eps)
 
 
 class CuteDSLFusion:
-    """Fusion provider of one stage (give a layer's attention and FFN stages the same one).
+    """Fusion provider of one stage (give a layer's attention and FFN stages the same one; one
+    object may also serve every stage of a model).
 
-    `defer_finalize=True` lets this stage's MoE return a `MoeFinalizeHandoff` for the next
-    input to finalize (`can_defer_finalize`); off by default, as the handoff then has to reach a
-    consumer whose provider takes it (the core's unfused candidate otherwise finalizes it).
+    `defer_finalize=True` lets the MoE stages it serves return a `MoeFinalizeHandoff` for the next
+    input to finalize, before any service is installed. `kernels` replaces the CuTe DSL kernels
+    (tests: `testing.reference_kernels()`); an installed service's kernels take precedence.
     """
 
-    def __init__(self, *, defer_finalize: bool = False):
+    def __init__(self, *, defer_finalize: bool = False, kernels: Optional[KernelSet] = None):
         self.defer_finalize = defer_finalize
+        self._kernels = kernels
+        self.service = None
+        #: ids of the FFN plans allowed to defer their finalize (set by install)
+        self._finalize_plans: frozenset = frozenset()
+        self.terminal_finalize = False
 
+    @property
+    def kernels(self) -> KernelSet:
+        if self.service is not None:
+            return self.service.kernels
+        return self._kernels if self._kernels is not None else CUTEDSL_KERNELS
+
+    def install(self, service, *, finalize_plans=(), terminal_finalize: bool = False) -> None:
+        """Bind to `service` (install_cutedsl_fusion does this); `finalize_plans`: the FFN stage
+        plans of this provider that may hand their finalize to the next input."""
+        if self.service is not None and self.service is not service:
+            raise RuntimeError(
+                f"{self!r} is already installed on another CuTe DSL service; a model shares one service: call "
+                "install_cutedsl_fusion once per model"
+            )
+        self.service = service
+        self._finalize_plans = frozenset(id(p) for p in finalize_plans) | self._finalize_plans
+        self.terminal_finalize = terminal_finalize
+
+    # consumer candidates ------------------------------------------------------------------------
     def attention_input(self, plan):
         norm = plan.norm
         return (
             FusedMlpInput(
-                run=functools.partial(finalize_add_norm, norm), handoff=True, name="cutedsl.finalize_add_rmsnorm", preserves_residual=True
+                run=functools.partial(finalize_add_norm, self, norm), handoff=True, name="cutedsl.finalize_add_rmsnorm", preserves_residual=True
             ),
-            FusedMlpInput(run=functools.partial(all_reduce_add_norm, norm), name="cutedsl.all_reduce_add_rmsnorm", preserves_residual=True),
+            FusedMlpInput(run=functools.partial(all_reduce_add_norm, self, norm), name="cutedsl.all_reduce_add_rmsnorm", preserves_residual=True),
         )
 
     ffn_input = attention_input
 
+    # producer decisions (identical on every rank: plan facts, batch facts the TP group shares,
+    # and the service's state, which prepare() agrees on over the group) -------------------------
+    def _batch_ok(self, fwd) -> bool:
+        topo = fwd.parallel.topology
+        if fwd.variant is not BatchVariant.ORDINARY or topo.attn_dp > 1 or topo.attn_cp > 1 or fwd.num_tokens <= 0:
+            return False
+        if self.service is not None:
+            return self.service.supports(fwd.num_tokens)
+        return self.kernels.available()
+
     def can_defer_finalize(self, plan, forward) -> bool:
-        return self.defer_finalize and kernels_available()
+        if self.service is None:
+            return self.defer_finalize and not plan.terminal and self._batch_ok(forward)
+        if id(plan) not in self._finalize_plans or (plan.terminal and not self.terminal_finalize):
+            return False
+        return self._batch_ok(forward)
+
+    def can_defer_all_reduce(self, plan, forward) -> bool:
+        return self._batch_ok(forward)
 
     def __repr__(self) -> str:
-        return f"CuteDSLFusion(defer_finalize={self.defer_finalize})"
+        installed = f", service of {self.service.label}" if self.service is not None else ""
+        return f"CuteDSLFusion(defer_finalize={self.defer_finalize}, kernels={self.kernels.name}{installed})"

@@ -35,21 +35,25 @@ MOE_TOP_K = [
 ]
 
 
-def _compile(variant):
+def _compile(variant, ptx_dir):
+    """Compile for sm_90a and lint the PTX for what would hang a launch (ptx_lint.py): a
+    barrier or warp shuffle under thread-divergent code, a block size other than the launch's."""
     from layer_boundary_cutedsl.kernels.compiler import compile_variant
+    from layer_boundary_cutedsl.kernels.ptx_lint import lint
 
-    compiled = compile_variant(variant, "sm_90a")
+    compiled = compile_variant(variant, "sm_90a", keep_ptx_dir=str(ptx_dir))
     assert compiled.has_gpu_module and len(compiled.kernel_info) == 1, variant
+    assert lint(compiled.__ptx__, variant.tiling().threads) == [], variant
 
 
 @pytest.mark.parametrize("variant", ADD_NORM, ids=lambda v: v.name)
-def test_add_rmsnorm_compiles(variant):
-    _compile(variant)
+def test_add_rmsnorm_compiles(variant, tmp_path):
+    _compile(variant, tmp_path)
 
 
 @pytest.mark.parametrize("variant", MOE + MOE_TOP_K, ids=lambda v: v.name)
-def test_moe_finalize_compiles(variant):
-    _compile(variant)
+def test_moe_finalize_compiles(variant, tmp_path):
+    _compile(variant, tmp_path)
 
 
 def test_variant_matrix_is_complete():

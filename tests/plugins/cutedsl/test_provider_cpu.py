@@ -1,23 +1,23 @@
 """The CuteDSLFusion provider inside the core's real boundary machinery, on CPU.
 
-The kernels need a GPU, so these tests swap them (and the device checks) for float64 fakes
-built on the references: what is tested is the plumbing (which owed values a candidate takes,
+The kernels need a GPU, so these tests give the provider `testing.reference_kernels()` (the float64
+references as a kernel set, any device): what is tested is the plumbing (which owed values a candidate takes,
 the arguments it passes, the collective it runs, that it declines untouched otherwise).
 """
 
 import pytest
 import torch
 
-import layer_boundary_cutedsl.provider as provider
 from layer_boundary.layers import MoeFinalizeHandoff
 from layer_boundary.output import UnreducedOutput
 from layer_boundary.parallel import Parallel, Topology
 from layer_boundary.residual.add_norm import GemmaRMSNorm, RMSNorm
 from layer_boundary.testing.grid import GridSpec, grid_inputs, reference, run_grid_rank
 from layer_boundary.testing.threaded import run_threaded
-from layer_boundary_cutedsl.kernels import add_rmsnorm_reference, moe_finalize_add_rmsnorm_reference, moe_finalize_reference
+from layer_boundary_cutedsl.kernel_set import CUTEDSL_KERNELS, kernels_available
 from layer_boundary_cutedsl.plugin import _factory
 from layer_boundary_cutedsl.provider import CuteDSLFusion
+from layer_boundary_cutedsl.testing import reference_kernels
 
 
 class Calls(list):
@@ -25,35 +25,13 @@ class Calls(list):
 
 
 @pytest.fixture
-def fake_kernels(monkeypatch):
-    """Let the candidates run on CPU float64 tensors, with reference math instead of kernels."""
-    calls = Calls()
-
-    def fused_add_rmsnorm(x, residual, gamma, eps, out=None, *, residual_out=None, weight_offset=0.0):
-        calls.append(("fused_add_rmsnorm", x.shape, weight_offset, eps))
-        return add_rmsnorm_reference(x, residual, gamma, eps, weight_offset=weight_offset)
-
-    def moe_finalize_add_rmsnorm(routed, indices, weights, residual, gamma, eps, *, shared=None, weight_offset=0.0, **kw):
-        calls.append(("moe_finalize_add_rmsnorm", routed.shape, indices, weight_offset, eps))
-        return moe_finalize_add_rmsnorm_reference(routed, indices, weights, shared, residual, gamma, eps, weight_offset=weight_offset)
-
-    def moe_finalize(routed, indices, weights, *, shared=None, out=None):
-        calls.append(("moe_finalize", routed.shape, indices))
-        return moe_finalize_reference(routed, indices, weights, shared)
-
-    monkeypatch.setattr(provider, "fused_add_rmsnorm", fused_add_rmsnorm)
-    monkeypatch.setattr(provider, "moe_finalize_add_rmsnorm", moe_finalize_add_rmsnorm)
-    monkeypatch.setattr(provider, "moe_finalize", moe_finalize)
-    monkeypatch.setattr(provider, "kernels_available", lambda: True)
-    monkeypatch.setattr(provider, "_on_device", lambda t: True)
-    monkeypatch.setattr(provider, "SUPPORTED_DTYPES", (torch.bfloat16, torch.float16, torch.float64))
-    return calls
+def fake_kernels():
+    """Launches recorded here; the kernels are the float64 references (any device, fp64 norms)."""
+    return Calls()
 
 
-@pytest.fixture
-def fp64_norms(monkeypatch):
-    """The grid model's norms compute in float64: let the fake kernels take them."""
-    monkeypatch.setattr(provider, "NORM_COMPUTE_DTYPES", (torch.float32, torch.float64))
+def _fusion(calls, **kw):
+    return CuteDSLFusion(kernels=reference_kernels(calls), **kw)
 
 
 class _Plan:
@@ -61,8 +39,9 @@ class _Plan:
         self.norm = norm
 
 
-def _candidates(norm, **kw):
-    handoff, unreduced = CuteDSLFusion(**kw).attention_input(_Plan(norm))
+def _candidates(norm, calls=None, fusion=None, **kw):
+    fusion = fusion if fusion is not None else _fusion(calls, **kw)
+    handoff, unreduced = fusion.attention_input(_Plan(norm))
     assert handoff.handoff and not unreduced.handoff and handoff.preserves_residual and unreduced.preserves_residual
     return handoff.run, unreduced.run
 
@@ -84,41 +63,45 @@ def _handoff(tokens=3, top_k=2, hidden=16, group=None, shared=False, dtype=torch
     return MoeFinalizeHandoff(rows, weights, torch.zeros(tokens, top_k, dtype=torch.long), sh, group, None)
 
 
+def _names(calls):
+    return [c[0] for c in calls]
+
+
 @pytest.mark.parametrize("norm_cls", [RMSNorm, GemmaRMSNorm])
 @pytest.mark.parametrize("shared", [False, True])
 def test_handoff_over_one_rank_is_one_fused_call(fake_kernels, norm_cls, shared):
     norm = norm_cls(16, 1e-5, dtype=torch.float64)
-    run, _ = _candidates(norm)
+    run, _ = _candidates(norm, fake_kernels)
     owed = _handoff(group=_Group(1), shared=shared)
     residual = torch.randn(3, 16, dtype=torch.float64)
     normed, new_residual = run(owed, residual, None)
-    assert [c[0] for c in fake_kernels] == ["moe_finalize_add_rmsnorm"]
-    name, shape, indices, offset, eps = fake_kernels[0]
-    assert shape == (3, 2, 16) and indices is None and offset == norm.offset and eps == 1e-5
+    assert _names(fake_kernels) == ["moe_finalize_add_rmsnorm"]
+    _, tokens, details = fake_kernels[0]
+    assert tokens == 3 and details == {"eps": 1e-5, "weight_offset": norm.offset, "shared": shared}
     want_normed, want_residual = norm.add_forward(owed.finalize_local(), residual)
     assert torch.allclose(normed, want_normed) and torch.allclose(new_residual, want_residual)
 
 
 def test_handoff_over_two_ranks_finalizes_reduces_then_norms(fake_kernels):
     norm = RMSNorm(16, 1e-6, dtype=torch.float64)
-    run, _ = _candidates(norm)
+    run, _ = _candidates(norm, fake_kernels)
     group = _Group(2, factor=2.0)
     owed = _handoff(group=group, shared=True)
     residual = torch.randn(3, 16, dtype=torch.float64)
     normed, _ = run(owed, residual, None)
-    assert [c[0] for c in fake_kernels] == ["moe_finalize", "fused_add_rmsnorm"] and group.calls == 1
+    assert _names(fake_kernels) == ["moe_finalize", "fused_add_rmsnorm"] and group.calls == 1
     want, _ = norm.add_forward(2.0 * owed.finalize_local(), residual)
     assert torch.allclose(normed, want)
 
 
 def test_unreduced_output_is_reduced_then_fused(fake_kernels):
     norm = GemmaRMSNorm(16, 1e-6, dtype=torch.float64)
-    _, run = _candidates(norm)
+    _, run = _candidates(norm, fake_kernels)
     group = _Group(2, factor=3.0)
     partial = torch.randn(4, 16, dtype=torch.float64)
     residual = torch.randn(4, 16, dtype=torch.float64)
     normed, new_residual = run(UnreducedOutput(partial, group, None, declared=True), residual, None)
-    assert [c[0] for c in fake_kernels] == ["fused_add_rmsnorm"] and group.calls == 1
+    assert _names(fake_kernels) == ["fused_add_rmsnorm"] and group.calls == 1
     want_normed, want_residual = norm.add_forward(3.0 * partial, residual)
     assert torch.allclose(normed, want_normed) and torch.allclose(new_residual, want_residual)
 
@@ -130,34 +113,46 @@ def _declines(run, owed, residual):
     assert [t._version for t in tensors] == before
 
 
-def test_candidates_decline_what_the_kernels_cannot_do(fake_kernels, monkeypatch):
+def test_candidates_decline_what_the_kernels_cannot_do(fake_kernels):
     norm = RMSNorm(16, 1e-6, dtype=torch.float64)
-    handoff_run, unreduced_run = _candidates(norm)
+    handoff_run, unreduced_run = _candidates(norm, fake_kernels)
     residual = torch.randn(3, 16, dtype=torch.float64)
     group = _Group(2)
     _declines(handoff_run, UnreducedOutput(residual.clone(), group, None, declared=True), residual)  # wrong kind
     _declines(unreduced_run, _handoff(), residual)
+    _declines(unreduced_run, UnreducedOutput(torch.randn(3, 8, dtype=torch.float64), group, None, declared=True), residual)  # shape
     _declines(handoff_run, _handoff(top_k=17), residual)  # top_k too large
     _declines(handoff_run, _handoff(dtype=torch.float32), residual)  # rows and residual differ
     _declines(handoff_run, _handoff(), (residual, residual))  # a residual tuple (other residual kinds)
     _declines(handoff_run, _handoff(tokens=3, hidden=12), torch.randn(3, 12, dtype=torch.float64))  # width % 8
-    fp64_norm = RMSNorm(16, 1e-6, dtype=torch.float64, compute_dtype=torch.float64)
-    _declines(_candidates(fp64_norm)[0], _handoff(), residual)  # a norm the kernels do not compute
-    _declines(_candidates(torch.nn.LayerNorm(16))[0], _handoff(), residual)
+    _declines(handoff_run, _handoff(), torch.randn(3, 32, dtype=torch.float64)[:, ::2])  # not rows back to back
+    _declines(_candidates(torch.nn.LayerNorm(16), fake_kernels)[0], _handoff(), residual)
     assert fake_kernels == [] and group.calls == 0
-    monkeypatch.setattr(provider, "_on_device", lambda t: False)
-    _declines(handoff_run, _handoff(), residual)  # on the CPU for real
 
 
-def test_without_gpu_everything_declines():
-    provider.kernels_available.cache_clear()
-    if provider.kernels_available():
-        pytest.skip("a GPU is visible")
+def test_the_cutedsl_kernels_decline_cpu_tensors_and_fp64_statistics():
+    """With the real kernel set: CPU tensors and a norm computing in float64 are not theirs."""
     norm = RMSNorm(16, 1e-6, dtype=torch.bfloat16)
-    handoff_run, unreduced_run = _candidates(norm, defer_finalize=True)
+    handoff_run, unreduced_run = _candidates(norm, fusion=CuteDSLFusion())
     residual = torch.randn(3, 16).to(torch.bfloat16)
-    _declines(handoff_run, _handoff(dtype=torch.bfloat16), residual)
-    assert not CuteDSLFusion(defer_finalize=True).can_defer_finalize(None, None)
+    _declines(handoff_run, _handoff(dtype=torch.bfloat16, group=_Group(1)), residual)
+    _declines(unreduced_run, UnreducedOutput(residual.clone(), _Group(2), None, declared=True), residual)
+    fp64 = RMSNorm(16, 1e-6, dtype=torch.float64, compute_dtype=torch.float64)
+    from layer_boundary_cutedsl.fused_paths import norm_args
+
+    assert norm_args(CUTEDSL_KERNELS, fp64, torch.randn(3, 16, dtype=torch.float64)) is None
+
+
+def test_without_gpu_nothing_defers():
+    kernels_available.cache_clear()
+    if kernels_available():
+        pytest.skip("a GPU is visible")
+    from layer_boundary.forward import Forward
+
+    fwd = Forward(Parallel.single(), 4)
+    plan = type("Plan", (), {"terminal": False})()
+    fusion = CuteDSLFusion(defer_finalize=True)
+    assert not fusion.can_defer_finalize(plan, fwd) and not fusion.can_defer_all_reduce(plan, fwd)
 
 
 def test_registry_factory_is_opt_in(monkeypatch):
@@ -171,18 +166,18 @@ MOE_SPEC = GridSpec(stages=("attn", "moe", "attn", "moe", "attn", "ffn"), hidden
 
 
 @pytest.mark.parametrize("tp", [1, 2])
-def test_in_a_model_the_handoff_reaches_the_candidate(fake_kernels, fp64_norms, tp):
-    """A grid model whose MoE stages defer their finalize: the next input's candidate takes
-    the handoff (over TP ranks: finalize, all-reduce, add + norm) and the outputs match the
-    single-rank reference."""
+def test_in_a_model_the_handoff_reaches_the_candidate(fake_kernels, tp):
+    """A grid model whose MoE stages defer their finalize (an uninstalled provider with
+    defer_finalize=True): the next input's candidate takes the handoff (over TP ranks: finalize,
+    all-reduce, add + norm) and the outputs match the single-rank reference."""
     dp_counts = [5]
     want, _ = reference(MOE_SPEC, grid_inputs(MOE_SPEC, dp_counts))
-    fusion = CuteDSLFusion(defer_finalize=True)
+    fusion = _fusion(fake_kernels, defer_finalize=True)
     if tp == 1:
         got = [run_grid_rank(Parallel.single(), MOE_SPEC, dp_counts, fusions=fusion)[0]]
     else:
         got = [r[0] for r in run_threaded(lambda p: run_grid_rank(p, MOE_SPEC, dp_counts, fusions=fusion), Topology(tp=tp))]
-    names = [c[0] for c in fake_kernels]
+    names = _names(fake_kernels)
     expected = "moe_finalize_add_rmsnorm" if tp == 1 else "moe_finalize"
     assert names.count(expected) == 2 * tp  # both MoE stages, on every rank
     if tp == 2:
@@ -190,4 +185,3 @@ def test_in_a_model_the_handoff_reaches_the_candidate(fake_kernels, fp64_norms, 
         assert names.count("fused_add_rmsnorm") == 5 * tp
     for out in got:
         assert torch.allclose(out, want[0], rtol=1e-9, atol=1e-9)
-

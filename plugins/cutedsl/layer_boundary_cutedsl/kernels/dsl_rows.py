@@ -74,13 +74,20 @@ class RowKernel:
         return smem.allocate_tensor(Float32, cute.make_layout((self.warps, 2)), byte_alignment=16)
 
     @cute.jit
-    def block_sum(self, value: Float32, red: cute.Tensor, parity: Int32) -> Float32:
-        """Sum of `value` over the CTA: warp shuffles, then one shared-memory exchange."""
+    def block_sum(self, value: Float32, red: cute.Tensor, parity: Int32, tidx: Int32) -> Float32:
+        """Sum of `value` over the CTA: warp shuffles, then one shared-memory exchange.
+
+        The warp and lane numbers are plain arithmetic on `tidx`, never `cute.arch.warp_idx()`:
+        that one is marked warp-uniform with a full-mask `shfl.sync`, and a full-mask shuffle
+        executed by lane 0 alone (inside the `lane == 0` branch) waits forever for lanes
+        1..31, which wait at the barrier below: the whole CTA deadlocks (the H200 hang)."""
         value = cute.arch.warp_reduction_sum(value)
         total = value
         if const_expr(self.warps > 1):
-            if cute.arch.lane_idx() == 0:
-                red[cute.arch.warp_idx(), parity] = value
+            warp = tidx // 32
+            lane = tidx % 32
+            if lane == 0:
+                red[warp, parity] = value
             cute.arch.sync_threads()
             total = red[0, parity]
             for w in cutlass.range_constexpr(1, self.warps):
@@ -116,7 +123,7 @@ class RowKernel:
         rfrag.store(total.to(self.dtype))
         self.store_row(residual_out, row_elem, rfrag, tidx)
         sq = (total * total).reduce(cute.ReductionOp.ADD, Float32(0.0), 0)
-        sq = self.block_sum(sq, red, parity)
+        sq = self.block_sum(sq, red, parity, tidx)
         rstd = cute.math.rsqrt(sq * Float32(1.0 / self.hidden) + eps)
         nfrag = cute.make_rmem_tensor((self.vec, self.vpt), self.dtype)
         nfrag.store((total * rstd * gam).to(self.dtype))

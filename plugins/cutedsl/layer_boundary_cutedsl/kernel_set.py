@@ -1,0 +1,90 @@
+"""The kernels a provider or service launches, as one swappable object.
+
+`CUTEDSL_KERNELS` are the CuTe DSL kernels (CUDA, bf16/fp16, statistics in fp32). Tests swap in
+`testing.reference_kernels()` (the float64 references, any device and dtype) to run the whole
+service, its decisions and its collectives on CPU ranks. Everything that differs between the two
+is here: the three launches, ahead-of-time preparation, and what tensors and norms they take.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib.util
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+
+from .kernels import fused_add_rmsnorm, moe_finalize, moe_finalize_add_rmsnorm, prepare_add_rmsnorm, prepare_moe_finalize
+from .kernels.tiling import MAX_HIDDEN, SUPPORTED_DTYPES
+
+__all__ = ["KernelSet", "CUTEDSL_KERNELS", "kernels_available", "MoeShape"]
+
+
+@dataclass(frozen=True)
+class MoeShape:
+    """A MoE finalize variant to prepare: dense `[T, top_k, H]` rows (a core handoff's layout)."""
+
+    top_k: int
+    shared: bool
+    norm: bool  # finalize + add + norm (one rank) or finalize alone (before a collective)
+    weight_offset: float = 0.0
+
+
+@dataclass(frozen=True)
+class KernelSet:
+    name: str
+    #: (x, residual, gamma, eps, out=None, *, residual_out=None, weight_offset=0.0) -> (normed, new_residual)
+    fused_add_rmsnorm: Callable
+    #: (routed, indices, weights, *, shared=None, out=None) -> finalized [T, H]
+    moe_finalize: Callable
+    #: (routed, indices, weights, residual, gamma, eps, *, shared=None, weight_offset=0.0) -> (normed, new_residual)
+    moe_finalize_add_rmsnorm: Callable
+    #: (dtype, hidden, device, add_norm_offsets, moe_shapes) -> None: compile and load ahead of time
+    prepare: Callable
+    #: whether these kernels can run in this process at all
+    available: Callable[[], bool]
+    #: whether a tensor is on a device the kernels run on
+    on_device: Callable[[torch.Tensor], bool]
+    dtypes: tuple = SUPPORTED_DTYPES
+    #: the norm statistic dtypes whose semantics the kernels reproduce
+    norm_compute_dtypes: tuple = (torch.float32,)
+    max_hidden: int = MAX_HIDDEN
+
+    def takes_rows(self, t, dtype, shape) -> bool:
+        """A tensor the kernels can read as rows: that dtype and shape, on the device, contiguous,
+        16-byte aligned."""
+        return (
+            isinstance(t, torch.Tensor)
+            and t.dtype == dtype
+            and tuple(t.shape) == tuple(shape)
+            and self.on_device(t)
+            and t.is_contiguous()
+            and t.data_ptr() % 16 == 0
+        )
+
+
+@functools.lru_cache(maxsize=None)
+def kernels_available() -> bool:
+    """nvidia-cutlass-dsl importable and a CUDA device visible."""
+    return importlib.util.find_spec("cutlass") is not None and torch.cuda.is_available()
+
+
+def _prepare_cutedsl(dtype, hidden, device, add_norm_offsets, moe_shapes) -> None:
+    for offset in sorted(set(add_norm_offsets)):
+        prepare_add_rmsnorm(dtype, hidden, weight_offset=offset, device=device)
+    for shape in moe_shapes:
+        prepare_moe_finalize(
+            dtype, hidden, shape.top_k, indexed=False, shared=shape.shared, norm=shape.norm, weight_offset=shape.weight_offset, device=device
+        )
+
+
+CUTEDSL_KERNELS = KernelSet(
+    name="cutedsl",
+    fused_add_rmsnorm=fused_add_rmsnorm,
+    moe_finalize=moe_finalize,
+    moe_finalize_add_rmsnorm=moe_finalize_add_rmsnorm,
+    prepare=_prepare_cutedsl,
+    available=kernels_available,
+    on_device=lambda t: t.is_cuda,
+)
