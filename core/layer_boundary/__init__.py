@@ -20,7 +20,18 @@ from .factories import (
     make_ffn_stage,
     make_stages,
 )
-from .forward import BatchFactsError, BatchVariant, ComputeFlags, DpPadding, Forward, ForwardMode, get_forward
+from .forward import (
+    BatchFactsError,
+    BatchVariant,
+    ComputeFlags,
+    ComputeRows,
+    DpPadding,
+    Forward,
+    ForwardMode,
+    RowLayout,
+    get_compute_rows,
+    get_forward,
+)
 from .fusions import FusionError
 from .layers import ColumnParallelLinear, MoeFinalizeHandoff, RowParallelLinear, reduce_output
 from .layout import Layout, SumGroup, TokenAxis
@@ -44,6 +55,7 @@ __all__ = [
     "CollectiveCounter",
     "ColumnParallelLinear",
     "ComputeFlags",
+    "ComputeRows",
     "Contribution",
     "CountingCollectives",
     "DpPadding",
@@ -73,6 +85,7 @@ __all__ = [
     "ResidualKind",
     "ResidualOps",
     "ResidualStream",
+    "RowLayout",
     "RowParallelLinear",
     "SingleRankCollectives",
     "StageBoundary",
@@ -91,6 +104,7 @@ __all__ = [
     "UnreducedOutput",
     "declare_attn",
     "declare_ffn",
+    "get_compute_rows",
     "get_forward",
     "get_registry",
     "hookimpl",
