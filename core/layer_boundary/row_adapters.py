@@ -42,7 +42,7 @@ def bind_row_adapters(plan, registry) -> None:
     for kind in _kinds(plan):
         adapters = registry.adapters_of(kind)
         if not adapters:
-            raise missing_feature(f"stage {plan.label} ({OPTION}={kind!r})", kind)
+            raise missing_feature(f"the {kind!r} row adapter that stage {plan.label} asks for ({OPTION}=)", kind)
         adapter = next((a for a in (item.record.factory(plan) for item in adapters) if a is not None), None)
         if adapter is None:
             names = ", ".join(item.name for item in adapters)
