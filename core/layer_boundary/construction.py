@@ -130,8 +130,10 @@ class ExitPath:
         if self.role == "declared" or self.leaves_declared:
             return [f"leave the {g} sum (declared) for the next input"]
         steps = []
-        if self.may_defer:
+        if self.may_defer and not plan.fused_consumer_only:
             steps.append(f"defer the {g} all-reduce to the next input when the batch has tokens (fuse_mlp_allreduce)")
+        elif self.may_defer and plan.all_reduce_providers:
+            steps.append(f"defer the {g} all-reduce to the next input when a provider accepts the batch (can_defer_all_reduce)")
         if self.handoff_ok:
             steps.append("a provider may let the MoE hand its finalize to the next input (defer_moe_finalize)")
         if self.rs_kind == "dp":

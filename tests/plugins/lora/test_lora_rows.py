@@ -144,6 +144,24 @@ def test_only_stages_that_ask_publish_and_only_lora_ffn_sums_wait_for_a_fused_co
     assert entry[-1] == "publish the compute rows (dp_local) to lora"
 
 
+def test_a_lora_ffn_is_described_as_deferring_only_when_a_provider_accepts():
+    class Accepts:
+        def can_defer_all_reduce(self, plan, forward):
+            return True
+
+    def exit_steps(parallel, options):
+        _, ffn = make_stages(
+            (declare_attn(), _norm(), options), (declare_ffn(), _norm(), options), following=declare_attn(), parallel=parallel
+        )
+        return ffn.describe()["variants"]["ordinary"]["exit"]
+
+    lora, plain = run_threaded(
+        lambda p: (exit_steps(p, {**LORA, "fusions": Accepts()}), exit_steps(p, {"fusions": Accepts()})), Topology(tp=2)
+    )[0]
+    assert lora[0] == "defer the TP all-reduce to the next input when a provider accepts the batch (can_defer_all_reduce)"
+    assert plain[0] == "defer the TP all-reduce to the next input when the batch has tokens (fuse_mlp_allreduce)"
+
+
 def test_the_gathered_publication_is_described_in_the_plan():
     def describe(parallel):
         _, ffn = make_stages((declare_attn(), _norm(), LORA), (declare_ffn(), _norm(), LORA), terminal=True, parallel=parallel)
