@@ -21,7 +21,19 @@ from .factories import (
     make_ffn_stage,
     make_stages,
 )
-from .forward import BatchFactsError, BatchVariant, ComputeFlags, DpPadding, Forward, ForwardMode, exit_scope_open, get_forward
+from .forward import (
+    BatchFactsError,
+    BatchVariant,
+    ComputeFlags,
+    ComputeRows,
+    DpPadding,
+    Forward,
+    ForwardMode,
+    RowLayout,
+    exit_scope_open,
+    get_compute_rows,
+    get_forward,
+)
 from .fusions import FusionError
 from .layers import ColumnParallelLinear, MoeFinalizeHandoff, RowParallelLinear, reduce_output
 from .layout import Layout, SumGroup, TokenAxis
@@ -45,6 +57,7 @@ __all__ = [
     "CollectiveCounter",
     "ColumnParallelLinear",
     "ComputeFlags",
+    "ComputeRows",
     "Contribution",
     "CountingCollectives",
     "DpPadding",
@@ -74,6 +87,7 @@ __all__ = [
     "ResidualKind",
     "ResidualOps",
     "ResidualStream",
+    "RowLayout",
     "RowParallelLinear",
     "SingleRankCollectives",
     "StageBoundary",
@@ -95,6 +109,7 @@ __all__ = [
     "declare_attn",
     "declare_ffn",
     "exit_scope_open",
+    "get_compute_rows",
     "get_forward",
     "get_registry",
     "hookimpl",

@@ -14,7 +14,7 @@ import attrs
 
 from ._errors import Messages, missing_feature
 from .contracts import ProducerReduction, ReductionPolicy, StageDescription, StageKind
-from .forward import BatchVariant
+from .forward import BatchVariant, RowLayout
 from .fusions import Candidate, build_providers, consumer_candidates, read_format
 from .layout import SumGroup
 from .ops import dp_gather, gather_slices
@@ -52,6 +52,8 @@ class EntryPath:
     adapter: Any = None
     #: the norm's own fused add + norm when the read is a plain norm of an RMSNorm (bound once)
     add_norm: Optional[Callable] = None
+    #: the rows the compute input holds (published to the stage's row adapters, such as LoRA)
+    compute_rows: RowLayout = RowLayout.DP_LOCAL
 
     @property
     def preserves_residual(self) -> bool:
@@ -86,6 +88,10 @@ class EntryPath:
                 steps.append(f"update and read with {plan.norm_name}")
         if self.input_move_name:
             steps.append(self.input_move_name)
+        if plan.row_adapters:
+            from .row_adapters import describe_publication
+
+            steps.append(describe_publication(plan, self.compute_rows))
         return steps
 
 
@@ -126,8 +132,10 @@ class ExitPath:
         if self.role == "declared" or self.leaves_declared:
             return [f"leave the {g} sum (declared) for the next input"]
         steps = []
-        if self.may_defer:
+        if self.may_defer and not plan.fused_consumer_only:
             steps.append(f"defer the {g} all-reduce to the next input when the batch has tokens (fuse_mlp_allreduce)")
+        elif self.may_defer and plan.all_reduce_providers:
+            steps.append(f"defer the {g} all-reduce to the next input when a provider accepts the batch (can_defer_all_reduce)")
         if self.handoff_ok:
             steps.append("a provider may let the MoE hand its finalize to the next input (defer_moe_finalize)")
         if self.rs_kind == "dp":
@@ -177,6 +185,8 @@ class StagePlan:
         #: an FFN whose sum is not one all-reduce (LoRA, TP1 shared expert): defer only when a
         #: provider accepts the batch (`can_defer_all_reduce`)
         self.fused_consumer_only = False
+        #: (kind, adapter) pairs told which rows the compute input holds (`publish_rows=`)
+        self.row_adapters: tuple = ()
 
     # runtime selection ----------------------------------------------------------------------
     def path_for(self, fwd) -> StagePath:
@@ -303,8 +313,13 @@ def _entry(plan: StagePlan, variant: BatchVariant, candidates) -> EntryPath:
         if decl.is_attention_like and variant is BatchVariant.INPUT_SCATTERED and plan.qkv_latent_func is not None:
             latent = plan.qkv_latent_func
 
-            def move(x, fwd, _latent=latent):
-                return gather_slices(_latent(x), fwd)
+            def move(x, fwd, _latent=latent, _plan=plan):
+                if not _plan.row_adapters:
+                    return gather_slices(_latent(x), fwd)
+                from .row_adapters import rows_in_scope
+
+                with rows_in_scope(_plan, RowLayout.ATTN_TP_SLICE, fwd):  # the latent runs on the slice
+                    return gather_slices(_latent(x), fwd)
 
             name = "qkv_latent_func on the slice, then all_gatherv@attn_tp of the latent"
         else:
@@ -323,8 +338,9 @@ def _entry(plan: StagePlan, variant: BatchVariant, candidates) -> EntryPath:
         )
     needs_full = decl.kind is StageKind.FFN and topo.attn_dp > 1
     move, name = (dp_gather, "all_gatherv@attn_dp of the input to full rows") if needs_full else (None, "")
+    rows = RowLayout.DP_GATHERED if needs_full else RowLayout.DP_LOCAL
     if source is None:
-        return EntryPath(mode="enter", input_move=move, input_move_name=name)
+        return EntryPath(mode="enter", input_move=move, input_move_name=name, compute_rows=rows)
     plain = arrives_plain and decl.read.plain_norm and source.output_transform is None
     fusable = arrives_plain and read_format(decl.read) is not None and source.output_transform is None
     if (
@@ -335,7 +351,9 @@ def _entry(plan: StagePlan, variant: BatchVariant, candidates) -> EntryPath:
         and topo.attn_tp > 1
         and topo.attn_cp == 1
     ):
-        return EntryPath(mode="dp_partial", input_move=move, input_move_name="", arrives_plain=True, expects=expects)
+        return EntryPath(
+            mode="dp_partial", input_move=move, input_move_name="", arrives_plain=True, expects=expects, compute_rows=rows
+        )
     use_candidates = expects != "nothing" and fusable and is_rms_norm(plan.norm)
     return EntryPath(
         mode="local",
@@ -345,6 +363,7 @@ def _entry(plan: StagePlan, variant: BatchVariant, candidates) -> EntryPath:
         arrives_plain=arrives_plain,
         expects=expects,
         add_norm=plan.norm.add_forward if plain and is_rms_norm(plan.norm) and type(decl.read) is NormRead else None,
+        compute_rows=rows,
     )
 
 
@@ -438,6 +457,10 @@ def plan_stage(declaration, norm, options, *, parallel, policy, label, registry)
         plan.paths[variant] = StagePath(variant, _entry(plan, variant, candidates), exit_path)
     if parallel.topology.attn_cp > 1:
         _bind_context_parallel(plan, registry)
+    if options.get("publish_rows"):
+        from .row_adapters import bind_row_adapters
+
+        bind_row_adapters(plan, registry)
     return plan
 
 

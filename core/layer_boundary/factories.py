@@ -34,8 +34,8 @@ __all__ = [
     "FFN_OPTIONS",
 ]
 
-ATTENTION_OPTIONS = frozenset({"qkv_latent_func", "fusions"})
-FFN_OPTIONS = frozenset({"fusions"})
+ATTENTION_OPTIONS = frozenset({"qkv_latent_func", "fusions", "publish_rows"})
+FFN_OPTIONS = frozenset({"fusions", "publish_rows"})
 
 
 @attrs.frozen(kw_only=True, eq=False)

@@ -11,7 +11,7 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import enum
-from typing import Any, Iterator, Optional, Sequence
+from typing import Any, Iterator, Mapping, Optional, Sequence
 
 import attrs
 
@@ -26,6 +26,11 @@ __all__ = [
     "get_forward",
     "exit_scope_open",
     "publish_flags",
+    "RowLayout",
+    "ComputeRows",
+    "get_compute_rows",
+    "publish_compute_rows",
+    "scoped_compute_rows",
     "BatchFactsError",
 ]
 
@@ -239,3 +244,64 @@ def publish_flags(flags: ComputeFlags) -> Iterator[ComputeFlags]:
         yield flags
     finally:
         _FLAGS.reset(token)
+
+
+class RowLayout(enum.Enum):
+    """Which token rows a stage's compute input holds (each order is defined in `ops`)."""
+
+    DP_LOCAL = "dp_local"  #: this rank's attention rows: its attention-DP token set
+    DP_GATHERED = "dp_gathered"  #: every DP token set in DP-rank order (MAX_LEN: each padded to slot_rows)
+    ATTN_TP_SLICE = "attn_tp_slice"  #: this attention-TP rank's contiguous share of its attention rows
+
+    def rows(self, fwd: Forward) -> int:
+        """The number of rows a compute input in this layout has for `fwd` on this rank."""
+        if self is RowLayout.DP_GATHERED:
+            return fwd.full_rows
+        if self is RowLayout.ATTN_TP_SLICE:
+            return fwd.slice_sizes[fwd.parallel.attn_tp_rank]
+        return fwd.num_tokens
+
+    def __repr__(self) -> str:
+        return self.name
+
+
+@attrs.frozen(eq=False)
+class ComputeRows:
+    """What a stage's row adapters published about the rows its compute input holds.
+
+    `published` maps an adapter kind ("lora") to that adapter's per-row facts on exactly these
+    rows (for LoRA: which adapter each row uses), so compute that runs on gathered or sliced
+    rows reads facts in its own row order instead of the batch's.
+    """
+
+    stage: str
+    layout: RowLayout
+    num_rows: int
+    published: Mapping[str, Any]
+
+
+_ROWS: contextvars.ContextVar[Optional[ComputeRows]] = contextvars.ContextVar("layer_boundary_rows", default=None)
+
+
+def get_compute_rows() -> Optional[ComputeRows]:
+    """The rows published by the last `prepare()` of a stage with row adapters (None if none).
+
+    A publication holds until the next one in this context: run a stage's compute before the
+    next stage's `prepare()` (an interleaving scheduler switches between the two, never inside).
+    """
+    return _ROWS.get()
+
+
+def publish_compute_rows(rows: Optional[ComputeRows]) -> None:
+    """Publish `rows` for the compute that follows (held until the next publication)."""
+    _ROWS.set(rows)
+
+
+@contextlib.contextmanager
+def scoped_compute_rows(rows: ComputeRows) -> Iterator[ComputeRows]:
+    """Publish `rows` for the block only (compute that runs inside an input move)."""
+    token = _ROWS.set(rows)
+    try:
+        yield rows
+    finally:
+        _ROWS.reset(token)

@@ -85,7 +85,12 @@ class ColumnParallelLinear(nn.Module):
 class RowParallelLinear(nn.Module):
     """y = x W^T with W's input features split over `group`; the partial products are summed
     over `group` unless `reduce_results=False` or an open exit scope leaves the sum to the
-    boundary. A bias is added once: after the sum, or on rank 0 when the sum is left."""
+    boundary. A bias is added once: after the sum, or on rank 0 when the sum is left.
+
+    `shard_addend` (a module of this rank's input shard, None by default) adds a further partial
+    before the sum, such as a LoRA `B (A_shard x_shard)`: being linear in the shard, it is
+    completed by the same single sum, whether compute or the boundary runs it.
+    """
 
     def __init__(self, in_features: int, out_features: int, group, *, bias: bool = False, reduce_results: bool = True, dtype=None, device=None):
         super().__init__()
@@ -97,6 +102,7 @@ class RowParallelLinear(nn.Module):
         self.reduce_results = reduce_results
         self.weight = nn.Parameter(torch.empty(out_features, in_features // group.size, dtype=dtype, device=device))
         self.bias = nn.Parameter(torch.zeros(out_features, dtype=dtype, device=device)) if bias else None
+        self.shard_addend: Optional[nn.Module] = None
 
     def load_full(self, weight: torch.Tensor, bias: Optional[torch.Tensor] = None) -> None:
         with torch.no_grad():
@@ -106,6 +112,8 @@ class RowParallelLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = nn.functional.linear(x, self.weight)
+        if self.shard_addend is not None:
+            y = y + self.shard_addend(x)
         reduces = self.reduce_results and not get_forward().skips_reduction
         if reduces:
             y = self.group.all_reduce(y)

@@ -14,6 +14,7 @@ from .output import UnreducedOutput
 from .plugin.manager import get_registry
 from .prepare import align_rows, run_entry, run_local
 from .residual.stream import ATTENTION_ROWS, SLICE_ROWS, ResidualStream
+from .row_adapters import publish_rows
 
 __all__ = ["StageBoundary", "build_boundaries", "boundaries_of"]
 
@@ -157,6 +158,20 @@ class StageBoundary:
         return f"StageBoundary({self.plan.label}: {self.declaration.describe()})"
 
 
+class PublishingStageBoundary(StageBoundary):
+    """A stage with row adapters (`publish_rows=`): every `prepare()` also publishes the rows its
+    compute input holds, so plain stages pay nothing for the feature."""
+
+    __slots__ = ()
+
+    def prepare(self, hidden_states, forward, *, capture_output=None, captured_last_layer_outputs=None):
+        inp = super().prepare(
+            hidden_states, forward, capture_output=capture_output, captured_last_layer_outputs=captured_last_layer_outputs
+        )
+        publish_rows(self.plan, forward)
+        return inp
+
+
 def build_boundaries(items, *, parallel, policy, label: str, registry=None) -> tuple[StageBoundary, ...]:
     """Plans for locally connected stages; the capture certificate flows producer-ward."""
     registry = registry if registry is not None else get_registry()
@@ -169,7 +184,7 @@ def build_boundaries(items, *, parallel, policy, label: str, registry=None) -> t
         # the residual `current` reads is consumed next by `nxt`'s input path (after current's compute)
         entry = nxt.paths[BatchVariant.ORDINARY].entry
         current.capture_owned = entry.mode == "local" and entry.preserves_residual
-    return tuple(StageBoundary(p) for p in plans)
+    return tuple((PublishingStageBoundary if p.row_adapters else StageBoundary)(p) for p in plans)
 
 
 def _check_mixer_neighbours(plans) -> None:

@@ -36,22 +36,25 @@ def add_parser(sub) -> None:
     p.add_argument("--moe-ep", type=int, default=1)
     p.add_argument("--pp", type=int, default=1, help="pipeline stages; --rank picks whose stage is shown")
     p.add_argument("--reduction", default="auto", choices=["ar", "rs", "rsv", "rs+rsv", "auto"])
+    p.add_argument("--lora", type=int, default=0, metavar="N", help="N LoRA adapters (needs layer-boundary-lora)")
     p.add_argument("--rank", type=int, default=0, help="whose view to show (default 0)")
     p.add_argument("--json", action="store_true")
     p.set_defaults(handler=run)
 
 
-def build_plans(model_name: str, hf_config, topology: Topology, reduction: str, rank: int = 0):
+def build_plans(model_name: str, hf_config, topology: Topology, reduction: str, rank: int = 0, lora: int = 0):
     from .._errors import MissingPluginError
     from ..models import ConfigError, build_model, load_hf_config, model_config
+    from ..models.lora_layers import random_lora_spec
 
     try:
         config = model_config(model_name, load_hf_config(hf_config) if hf_config else None)
         config.check_topology(topology)
         policy = resolve_reduction(reduction, dict(config.hf))
         parallel = Parallel.create(topology, rank, lambda name, ranks: PlanningCollectives(name, ranks, rank))
-        model = build_model(config, parallel, reduction=policy, device="meta")
-    except (ConfigError, TopologyError, MissingPluginError, ValueError) as exc:
+        spec = random_lora_spec(lora) if lora else None
+        model = build_model(config, parallel, reduction=policy, device="meta", lora=spec)
+    except (ConfigError, TopologyError, MissingPluginError, ValueError, NotImplementedError) as exc:
         raise UsageError(str(exc)) from None
     from ..stage import boundaries_of
 
@@ -65,7 +68,7 @@ def run(args) -> int:
         raise UsageError(str(exc)) from None
     if not 0 <= args.rank < topology.world_size:
         raise UsageError(f"--rank {args.rank} is outside a world of {topology.world_size}")
-    config, policy, plans = build_plans(args.model, args.hf_config, topology, args.reduction, args.rank)
+    config, policy, plans = build_plans(args.model, args.hf_config, topology, args.reduction, args.rank, args.lora)
     if args.json:
         print(json.dumps({"model": args.model, "topology": topology.describe(), "reduction": policy.value, "boundaries": plans}, indent=2))
         return 0

@@ -90,6 +90,8 @@ def _require_features(args, topology) -> None:
         raise UsageError(str(missing_feature(f"--attn-cp {topology.attn_cp}", "cp")))
     if args.tbo and not registry.adapters_of("tbo"):
         raise UsageError(str(missing_feature("--tbo", "tbo")))
+    if args.lora < 0:
+        raise UsageError(f"--lora takes a number of adapters (0 for none), got {args.lora}")
     if args.lora and not registry.adapters_of("lora"):
         raise UsageError(str(missing_feature(f"--lora {args.lora}", "lora")))
     try:
@@ -105,7 +107,13 @@ def _require_features(args, topology) -> None:
             raise UsageError(f"--device cuda needs {topology.world_size} GPUs, {torch.cuda.device_count()} visible; lower --tp/--attn-dp")
 
 
-def _preflight(config, topology, policy) -> None:
+def _lora_spec(args):
+    from ..models.lora_layers import random_lora_spec
+
+    return random_lora_spec(args.lora) if args.lora else None
+
+
+def _preflight(config, topology, policy, lora=None) -> None:
     """Build rank 0's model on the meta device (no memory, no process group), so a construction
     error (a missing plugin, an impossible stage combination) is one line before any rank starts."""
     from .._errors import MissingPluginError
@@ -115,7 +123,7 @@ def _preflight(config, topology, policy) -> None:
 
     parallel = Parallel.create(topology, 0, lambda name, ranks: PlanningCollectives(name, ranks, 0))
     try:
-        build_model(config, parallel, reduction=policy, device="meta")
+        build_model(config, parallel, reduction=policy, device="meta", lora=lora)
     except (ConfigError, MissingPluginError, ValueError, NotImplementedError) as exc:
         raise UsageError(str(exc)) from None
 
@@ -135,9 +143,24 @@ def _reference(args, config, job, dtype):
         model = oracle.hf_from_checkpoint(args.checkpoint, dtype)
     else:
         model = oracle.hf_from_state(dict(config.hf), torch.load(job.weights), dtype)
+    adapters = None
+    if args.lora:  # peft with the same adapters; each request routed to its own (round-robin)
+        from ..models.lora_layers import random_lora_weights, request_adapters
+
+        spec = _lora_spec(args)
+        model = oracle.hf_with_lora(model, spec, random_lora_weights(config, spec, torch.float64, job.options["lora_seed"]))
+        adapters = [spec.adapters[a].name for a in request_adapters(len(job.prompts), args.lora)]
     prompts = [torch.tensor(p) for p in job.prompts]
-    out = oracle.hf_logits(model, prompts, job.decode_tokens)
+    out = oracle.hf_logits(model, prompts, job.decode_tokens, adapters=adapters)
     return [[t.float() if t.dtype in (torch.bfloat16, torch.float16) else t for t in steps] for steps in out]
+
+
+def _options(args) -> dict:
+    """The per-forward facts plugins read (`RunJob.options` -> `Forward.extras`)."""
+    options = {k: v for k, v in (("tbo", args.tbo), ("lora", args.lora)) if v}
+    if args.lora:
+        options["lora_seed"] = args.seed  # every rank and the oracle draw the same adapters
+    return options
 
 
 def _with(job, **changes):
@@ -211,16 +234,18 @@ def run(args) -> int:
         policy = resolve_reduction(args.reduction, dict(config.hf)).value
     except ValueError as exc:
         raise UsageError(str(exc)) from None
-    _preflight(config, topology, policy)
+    _preflight(config, topology, policy, _lora_spec(args))
     from ..models.runner import DTYPES
 
     dtype = DTYPES[args.dtype]
     if args.check == "hf":
         from ..models import ConfigError
-        from ..models.oracle import require_transformers
+        from ..models.oracle import require_peft, require_transformers
 
         try:
             require_transformers()
+            if args.lora:
+                require_peft()
         except ConfigError as exc:
             raise UsageError(str(exc)) from None
     prompts, decode = make_requests(config.vocab_size, args.batch, args.prompt_tokens, args.decode_steps, args.seed)
@@ -246,7 +271,7 @@ def run(args) -> int:
             sequence_parallel=args.sequence_parallel,
             dp_padding=args.dp_padding,
             progress=not args.json,
-            options={k: v for k, v in (("tbo", args.tbo), ("lora", args.lora)) if v},
+            options=_options(args),
         )
         say(
             f"layer-boundary run: {args.model} ({config.num_layers} layers), {topology.describe()}, reduction={policy}, "

@@ -35,7 +35,7 @@ class ModelFamily:
     #: HF config dict -> the model's config (has .hf, .architecture, .num_layers, .vocab_size,
     #: .hidden_size and .check_topology(topology))
     parse: Callable[[dict], Any]
-    #: (config, parallel, *, reduction, fusions, dtype, device) -> the model
+    #: (config, parallel, *, reduction, fusions, dtype, device[, lora]) -> the model
     build: Callable[..., Any]
     #: (model, TensorSource) -> None
     load_weights: Callable[..., None]
@@ -48,6 +48,8 @@ class ModelFamily:
     #: per-dtype overrides of the relative logit error allowed against Hugging Face, for a family
     #: whose HF reference itself rounds parts through float32 (and so is not reproducible beyond that)
     tolerances: dict = attrs.field(factory=dict)
+    #: the model carries LoRA adapters on its projections (`build(..., lora=LoraSpec)`, `--lora N`)
+    lora: bool = False
 
 
 MODELS: dict[str, ModelFamily] = {}
@@ -85,13 +87,19 @@ def model_config(name: str, hf_config: dict | None = None):
     return fam.parse(raw)
 
 
-def build_model(config, parallel, *, reduction="ar", fusions=None, dtype=None, device=None):
-    """Build the model of `config` (its family is found by the config's model_type)."""
+def build_model(config, parallel, *, reduction="ar", fusions=None, dtype=None, device=None, lora=None):
+    """Build the model of `config` (its family is found by the config's model_type); `lora`, a
+    `LoraSpec`, gives its projections those adapters (families with `lora=True` only)."""
     _load()
     fam = next((f for f in MODELS.values() if f.model_type == config.model_type), None)
     if fam is None:
         raise ConfigError(f"no model family for model_type {config.model_type!r}")
-    return fam.build(config, parallel, reduction=reduction, fusions=fusions, dtype=dtype, device=device)
+    if lora is None:
+        return fam.build(config, parallel, reduction=reduction, fusions=fusions, dtype=dtype, device=device)
+    if not fam.lora:
+        supported = ", ".join(sorted(f.name for f in MODELS.values() if f.lora)) or "none"
+        raise ConfigError(f"model {fam.name!r} has no LoRA reference layers; LoRA runs with: {supported}")
+    return fam.build(config, parallel, reduction=reduction, fusions=fusions, dtype=dtype, device=device, lora=lora)
 
 
 def check_requirements(fam: ModelFamily) -> None:

@@ -151,13 +151,16 @@ class TPAttention(nn.Module):
         self.q_norm = RMSNorm(D, config.rms_norm_eps, dtype=dtype, device=device) if config.qk_norm else None
         self.k_norm = RMSNorm(D, config.rms_norm_eps, dtype=dtype, device=device) if config.qk_norm else None
 
-    def load_kv(self, k_full: torch.Tensor, v_full: torch.Tensor) -> None:
-        """Take this rank's KV heads from the full [kv_heads * D, H] projections."""
+    def kv_rows(self) -> slice:
+        """The output rows of the full [kv_heads * D, H] K/V projections this rank holds."""
         D = self.head_dim
         if self.kv_replicated:
-            rows = slice(self.kv_index * D, (self.kv_index + 1) * D)
-        else:
-            rows = slice(self.group.rank * self.kv_width, (self.group.rank + 1) * self.kv_width)
+            return slice(self.kv_index * D, (self.kv_index + 1) * D)
+        return slice(self.group.rank * self.kv_width, (self.group.rank + 1) * self.kv_width)
+
+    def load_kv(self, k_full: torch.Tensor, v_full: torch.Tensor) -> None:
+        """Take this rank's KV heads from the full [kv_heads * D, H] projections."""
+        rows = self.kv_rows()
         with torch.no_grad():
             self.k_proj.weight.copy_(k_full[rows])
             self.v_proj.weight.copy_(v_full[rows])

@@ -13,7 +13,8 @@ from torch import nn
 from .. import declare_attn, declare_ffn, layer_stack, make_stages, residual_batch
 from ..residual.add_norm import GemmaRMSNorm, RMSNorm
 from .attention import KVCache, RotaryEmbedding, StaticKVCache, StepLayout, TPAttention
-from .config import DecoderConfig
+from .config import ConfigError, DecoderConfig
+from .lora_layers import LoraGatedMLP, attach_attention_lora
 from .mlp import TPGatedMLP
 from .moe import TPMoE
 from .overlapped import run_layers
@@ -35,7 +36,7 @@ def _residuals(config: DecoderConfig, sparse: bool):
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, config: DecoderConfig, layer_id: int, parallel, *, fusions=None, dtype=None, device=None):
+    def __init__(self, config: DecoderConfig, layer_id: int, parallel, *, fusions=None, lora=None, dtype=None, device=None):
         super().__init__()
         norm = GemmaRMSNorm if config.gemma_norm else RMSNorm
         H = config.hidden_size
@@ -44,6 +45,8 @@ class DecoderLayer(nn.Module):
         sparse = config.is_sparse(layer_id)
         if sparse:
             self.mlp = TPMoE(config, parallel, dtype=dtype, device=device)
+        elif lora is not None:
+            self.mlp = LoraGatedMLP(H, config.intermediate_size, parallel.groups["tp"], config.hidden_act, lora, dtype=dtype, device=device)
         else:
             self.mlp = TPGatedMLP(H, config.intermediate_size, parallel.groups["tp"], config.hidden_act, dtype=dtype, device=device)
         self.input_layernorm = norm(H, config.rms_norm_eps, dtype=dtype, device=device)
@@ -51,6 +54,9 @@ class DecoderLayer(nn.Module):
         options = {"fusions": fusions} if fusions is not None else {}
         attn_res, ffn_res = _residuals(config, sparse)
         _, prev_ffn_res = _residuals(config, config.is_sparse(layer_id - 1))
+        if lora is not None:  # the LoRA layers read which adapter each row of their input uses
+            attach_attention_lora(self.self_attn, lora, dtype=dtype, device=device)
+            options["publish_rows"] = ("lora",)
         self.attn_boundary, self.ffn_boundary = make_stages(
             (declare_attn(residual=attn_res), self.input_layernorm, options),
             (declare_ffn(sparse=sparse, next_sparse=config.is_sparse(layer_id + 1), residual=ffn_res), self.post_attention_layernorm, options),
@@ -85,16 +91,20 @@ class DecoderLayer(nn.Module):
 class CausalLM(nn.Module):
     """Embedding, decoder layers, final norm and a replicated LM head."""
 
-    def __init__(self, config: DecoderConfig, parallel, *, reduction="ar", fusions=None, dtype=None, device=None):
+    def __init__(self, config: DecoderConfig, parallel, *, reduction="ar", fusions=None, lora=None, dtype=None, device=None):
         super().__init__()
         self.config = config
         self.parallel = parallel
+        self.lora = lora  # a LoraSpec: every dense layer's projections carry its adapters
+        if lora is not None and config.sparse_layers:
+            raise ConfigError("LoRA is supported for dense decoders only; the reference MoE layers have no LoRA")
         config.check_topology(parallel.topology)
         H = config.hidden_size
         self.embed_tokens = nn.Embedding(config.vocab_size, H, dtype=dtype, device=device)
         with layer_stack(parallel, reduction=reduction):
             self.layers = nn.ModuleList(
-                DecoderLayer(config, i, parallel, fusions=fusions, dtype=dtype, device=device) for i in range(config.num_layers)
+                DecoderLayer(config, i, parallel, fusions=fusions, lora=lora, dtype=dtype, device=device)
+                for i in range(config.num_layers)
             )
         final = GemmaRMSNorm if config.gemma_norm or config.gemma_final_norm else RMSNorm
         self.norm = final(H, config.rms_norm_eps, dtype=dtype, device=device)

@@ -8,10 +8,10 @@ from .presets import preset
 from .weights import load_weights, random_weights
 
 
-def _build(config, parallel, *, reduction="ar", fusions=None, dtype=None, device=None):
+def _build(config, parallel, *, reduction="ar", fusions=None, dtype=None, device=None, lora=None):
     from .decoder import CausalLM
 
-    return CausalLM(config, parallel, reduction=reduction, fusions=fusions, dtype=dtype, device=device)
+    return CausalLM(config, parallel, reduction=reduction, fusions=fusions, lora=lora, dtype=dtype, device=device)
 
 
 for _name, _doc in (
@@ -29,5 +29,6 @@ for _name, _doc in (
             load_weights=load_weights,
             random_weights=random_weights,
             description=_doc,
+            lora=_name == "qwen3",  # LoRA on attention and the dense MLP, checked against peft
         )
     )

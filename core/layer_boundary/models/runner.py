@@ -15,6 +15,7 @@ import torch
 from ..collectives import CollectiveCounter, CountingCollectives
 from ..forward import DpPadding, Forward, ForwardMode
 from . import build_model, family, model_config
+from . import lora_layers
 from .attention import StepLayout
 from .weights import open_source
 
@@ -38,7 +39,8 @@ class RunJob:
     sequence_parallel: bool = False
     dp_padding: str = "sum_len"
     progress: bool = False
-    #: extra per-forward facts for plugins (kept out of the core's job fields)
+    #: extra per-forward facts for plugins (kept out of the core's job fields); LoRA reads
+    #: "lora" (adapter count), "lora_seed" and "lora_assignment" (a slot per request, -1: none)
     options: dict = attrs.field(factory=dict)
 
 
@@ -58,8 +60,11 @@ def _sync(device: str) -> None:
 
 
 @torch.inference_mode()
-def run_rank(parallel, job: RunJob) -> dict:
-    """Build, load and run the model on this rank; return its DP group's logits and measurements."""
+def run_rank(parallel, job: RunJob, *, fusions=None) -> dict:
+    """Build, load and run the model on this rank; return its DP group's logits and measurements.
+
+    `fusions`: a fusion provider given to every stage (`fusions=` stage option).
+    """
     counter = CollectiveCounter()
     counted = parallel.with_groups(lambda g: CountingCollectives(g, counter))
     device = job.device
@@ -68,9 +73,14 @@ def run_rank(parallel, job: RunJob) -> dict:
     config = model_config(job.model, job.hf_config)
     dtype = DTYPES[job.dtype]
     t0 = time.perf_counter()
-    model = build_model(config, counted, reduction=job.reduction, dtype=dtype, device=device)
+    lora_count = int(job.options.get("lora") or 0)
+    lora = lora_layers.random_lora_spec(lora_count) if lora_count else None
+    model = build_model(config, counted, reduction=job.reduction, fusions=fusions, dtype=dtype, device=device, lora=lora)
     source = open_source(torch.load(job.weights, map_location="cpu") if job.weights else None, job.checkpoint)
     family(job.model).load_weights(model, source)
+    if lora is not None:
+        lora_layers.load_lora(model, lora_layers.random_lora_weights(config, lora, torch.float64, job.options.get("lora_seed", 0)))
+        adapter_of = lora_layers.request_adapters(len(job.prompts), lora_count, job.options.get("lora_assignment"))
     build_s = time.perf_counter() - t0
     topo = parallel.topology
     dp, dp_rank = topo.attn_dp, parallel.attn_dp_rank
@@ -103,6 +113,8 @@ def run_rank(parallel, job: RunJob) -> dict:
             sequence_parallel=job.sequence_parallel and mode is ForwardMode.EXTEND,
             extras=dict(job.options),
         )
+        if lora is not None:  # which adapter each of this rank's rows uses
+            fwd.extras[lora_layers.LORA_IDS] = lora_layers.row_adapter_ids([adapter_of[r] for r in step.rids], step.counts, device)
         counter.reset()
         _sync(device)
         start = time.perf_counter()

@@ -57,6 +57,8 @@ class LayerBoundarySpecs:
         (context parallel, two-batch overlap, branches, LoRA row publication).
 
         The core looks adapters up by `kind` when a stage or a batch needs one; a missing kind
-        raises an error that names the distribution providing it.
+        raises an error that names the distribution providing it. A stage built with
+        `publish_rows=(kind, ...)` binds row adapters (`factory(plan)`), told after each
+        `prepare()` which rows the compute input holds (see `layer_boundary.row_adapters`).
         """
         yield from ()
