@@ -15,7 +15,7 @@ from torch import nn
 from .forward import get_forward
 from .output import HandoffOutput
 
-__all__ = ["ColumnParallelLinear", "RowParallelLinear", "reduce_output", "MoeFinalizeHandoff", "shard_rows", "shard_cols", "linear"]
+__all__ = ["Linear", "ColumnParallelLinear", "RowParallelLinear", "reduce_output", "MoeFinalizeHandoff", "shard_rows", "shard_cols", "linear"]
 
 
 def linear(x, weight: torch.Tensor, module: Optional[nn.Module] = None) -> torch.Tensor:
@@ -56,6 +56,14 @@ def shard_cols(weight: torch.Tensor, rank: int, size: int) -> torch.Tensor:
         raise ValueError(f"cannot split {weight.shape[1]} input features over {size} ranks")
     n = weight.shape[1] // size
     return weight[:, rank * n : (rank + 1) * n]
+
+
+class Linear(nn.Linear):
+    """nn.Linear that also takes a quantized input (`Fp8Input`) from a quantizing read."""
+
+    def forward(self, x) -> torch.Tensor:
+        y = linear(x, self.weight, self)
+        return y if self.bias is None else y + self.bias
 
 
 class ColumnParallelLinear(nn.Module):

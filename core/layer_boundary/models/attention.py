@@ -11,7 +11,7 @@ from typing import Optional
 import torch
 from torch import nn
 
-from ..layers import ColumnParallelLinear, RowParallelLinear, linear
+from ..layers import ColumnParallelLinear, Linear, RowParallelLinear
 from ..residual.add_norm import RMSNorm
 
 __all__ = ["RotaryEmbedding", "KVCache", "StaticKVCache", "TPAttention", "StepLayout", "DecodeLayout"]
@@ -145,8 +145,8 @@ class TPAttention(nn.Module):
         H, D = config.hidden_size, config.head_dim
         self.q_proj = ColumnParallelLinear(H, config.num_heads * D, group, dtype=dtype, device=device)
         self.kv_width = self.kv_heads * D
-        self.k_proj = nn.Linear(H, self.kv_width, bias=False, dtype=dtype, device=device)
-        self.v_proj = nn.Linear(H, self.kv_width, bias=False, dtype=dtype, device=device)
+        self.k_proj = Linear(H, self.kv_width, bias=False, dtype=dtype, device=device)
+        self.v_proj = Linear(H, self.kv_width, bias=False, dtype=dtype, device=device)
         self.o_proj = RowParallelLinear(config.num_heads * D, H, group, reduce_results=reduce_results, dtype=dtype, device=device)
         self.q_norm = RMSNorm(D, config.rms_norm_eps, dtype=dtype, device=device) if config.qk_norm else None
         self.k_norm = RMSNorm(D, config.rms_norm_eps, dtype=dtype, device=device) if config.qk_norm else None
@@ -170,8 +170,8 @@ class TPAttention(nn.Module):
             return self._forward_static(x, step, rope, cache)
         T, D = x.shape[0], self.head_dim
         q = self.q_proj(x).view(T, self.heads, D)
-        k = linear(x, self.k_proj.weight, self.k_proj).view(T, self.kv_heads, D)
-        v = linear(x, self.v_proj.weight, self.v_proj).view(T, self.kv_heads, D)
+        k = self.k_proj(x).view(T, self.kv_heads, D)
+        v = self.v_proj(x).view(T, self.kv_heads, D)
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         if rope is not None:
@@ -199,8 +199,8 @@ class TPAttention(nn.Module):
     def _project(self, x, rope):
         T, D = x.shape[0], self.head_dim
         q = self.q_proj(x).view(T, self.heads, D)
-        k = linear(x, self.k_proj.weight, self.k_proj).view(T, self.kv_heads, D)
-        v = linear(x, self.v_proj.weight, self.v_proj).view(T, self.kv_heads, D)
+        k = self.k_proj(x).view(T, self.kv_heads, D)
+        v = self.v_proj(x).view(T, self.kv_heads, D)
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         if rope is None:
