@@ -229,7 +229,9 @@ def contract_params(*records, options: Optional[dict] = None, devices: Sequence[
 
 def _main(argv: Sequence[str]) -> int:
     if list(argv) == ["--without-hardware"]:
-        request = json.loads(sys.stdin.read())
+        import pickle
+
+        request = pickle.loads(sys.stdin.buffer.read())  # options may hold tensors and namespaces
         settings = settings_from_json(request["settings"])
         print(json.dumps(without_hardware(request["names"], settings, request["options"])))
         return 0

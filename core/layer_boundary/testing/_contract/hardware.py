@@ -163,12 +163,15 @@ def without_hardware_here(record, registered, settings: ContractSettings, option
 
 
 def without_hardware_subprocess(names: Sequence[str], settings: ContractSettings, options: Optional[dict]) -> dict:
-    payload = json.dumps({"names": list(names), "settings": settings_to_json(settings), "options": options or {}})
+    import pickle
+
+    # pickled, not JSON: a residual kind's options may hold tensors (hyper-connection mappings)
+    payload = pickle.dumps({"names": list(names), "settings": settings_to_json(settings), "options": options or {}})
     env = dict(os.environ, CUDA_VISIBLE_DEVICES="", PYTHONPATH=os.pathsep.join(p for p in sys.path if p))
     proc = subprocess.run([sys.executable, "-m", "layer_boundary.testing.contract", "--without-hardware"], input=payload,
-                          capture_output=True, text=True, env=env, timeout=300)
+                          capture_output=True, env=env, timeout=300)
     if proc.returncode != 0:
-        raise RuntimeError(f"the without-hardware check failed to run:\n{proc.stderr}")
+        raise RuntimeError(f"the without-hardware check failed to run:\n{proc.stderr.decode(errors='replace')}")
     return json.loads(proc.stdout)
 
 
