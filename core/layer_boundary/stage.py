@@ -74,7 +74,10 @@ class StageBoundary:
         fully reduced; apply the output transform, move it back to the handoff rows, owe nothing."""
         if self.plan.kind is StageKind.ATTENTION:
             raise RuntimeError("postprocess() is for FFN and mixer stages; attention publishes with finish()")
-        return complete_reduced(self.plan, self.plan.path_for(forward), output, forward)
+        path = self.plan.path_for(forward)
+        if path.exit.role == "adapter":
+            return path.exit.adapter.postprocess(self.plan, path, output, forward)
+        return complete_reduced(self.plan, path, output, forward)
 
     # capture and pipeline ---------------------------------------------------------------------
     def capture_output(self, hidden_states, forward):

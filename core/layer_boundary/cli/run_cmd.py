@@ -30,6 +30,7 @@ def add_parser(sub) -> None:
     p.add_argument("--tp", type=int, default=2, help="tensor-parallel size (default 2)")
     p.add_argument("--attn-dp", type=int, default=1, help="attention data-parallel size")
     p.add_argument("--attn-cp", type=int, default=1, help="attention context-parallel size (needs layer-boundary-cp)")
+    p.add_argument("--cp-order", default="zigzag", choices=["zigzag", "contiguous"], help="how a CP prefill splits each request over CP ranks")
     p.add_argument("--moe-ep", type=int, default=1, help="expert-parallel size of MoE layers")
     p.add_argument("--reduction", default="auto", choices=["ar", "rs", "rsv", "rs+rsv", "auto"])
     p.add_argument("--dp-padding", default="sum_len", choices=["sum_len", "max_len"])
@@ -86,8 +87,8 @@ def _require_features(args, topology) -> None:
         check_requirements(family(args.model))
     except MissingPluginError as exc:
         raise UsageError(str(exc)) from None
-    if args.sequence_parallel and (topology.attn_dp > 1 or topology.attn_tp < 2):
-        raise UsageError("--sequence-parallel needs attention TP > 1 and no attention DP")
+    if args.sequence_parallel and (topology.attn_dp > 1 or topology.attn_tp < 2 or topology.attn_cp > 1):
+        raise UsageError("--sequence-parallel needs attention TP > 1 and no attention DP or CP")
     if args.device == "cuda":
         if not torch.cuda.is_available():
             raise UsageError("--device cuda: no CUDA device is visible; run on a GPU machine or use --device cpu")
@@ -105,9 +106,16 @@ def _preflight(config, topology, policy) -> None:
 
     parallel = Parallel.create(topology, 0, lambda name, ranks: PlanningCollectives(name, ranks, 0))
     try:
-        build_model(config, parallel, reduction=policy, device="meta")
+        model = build_model(config, parallel, reduction=policy, device="meta")
     except (ConfigError, MissingPluginError, ValueError, NotImplementedError) as exc:
         raise UsageError(str(exc)) from None
+    if topology.attn_cp > 1:  # prefill runs as a CP batch: every stage needs a CP path
+        from ..forward import BatchVariant
+        from ..stage import boundaries_of
+
+        for boundary in boundaries_of(model):
+            if BatchVariant.CONTEXT_PARALLEL not in boundary.plan.paths:
+                raise UsageError(f"--attn-cp {topology.attn_cp}: {boundary.plan.missing_variant(BatchVariant.CONTEXT_PARALLEL)}")
 
 
 def _reference(args, config, job, dtype):
@@ -233,7 +241,7 @@ def run(args) -> int:
             sequence_parallel=args.sequence_parallel,
             dp_padding=args.dp_padding,
             progress=not args.json,
-            options={k: v for k, v in (("tbo", args.tbo), ("lora", args.lora)) if v},
+            options={k: v for k, v in (("tbo", args.tbo), ("lora", args.lora), ("cp_order", topology.attn_cp > 1 and args.cp_order)) if v},
         )
         say(f"layer-boundary run: {args.model} ({config.num_layers} layers), {topology.describe()}, reduction={policy}, {args.dtype}, {args.device}")
         start = time.perf_counter()
@@ -259,6 +267,7 @@ def run(args) -> int:
             "prompt_lengths": [len(p) for p in prompts],
             "decode_steps": args.decode_steps,
             "sequence_parallel": args.sequence_parallel,
+            "cp_order": args.cp_order if topology.attn_cp > 1 else None,
         },
         "timings": timings,
         "collectives": collectives,

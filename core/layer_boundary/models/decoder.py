@@ -36,7 +36,7 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = norm(H, config.rms_norm_eps, dtype=dtype, device=device)
         options = {"fusions": fusions} if fusions is not None else {}
         self.attn_boundary, self.ffn_boundary = make_stages(
-            (declare_attn(), self.input_layernorm, options),
+            (declare_attn(takes_cp_shard=True), self.input_layernorm, options),
             (declare_ffn(sparse=sparse, next_sparse=config.is_sparse(layer_id + 1)), self.post_attention_layernorm, options),
             previous=declare_ffn(sparse=config.is_sparse(layer_id - 1), next_sparse=sparse) if layer_id else None,
             terminal=layer_id == config.num_layers - 1,
@@ -45,8 +45,8 @@ class DecoderLayer(nn.Module):
 
     def forward(self, hidden_states, forward, step: StepLayout, rope, cache: Optional[KVCache]):
         hidden_states = self.attn_boundary.prepare(hidden_states, forward)
-        if hidden_states.shape[0] != 0:
-            hidden_states = self.self_attn(hidden_states, step, rope, cache)
+        if hidden_states.shape[0] != 0 or forward.cp is not None:  # a CP rank joins the KV gather even with no rows
+            hidden_states = self.self_attn(hidden_states, step, rope, cache, cp=forward.cp)
         hidden_states = self.attn_boundary.finish(hidden_states, forward)
 
         hidden_states = self.ffn_boundary.prepare(hidden_states, forward)

@@ -19,11 +19,13 @@ import torch
 from .._errors import Messages
 from ..output import HandoffOutput, OutputTransform, UnreducedOutput
 
-__all__ = ["Contribution", "OwedOutput", "ResidualStream", "ATTENTION_ROWS", "SLICE_ROWS"]
+__all__ = ["Contribution", "OwedOutput", "ResidualStream", "ATTENTION_ROWS", "SLICE_ROWS", "CP_ROWS"]
 
-#: where a stream's residual lives: the attention rows, or this rank's attention-TP slice of them
+#: where a stream's residual lives: the attention rows, this rank's attention-TP slice of them,
+#: or this rank's context-parallel partition of them (an active CP batch; `Forward.cp` maps it)
 ATTENTION_ROWS = "attention"
 SLICE_ROWS = "slice"
+CP_ROWS = "cp"
 
 
 class Contribution:
