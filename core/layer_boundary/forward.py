@@ -121,14 +121,6 @@ class Forward:
             raise BatchFactsError("a batch has at most one of sequence_parallel, input_scattered and cp")
         if (sequence_parallel or input_scattered) and topo.attn_dp > 1:
             raise BatchFactsError("sequence-parallel and input-scattered batches require attn_dp == 1")
-        if cp is not None:
-            if topo.attn_cp == 1:
-                raise BatchFactsError("a context-parallel batch (cp=...) needs a topology with attn_cp > 1")
-            if not (callable(getattr(cp, "take_local", None)) and callable(getattr(cp, "gather", None))):
-                raise BatchFactsError(
-                    f"cp must be a token mapping with take_local() and gather() (from the layer-boundary-cp plugin), "
-                    f"got {type(cp).__name__}"
-                )
         dp_padding = DpPadding(dp_padding)
         self.parallel = parallel
         self.num_tokens = num_tokens

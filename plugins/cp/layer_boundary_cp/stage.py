@@ -88,10 +88,7 @@ class ContextParallelStage:
 
     # consumer side ----------------------------------------------------------------------------
     def prepare(self, plan, path, hidden, fwd, capture_output=None, captured=None):
-        mapping = fwd.cp
-        check = getattr(mapping, "check", None)
-        if check is not None:
-            check(fwd)
+        check_mapping(fwd)
         entry = self.entry
         if entry.mode == "local" and capture_output is None and captured is None:
             return run_local(plan, entry, hidden, fwd)
@@ -150,8 +147,22 @@ class ContextParallelStage:
             kinds = " or ".join(k for k, ok in (("rs (equal shares)", self.rs_allowed), ("rsv", self.rsv_allowed)) if ok)
             steps.append(f"reduce_scatterv@tp ({kinds}) onto CP ranks' rows, then all_gatherv@attn_tp (mlp_reduce_scatter)")
         where = "this CP rank's rows of the full-row output" if self.computes_on_full_rows else "the output on CP rows"
-        steps.append(f"else compute all-reduces over {g}; keep {where}")
+        steps.append(f"{'else ' if steps else ''}compute all-reduces over {g}; keep {where}")
         return steps
+
+
+def check_mapping(fwd) -> None:
+    """Before anything moves: the batch's `cp` is a token mapping that describes this forward."""
+    mapping = fwd.cp
+    check = getattr(mapping, "check", None)
+    if check is not None:
+        check(fwd)
+        return
+    if not all(callable(getattr(mapping, m, None)) for m in ("take_local", "gather", "reduce_scatter", "tp_shares")):
+        raise TypeError(
+            f"Forward(cp=...) needs a token mapping (layer_boundary_cp.TokenMapping, or an object with take_local, gather, "
+            f"reduce_scatter and tp_shares), got {type(mapping).__name__}"
+        )
 
 
 def leave_sum(plan, ex, out, fwd):

@@ -1,0 +1,94 @@
+"""Grid stacks under a context-parallel batch in the threaded world: every CP layout, order and
+reduction policy gives a single rank's bits (float64 grid arithmetic), captures included, and
+the collectives issued are the CP path's, not the ordinary one's."""
+
+import pytest
+import torch
+
+from layer_boundary import Topology
+from layer_boundary.testing.grid import GridSpec, grid_inputs, reference, run_grid_rank
+from layer_boundary.testing.threaded import run_threaded
+
+from cp_grid import assert_matches_single_rank, run_cp_grid_rank
+
+#: shard-mode and full-row attention and mixers, dense, LOCAL_TAIL and MoE FFNs, transforms
+MIXED = GridSpec(
+    stages=("shard_attn", "ffn", "attn", "tail", "shard_mixer", "mixer", "ffn", "mixer", "shard_attn", "moe"),
+    transforms=(0, 3, 6),
+    seed=5,
+)
+DENSE = GridSpec(stages=("shard_attn", "ffn") * 3, seed=2)
+
+TOPOLOGIES = {
+    "cp2": Topology(tp=2, attn_cp=2),
+    "cp2xtp2": Topology(tp=4, attn_cp=2),
+    "cp4": Topology(tp=4, attn_cp=4),
+    "cp2-ep2": Topology(tp=2, attn_cp=2, moe_ep=2),
+}
+#: uneven request lengths, none divisible by 2 * attn_cp; a 1-token request leaves ranks without its rows
+LENGTHS = (5, 1, 7, 3)
+
+
+@pytest.mark.parametrize("order", ["zigzag", "contiguous"])
+@pytest.mark.parametrize("topo", list(TOPOLOGIES))
+def test_cp_stacks_give_a_single_ranks_bits(topo, order):
+    topology = TOPOLOGIES[topo]
+    results = run_threaded(run_cp_grid_rank, topology, MIXED, LENGTHS, order=order, policy="ar", captures=(0, 2, 4))
+    assert_matches_single_rank(results, MIXED, sum(LENGTHS), captures=(0, 2, 4))
+
+
+@pytest.mark.parametrize("policy", ["ar", "rs", "rsv", "rs+rsv"])
+@pytest.mark.parametrize("topo, lengths", [("cp2", (4, 4)), ("cp2", (6, 3)), ("cp2xtp2", (8,)), ("cp2xtp2", (5, 2))])
+def test_every_reduction_policy(topo, lengths, policy):
+    topology = TOPOLOGIES[topo]
+    results = run_threaded(run_cp_grid_rank, topology, MIXED, lengths, policy=policy)
+    assert_matches_single_rank(results, MIXED, sum(lengths))
+
+
+@pytest.mark.parametrize("lengths", [(1,), (2,), (0, 3)], ids=["one-token", "two-tokens", "empty-request"])
+def test_ranks_without_rows_still_join_every_collective(lengths):
+    """With fewer rows than CP ranks some ranks hold nothing; they still gather and scatter."""
+    results = run_threaded(run_cp_grid_rank, TOPOLOGIES["cp4"], MIXED, lengths, policy="rs+rsv")
+    assert_matches_single_rank(results, MIXED, sum(lengths))
+
+
+@pytest.mark.parametrize("topo", ["cp2", "cp2xtp2"])
+def test_postprocess_returns_reduced_outputs_to_cp_rows(topo):
+    """Operation-scheduled compute (no exit scope, fully reduced) comes back to CP rows."""
+    results = run_threaded(run_cp_grid_rank, TOPOLOGIES[topo], MIXED, LENGTHS, scheduled=True)
+    assert_matches_single_rank(results, MIXED, sum(LENGTHS))
+
+
+def test_the_cp_path_issues_cp_collectives():
+    """Shard-mode attention on CP rows, FFN input gathered over CP, FFN output reduce-scattered
+    over TP (then gathered over attention TP), final rows gathered over CP."""
+    topology = TOPOLOGIES["cp2xtp2"]
+    _, _, counts = run_threaded(run_cp_grid_rank, topology, DENSE, (6, 3), policy="rs+rsv")[0]
+    assert counts == {
+        # per layer: the attention's own gather, the FFN input gather; plus the final norm's gather
+        "all_gatherv@attn_cp": 3 * 2 + 1,
+        # the attention-TP sum completes on CP rows; the FFN output is reduce-scattered, then gathered over attention TP
+        "all_reduce@attn_tp": 3,
+        "reduce_scatterv@tp": 3,
+        "all_gatherv@attn_tp": 3,
+    }
+    _, _, counts = run_threaded(run_cp_grid_rank, topology, DENSE, (6, 3), policy="ar")[0]
+    assert counts == {"all_gatherv@attn_cp": 7, "all_reduce@attn_tp": 3, "all_reduce@tp": 3}
+
+
+def test_the_ordinary_path_runs_when_the_batch_is_not_cp():
+    """Decode batches stay ordinary under a CP topology: rows replicated over CP ranks."""
+    topology = TOPOLOGIES["cp2xtp2"]
+    results = run_threaded(run_cp_grid_rank, topology, DENSE, (3, 2), cp=False)
+    assert_matches_single_rank(results, DENSE, 5)
+    assert not any("attn_cp" in key for key in results[0][2])
+
+
+@pytest.mark.parametrize("topo", ["cp2", "cp2xtp2"])
+def test_core_grid_decode_under_a_cp_topology(topo):
+    """The core's grid stack, built under a CP topology (so with CP paths), decodes ordinary."""
+    spec = GridSpec(stages=("attn", "moe", "mixer", "ffn"), seed=3)
+    results = run_threaded(run_grid_rank, TOPOLOGIES[topo], spec, (2,), mode="decode")
+    (expected,), _ = reference(spec, grid_inputs(spec, (2,)))
+    for out, _ in results:
+        assert torch.equal(out, expected)
