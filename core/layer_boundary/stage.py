@@ -101,7 +101,9 @@ class StageBoundary:
         hidden = tensors["hidden_states"]
         residual = tensors.get("residual")
         path = plan.path_for(forward)
-        rows = SLICE_ROWS if path.entry.residual_rows == SLICE_ROWS else ATTENTION_ROWS
+        rows = path.entry.residual_rows
+        # the slice entry reduce-scatters attention-row partials itself; others complete on the residual's rows
+        contribution_rows = ATTENTION_ROWS if rows == SLICE_ROWS else rows
         update = plan.declaration.previous.update
         if residual is None:
             stream, handle = ResidualStream.arrive(align_rows(hidden, ATTENTION_ROWS, rows, forward), None, None, rows=rows)
@@ -110,17 +112,19 @@ class StageBoundary:
                 raise NotImplementedError("pipeline boundaries require a plain add or a producer-written residual")
             _, sum_group = arriving_sum(plan.declaration)
             owed_sum = transform = None
-            if path.entry.expects == "declared":
+            group = plan.group(sum_group) if sum_group is not None else None
+            # over a group of one rank the producer recorded its output complete (transform applied)
+            if path.entry.expects == "declared" and group.size > 1:
                 transform = plan.declaration.previous.output_transform
-                group = plan.group(sum_group)
                 owed_sum = lambda h: UnreducedOutput(h, group, sum_group, declared=True)  # noqa: E731
             stream, handle = ResidualStream.arrive(
-                hidden,
+                align_rows(hidden, ATTENTION_ROWS, contribution_rows, forward),
                 align_rows(residual, ATTENTION_ROWS, rows, forward),
                 update,
                 owed_sum=owed_sum,
                 transform=transform,
                 rows=rows,
+                contribution_rows=contribution_rows,
             )
         forward.residual_stream = stream
         return handle

@@ -180,7 +180,7 @@ def to_pp(hidden_states, forward, *, preserve_declared: bool = True) -> dict:
         owed = contribution.owed
         if isinstance(owed, UnreducedOutput) and owed.declared and preserve_declared:
             # the receiver's from_pp() completes the sum and applies the producer's transform
-            value = owed.partial
+            value = align_rows(owed.partial, contribution.rows, ATTENTION_ROWS, forward)
         else:
             value = align_rows(contribution.complete(), contribution.rows, ATTENTION_ROWS, forward)
         out = {"hidden_states": value, "residual": align_rows(residual, stream.rows, ATTENTION_ROWS, forward)}

@@ -59,6 +59,34 @@ def test_postprocess_returns_reduced_outputs_to_cp_rows(topo):
     assert_matches_single_rank(results, MIXED, sum(LENGTHS))
 
 
+def _two_segments(parallel, spec, lengths, split):
+    """A pipeline cut at `split`: each segment gets its own Forward with the same token mapping."""
+    from layer_boundary import Forward
+    from layer_boundary.testing.grid import GridModel
+    from layer_boundary_cp import TokenMapping
+
+    n = sum(lengths)
+    x = grid_inputs(spec, (n,))[0]
+    first = GridModel(spec, parallel, segment=(0, split))
+    second = GridModel(spec, parallel, segment=(split, len(spec.stages)))
+    tensors = first.run(x, Forward(parallel, n, cp=TokenMapping(parallel, lengths)))
+    assert all(t is None or t.shape[0] == n for t in tensors.values())  # pipeline tensors travel on token-order rows
+    fwd = Forward(parallel, n, cp=TokenMapping(parallel, lengths))
+    return second.run(second.boundaries[0].from_pp(tensors, fwd), fwd)
+
+
+@pytest.mark.parametrize("split", [1, 2, 5, 6], ids=lambda s: f"cut{s}")
+@pytest.mark.parametrize("topo", ["cp2", "cp2xtp2"])
+def test_a_pipeline_cut_inside_a_cp_batch(topo, split):
+    """to_pp() exports token-order rows (a declared attention-TP partial gathered over CP);
+    from_pp() puts them back on CP rows."""
+    spec = GridSpec(stages=("attn", "ffn", "attn", "tail", "mixer", "mixer", "ffn", "mixer", "attn", "moe"), transforms=(0, 3), seed=5)
+    results = run_threaded(_two_segments, TOPOLOGIES[topo], spec, LENGTHS, split)
+    (expected,), _ = reference(spec, grid_inputs(spec, (sum(LENGTHS),)))
+    for out in results:
+        assert torch.equal(out, expected)
+
+
 def test_the_cp_path_issues_cp_collectives():
     """Shard-mode attention on CP rows, FFN input gathered over CP, FFN output reduce-scattered
     over TP (then gathered over attention TP), final rows gathered over CP."""
