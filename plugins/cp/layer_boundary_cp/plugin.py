@@ -26,7 +26,7 @@ def layer_boundary_adapters():
         factory=_stage_path,
         priority=Priority.REFERENCE,
         description="context-parallel batch variant: residual on each CP rank's rows, input gathered over attention CP "
-        "where compute needs full rows, FFN output returned to CP rows or reduce-scattered onto them (attn_dp == 1)",
+        "where compute needs full rows, FFN output returned to CP rows or reduce-scattered onto them",
     )
     yield Adapter(
         name="cp.token_mapping",

@@ -1,15 +1,18 @@
 """The context-parallel path of one stage, bound at construction.
 
-Which rows each stage computes on, under an active CP batch (attention DP of one):
-- the residual always lives on this CP rank's rows (`CP_ROWS`), replicated over attention TP;
-  every read and update runs there, so norms and residual adds are split over CP ranks;
+Which rows each stage computes on, under an active CP batch:
+- the residual always lives on this CP rank's rows (`CP_ROWS`) of its attention-DP rank's
+  batch, replicated over attention TP; every read and update runs there, so norms and residual
+  adds are split over CP ranks;
 - an attention or mixer declared `takes_cp_shard=True` computes on those rows and fetches the
   keys and values of the other rows itself (`Forward.cp.gather`); any other one gets its input
-  gathered to full rows first, and its output is returned to this rank's rows;
-- an FFN is tensor-parallel over the whole TP group (attention CP x attention TP), whose ranks
-  must see the same rows: its input is gathered to full rows, and its output comes back either
-  by the all-reduce compute runs followed by taking this rank's rows, or, where the policy
-  permits, by one reduce-scatter over TP onto CP ranks' rows (`mlp_reduce_scatter`).
+  gathered to its DP rank's full rows first, and its output is returned to this rank's rows;
+- an FFN is tensor-parallel over the whole TP group (attention DP x CP x TP), whose ranks must
+  see the same rows: its input is gathered over CP (then over attention DP), and its output
+  comes back either by the all-reduce compute runs followed by taking this rank's rows, or,
+  without attention DP and where the policy permits, by one reduce-scatter over TP onto CP
+  ranks' rows (`mlp_reduce_scatter`; each rank's mapping knows only its own DP rank's partition,
+  so under attention DP the reduce-scatter is never eligible).
 
 Sums: the attention-TP sum of an attention output is left, as always, for the next input, on
 this rank's rows (fused candidates may complete it there). Nothing is deferred across a CP
@@ -25,7 +28,7 @@ from layer_boundary.construction import ExitPath, StagePath, output_sum_group
 from layer_boundary.contracts import StageKind
 from layer_boundary.exit import COMPLETE_NOW, ExitDecision, FfnExit, MixerExit, record_complete
 from layer_boundary.forward import BatchVariant, ComputeFlags
-from layer_boundary.ops import move_residual
+from layer_boundary.ops import dp_gather, dp_scatter, move_residual
 from layer_boundary.output import HandoffOutput, UnreducedOutput
 from layer_boundary.prepare import run_entry, run_local
 from layer_boundary.residual.stream import CP_ROWS, Contribution
@@ -33,33 +36,36 @@ from layer_boundary.residual.stream import CP_ROWS, Contribution
 __all__ = ["ContextParallelStage", "build_stage_path"]
 
 GATHER_NAME = "all_gatherv@attn_cp of the input back to token order (the token mapping)"
+GATHER_DP_NAME = GATHER_NAME + ", then all_gatherv@attn_dp to full rows"
 
 
 def gather_input(x, fwd):
-    """The entry's input move: this rank's rows -> full rows in token order."""
+    """The entry's input move: this rank's rows -> its DP rank's rows in token order."""
     return move_residual(x, fwd.cp.gather)
+
+
+def gather_input_over_dp(x, fwd):
+    """An FFN's input move under attention DP: over CP, then over DP to every DP rank's rows."""
+    return dp_gather(fwd.cp.gather(x), fwd)
 
 
 def build_stage_path(plan):
     """The CP `StagePath` of a stage; raises NotImplementedError(reason) for one it cannot carry."""
-    topo = plan.parallel.topology
     decl = plan.declaration
-    if topo.attn_dp > 1:
-        raise NotImplementedError("context parallel together with attention DP (attn_dp > 1) is not supported")
     if decl.residual_ops is not None and not decl.residual_ops.supports_slices:
         raise NotImplementedError(f"residual kind {decl.residual!r} cannot read and update a share of the rows")
     ordinary = plan.paths[BatchVariant.ORDINARY].entry
     if ordinary.mode not in ("enter", "local"):
         raise NotImplementedError(f"a {ordinary.mode!r} entry has no context-parallel form")
     adapter = ContextParallelStage(plan)
-    gathers = adapter.computes_on_full_rows
+    if adapter.returns_over_dp:
+        move, name = gather_input_over_dp, GATHER_DP_NAME
+    elif adapter.computes_on_full_rows:
+        move, name = gather_input, GATHER_NAME
+    else:
+        move, name = None, ""
     entry = attrs.evolve(
-        ordinary,
-        residual_rows=CP_ROWS,
-        input_move=gather_input if gathers else None,
-        input_move_name=GATHER_NAME if gathers else "",
-        slices_on_entry=False,
-        capture_allocates=True,
+        ordinary, residual_rows=CP_ROWS, input_move=move, input_move_name=name, slices_on_entry=False, capture_allocates=True
     )
     adapter.entry = entry
     sum_group = output_sum_group(decl)
@@ -77,9 +83,15 @@ class ContextParallelStage:
         decl = plan.declaration
         self.kind = decl.kind
         self.computes_on_full_rows = not (decl.is_attention_like and decl.takes_cp_shard)
+        #: an FFN under attention DP computes on every DP rank's rows
+        self.returns_over_dp = decl.kind is StageKind.FFN and plan.parallel.topology.attn_dp > 1
         self.entry = None  # the core entry path on CP rows (set by build_stage_path)
         transform = decl.output_transform
-        scatter_ok = decl.kind is StageKind.FFN and (transform is None or transform.before_reduce_scatter)
+        scatter_ok = (
+            decl.kind is StageKind.FFN
+            and not self.returns_over_dp
+            and (transform is None or transform.before_reduce_scatter)
+        )
         self.rs_allowed = scatter_ok and plan.policy.allows_rs
         self.rsv_allowed = scatter_ok and plan.policy.allows_rsv
         following = decl.following
@@ -120,6 +132,8 @@ class ContextParallelStage:
         return self.complete_on_local_rows(plan, out, fwd)
 
     def complete_on_local_rows(self, plan, out, fwd):
+        if self.returns_over_dp:
+            out = dp_scatter(out, fwd)
         if self.computes_on_full_rows:
             out = fwd.cp.take_local(out)
         transform = plan.declaration.output_transform
@@ -147,6 +161,8 @@ class ContextParallelStage:
             kinds = " or ".join(k for k, ok in (("rs (equal shares)", self.rs_allowed), ("rsv", self.rsv_allowed)) if ok)
             steps.append(f"reduce_scatterv@tp ({kinds}) onto CP ranks' rows, then all_gatherv@attn_tp (mlp_reduce_scatter)")
         where = "this CP rank's rows of the full-row output" if self.computes_on_full_rows else "the output on CP rows"
+        if self.returns_over_dp:
+            where = "this DP rank's rows, then " + where
         steps.append(f"{'else ' if steps else ''}compute all-reduces over {g}; keep {where}")
         return steps
 

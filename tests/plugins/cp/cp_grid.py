@@ -94,28 +94,51 @@ def _final_norm(spec, gen):
 
 
 @torch.inference_mode()
-def run_cp_grid_rank(parallel, spec: GridSpec, lengths, *, order="zigzag", policy="ar", captures=(), cp=True, scheduled=False):
+def run_cp_grid_rank(
+    parallel, spec: GridSpec, lengths, *, order="zigzag", policy="ar", captures=(), cp=True, scheduled=False, padding="sum_len"
+):
     """One rank of a CP batch (or, with cp=False, the same batch as an ordinary one): returns
-    (normed rows in token order, captures, collectives issued by kind and group)."""
+    (normed rows of its DP rank's batch in token order, captures, collectives by kind and group).
+
+    `lengths`: the request lengths of the batch, or under attention DP one tuple per DP rank."""
     from layer_boundary_cp import TokenMapping
 
     counter = CollectiveCounter()
     counted = parallel.with_groups(lambda g: CountingCollectives(g, counter))
     model = CpGridModel(spec, counted, policy=policy)
-    n = sum(lengths)
-    x = grid_inputs(spec, (n,))[0]
-    mapping = TokenMapping(counted, lengths, order=order) if cp else None
-    fwd = Forward(counted, n, cp=mapping)
+    per_dp = per_dp_lengths(parallel.topology, lengths)
+    dp_counts = tuple(sum(ls) for ls in per_dp)
+    mine = per_dp[parallel.attn_dp_rank]
+    x = grid_inputs(spec, dp_counts)[parallel.attn_dp_rank]
+    mapping = TokenMapping(counted, mine, order=order) if cp else None
+    fwd = Forward(counted, sum(mine), dp_counts=dp_counts, dp_padding=padding, cp=mapping)
     collector: list = []
     out = model.run(x, fwd, captures=captures, collector=collector, scheduled=scheduled)
     return out, collector, counter.snapshot()
 
 
-def assert_matches_single_rank(results, spec: GridSpec, n: int, captures=()):
+def per_dp_lengths(topology, lengths) -> tuple:
+    return tuple(lengths) if topology.attn_dp > 1 else (tuple(lengths),)
+
+
+def assert_matches_single_rank(results, spec: GridSpec, n, captures=(), topology=None):
+    """`n`: the batch's rows, or under attention DP (with `topology`) the per-DP-rank lengths."""
+    if topology is not None and topology.attn_dp > 1:
+        dp_counts = tuple(sum(ls) for ls in n)
+        outs, caps_by_dp = reference(reference_spec(spec), grid_inputs(spec, dp_counts), captures=captures)
+        for rank, result in enumerate(results):
+            d = topology.coordinates(rank)["attn_dp"]
+            _assert_rank(rank, result, outs[d], caps_by_dp[d])
+        return
     (expected,), (expected_caps,) = reference(reference_spec(spec), grid_inputs(spec, (n,)), captures=captures)
-    for rank, (out, caps, _) in enumerate(results):
-        assert out.shape == expected.shape, (rank, out.shape)
-        assert torch.equal(out, expected), f"rank {rank}: max diff {(out - expected).abs().max().item()}"
-        assert [i for i, _ in caps] == [i for i, _ in expected_caps], rank
-        for (i, got), (_, want) in zip(caps, expected_caps):
-            assert torch.equal(got, want), f"rank {rank}: capture at stage {i} differs"
+    for rank, result in enumerate(results):
+        _assert_rank(rank, result, expected, expected_caps)
+
+
+def _assert_rank(rank, result, expected, expected_caps):
+    out, caps, _ = result
+    assert out.shape == expected.shape, (rank, out.shape)
+    assert torch.equal(out, expected), f"rank {rank}: max diff {(out - expected).abs().max().item()}"
+    assert [i for i, _ in caps] == [i for i, _ in expected_caps], rank
+    for (i, got), (_, want) in zip(caps, expected_caps):
+        assert torch.equal(got, want), f"rank {rank}: capture at stage {i} differs"

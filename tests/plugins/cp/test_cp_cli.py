@@ -37,12 +37,6 @@ def test_without_the_plugin_attn_cp_names_the_distribution():
     assert "--attn-cp 2" in line and "pip install layer-boundary-cp" in line
 
 
-def test_cp_with_attention_dp_is_refused_before_any_rank_starts():
-    line = one_line_error(cli("run", "--model", "qwen3", "--tp", "4", "--attn-dp", "2", "--attn-cp", "2"))
-    assert "no stage boundary path for the active CONTEXT_PARALLEL batch" in line
-    assert "attention DP (attn_dp > 1) is not supported" in line
-
-
 def test_cp_with_sequence_parallel_is_refused():
     line = one_line_error(cli("run", "--model", "qwen3", "--tp", "4", "--attn-cp", "2", "--sequence-parallel"))
     assert "--sequence-parallel needs attention TP > 1 and no attention DP or CP" in line

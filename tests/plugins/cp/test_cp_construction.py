@@ -75,14 +75,16 @@ def test_a_prepared_branch_has_no_cp_path_and_a_cp_batch_names_the_variant():
         assert "prepared branch transport requires ordinary token rows" in message
 
 
-def test_attention_dp_with_cp_is_declined_with_its_reason():
+def test_attention_dp_with_cp_gathers_ffn_input_over_both():
     parallel = planning(Topology(tp=4, attn_dp=2, attn_cp=2))
-    attn, ffn = layer(parallel)
-    for boundary in (attn, ffn):
-        assert BatchVariant.CONTEXT_PARALLEL not in boundary.plan.paths
-        reason = boundary.plan.unsupported[BatchVariant.CONTEXT_PARALLEL]
-        assert reason == "cp.stage_paths: context parallel together with attention DP (attn_dp > 1) is not supported"
-        assert boundary.plan.missing_variant(BatchVariant.CONTEXT_PARALLEL).startswith(NO_CP + " (stage ")
+    attn, ffn = make_stages(
+        (declare_attn(takes_cp_shard=True), norm()), (declare_ffn(), norm()), terminal=True, parallel=parallel, reduction="rs+rsv"
+    )
+    assert BatchVariant.CONTEXT_PARALLEL in attn.plan.paths and BatchVariant.CONTEXT_PARALLEL in ffn.plan.paths
+    steps = ffn.describe()["variants"]["context_parallel"]
+    assert any("all_gatherv@attn_cp" in s and "then all_gatherv@attn_dp" in s for s in steps["entry"])
+    # a mapping knows only its DP rank's partition: no reduce-scatter under attention DP, whatever the policy
+    assert steps["exit"] == ["compute all-reduces over TP; keep this DP rank's rows, then this CP rank's rows of the full-row output"]
 
 
 def test_shard_and_full_row_stages_describe_their_moves():
@@ -126,12 +128,19 @@ def test_adapters_are_asked_in_priority_order_and_every_reason_is_kept(inline_pl
     # the refusing adapter is asked first; the next one carries both stages
     assert BatchVariant.CONTEXT_PARALLEL in attn.plan.paths and BatchVariant.CONTEXT_PARALLEL in ffn.plan.paths
     assert attn.plan.unsupported == {} and ffn.plan.unsupported == {}
-    attn, ffn = layer(planning(Topology(tp=4, attn_dp=2, attn_cp=2)))
+    from layer_boundary import PLAIN_RESIDUAL
+
+    whole = attrs.evolve(PLAIN_RESIDUAL, name="test.whole", supports_slices=False)
+    attn, ffn = make_stages(
+        (declare_attn(residual=whole), norm()), (declare_ffn(residual=whole), norm()), terminal=True,
+        parallel=planning(Topology(tp=2, attn_cp=2)),
+    )
     assert attn.plan.unsupported[BatchVariant.CONTEXT_PARALLEL] == (
         "test.refusing: attention is not handled by test.refusing; "
-        "cp.stage_paths: context parallel together with attention DP (attn_dp > 1) is not supported"
+        "cp.stage_paths: residual kind 'test.whole' cannot read and update a share of the rows"
     )
     assert ffn.plan.unsupported[BatchVariant.CONTEXT_PARALLEL].startswith("test.refusing does not apply; cp.stage_paths: ")
+    assert attn.plan.missing_variant(BatchVariant.CONTEXT_PARALLEL).startswith(NO_CP + " (stage ")
 
 
 def test_an_adapter_that_returns_something_else_is_an_error(inline_plugin):
@@ -166,11 +175,17 @@ def test_a_cp_batch_needs_a_token_mapping_for_its_own_rows():
         attn.prepare(torch.ones(4, H, dtype=torch.float64), fwd)
 
 
-def test_a_residual_kind_that_cannot_split_rows_gets_no_cp_path():
-    from layer_boundary import PLAIN_RESIDUAL
+def test_run_refuses_a_model_with_a_stage_without_a_cp_path(monkeypatch, fresh_registry, inline_plugin):
+    """The server-argument check: `run --attn-cp` builds the model first and names the stage."""
+    from layer_boundary.cli.main import UsageError
+    from layer_boundary.cli.run_cmd import _preflight
+    from layer_boundary.models import model_config
 
-    whole = attrs.evolve(PLAIN_RESIDUAL, name="test.whole", supports_slices=False)
-    attn, _ = make_stages(
-        (declare_attn(residual=whole), norm()), (declare_ffn(residual=whole), norm()), terminal=True, parallel=planning(Topology(tp=2, attn_cp=2))
+    monkeypatch.setenv("LAYER_BOUNDARY_DISABLE_PLUGINS", "cp")
+    reset_registry()
+    inline_plugin(_Refusing(), name="refusing")
+    with pytest.raises(UsageError) as info:
+        _preflight(model_config("qwen3"), Topology(tp=2, attn_cp=2), "ar")
+    assert str(info.value) == (
+        f"--attn-cp 2: {NO_CP} (stage layer0.0:attention: test.refusing: attention is not handled by test.refusing)"
     )
-    assert "cannot read and update a share of the rows" in attn.plan.unsupported[BatchVariant.CONTEXT_PARALLEL]

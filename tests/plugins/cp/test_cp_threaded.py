@@ -45,6 +45,26 @@ def test_every_reduction_policy(topo, lengths, policy):
     assert_matches_single_rank(results, MIXED, sum(lengths))
 
 
+DP_CASES = {
+    "dp2xcp2": (Topology(tp=4, attn_dp=2, attn_cp=2), ((5, 1), (3, 4, 2))),
+    "dp2xcp2-idle": (Topology(tp=4, attn_dp=2, attn_cp=2), ((), (7,))),
+    "dp2xcp2xtp2": (Topology(tp=8, attn_dp=2, attn_cp=2), ((6,), (1, 2))),
+}
+
+
+@pytest.mark.parametrize("padding", ["sum_len", "max_len"])
+@pytest.mark.parametrize("policy", ["ar", "rs+rsv"])
+@pytest.mark.parametrize("case", list(DP_CASES))
+def test_cp_inside_attention_dp(case, policy, padding):
+    """Each DP rank's batch is partitioned over its CP ranks; FFNs gather over CP then DP and
+    return by all-reduce, DP rank's rows, CP rank's rows (never a reduce-scatter: a mapping only
+    knows its own DP rank's partition)."""
+    topology, lengths = DP_CASES[case]
+    results = run_threaded(run_cp_grid_rank, topology, MIXED, lengths, policy=policy, padding=padding, captures=(0, 2))
+    assert_matches_single_rank(results, MIXED, lengths, captures=(0, 2), topology=topology)
+    assert not any(key.startswith("reduce_scatter") for key in results[0][2])
+
+
 @pytest.mark.parametrize("lengths", [(1,), (2,), (0, 3)], ids=["one-token", "two-tokens", "empty-request"])
 def test_ranks_without_rows_still_join_every_collective(lengths):
     """With fewer rows than CP ranks some ranks hold nothing; they still gather and scatter."""
