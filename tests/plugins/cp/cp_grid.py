@@ -62,14 +62,16 @@ class CpGridModel(nn.Module):
             for i, stage in enumerate(self.stages)
         ]
 
-    def run(self, h, fwd, *, captures=(), collector=None, scheduled=False):
+    def run(self, h, fwd, *, captures=(), collector=None, scheduled=False, capture_inputs=False):
         """`scheduled`: FFNs and mixers run without an exit scope (compute reduces fully) and
-        publish through `postprocess`, as operation-scheduled overlap does."""
+        publish through `postprocess`, as operation-scheduled overlap does. `capture_inputs`:
+        capture with `captured_last_layer_outputs` (on the compute input's rows) instead."""
         residual_batch.start(fwd)
         for index, (stage, boundary) in enumerate(zip(self.stages, self.boundaries)):
             kwargs = {}
             if index in captures and stage.code in ("attn", "mixer"):
-                kwargs["capture_output"] = lambda v, owned=False, _i=index: collector.append((_i, v.clone()))
+                key = "captured_last_layer_outputs" if capture_inputs else "capture_output"
+                kwargs[key] = lambda v, owned=False, _i=index: collector.append((_i, v.clone()))
             x = boundary.prepare(h, fwd, **kwargs)
             if stage.code == "attn":
                 h = boundary.finish(stage.compute_on(x, fwd), fwd)
@@ -95,7 +97,8 @@ def _final_norm(spec, gen):
 
 @torch.inference_mode()
 def run_cp_grid_rank(
-    parallel, spec: GridSpec, lengths, *, order="zigzag", policy="ar", captures=(), cp=True, scheduled=False, padding="sum_len"
+    parallel, spec: GridSpec, lengths, *, order="zigzag", policy="ar", captures=(), cp=True, scheduled=False, padding="sum_len",
+    capture_inputs=False,
 ):
     """One rank of a CP batch (or, with cp=False, the same batch as an ordinary one): returns
     (normed rows of its DP rank's batch in token order, captures, collectives by kind and group).
@@ -113,8 +116,16 @@ def run_cp_grid_rank(
     mapping = TokenMapping(counted, mine, order=order) if cp else None
     fwd = Forward(counted, sum(mine), dp_counts=dp_counts, dp_padding=padding, cp=mapping)
     collector: list = []
-    out = model.run(x, fwd, captures=captures, collector=collector, scheduled=scheduled)
+    out = model.run(x, fwd, captures=captures, collector=collector, scheduled=scheduled, capture_inputs=capture_inputs)
     return out, collector, counter.snapshot()
+
+
+def planning_parallel(topology, rank=0):
+    """A rank's Parallel whose groups know their ranks but never communicate (construction only)."""
+    from layer_boundary import Parallel
+    from layer_boundary.cli.plan_cmd import PlanningCollectives
+
+    return Parallel.create(topology, rank, lambda name, ranks: PlanningCollectives(name, ranks, rank))
 
 
 def per_dp_lengths(topology, lengths) -> tuple:

@@ -10,7 +10,6 @@ from layer_boundary import (
     BatchVariant,
     Forward,
     MissingPluginError,
-    Parallel,
     Priority,
     ProducerReduction,
     RMSNorm,
@@ -21,17 +20,17 @@ from layer_boundary import (
     make_stages,
     residual_batch,
 )
-from layer_boundary.cli.plan_cmd import PlanningCollectives
 from layer_boundary.plugin import reset_registry
 from layer_boundary.testing.threaded import run_threaded
 from layer_boundary_cp import TokenMapping
+
+from cp_grid import planning_parallel
 
 H = 8
 NO_CP = "no stage boundary path for the active CONTEXT_PARALLEL batch"
 
 
-def planning(topology, rank=0):
-    return Parallel.create(topology, rank, lambda name, ranks: PlanningCollectives(name, ranks, rank))
+planning = planning_parallel
 
 
 def norm():

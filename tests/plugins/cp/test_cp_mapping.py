@@ -4,16 +4,13 @@ world (gather then return is the identity; reduce-scatter equals all-reduce then
 import pytest
 import torch
 
-from layer_boundary import BatchFactsError, Forward, Parallel, Topology
-from layer_boundary.cli.plan_cmd import PlanningCollectives
+from layer_boundary import BatchFactsError, Forward, Topology
 from layer_boundary.testing.threaded import run_threaded
 from layer_boundary_cp import TokenMapping, request_pieces
 
+from cp_grid import planning_parallel
+
 LENGTHS = [(), (0,), (1,), (2,), (7,), (5, 1, 7, 3), (9, 0, 4), (16, 8)]
-
-
-def planning_parallel(topology, rank=0):
-    return Parallel.create(topology, rank, lambda name, ranks: PlanningCollectives(name, ranks, rank))
 
 
 def mappings(topology, lengths, order):

@@ -9,7 +9,7 @@ from layer_boundary import Topology
 from layer_boundary.testing.grid import GridSpec, grid_inputs, reference, run_grid_rank
 from layer_boundary.testing.threaded import run_threaded
 
-from cp_grid import assert_matches_single_rank, run_cp_grid_rank
+from cp_grid import assert_matches_single_rank, planning_parallel, reference_spec, run_cp_grid_rank
 
 #: shard-mode and full-row attention and mixers, dense, LOCAL_TAIL and MoE FFNs, transforms
 MIXED = GridSpec(
@@ -105,6 +105,23 @@ def test_a_pipeline_cut_inside_a_cp_batch(topo, split):
     (expected,), _ = reference(spec, grid_inputs(spec, (sum(LENGTHS),)))
     for out in results:
         assert torch.equal(out, expected)
+
+
+@pytest.mark.parametrize("topo", ["cp2", "cp2xtp2"])
+def test_captured_inputs_land_on_the_compute_input_rows(topo):
+    """`captured_last_layer_outputs`: the updated residual on the rows the stage's compute gets:
+    this CP rank's rows for a shard-mode stage, token-order rows for one whose input is gathered."""
+    from layer_boundary_cp import TokenMapping
+
+    topology, captures = TOPOLOGIES[topo], (2, 4, 8)
+    results = run_threaded(run_cp_grid_rank, topology, MIXED, LENGTHS, captures=captures, capture_inputs=True)
+    _, (expected,) = reference(reference_spec(MIXED), grid_inputs(MIXED, (sum(LENGTHS),)), captures=captures)
+    for rank, (_, caps, _) in enumerate(results):
+        mapping = TokenMapping(planning_parallel(topology, rank), LENGTHS)
+        assert [i for i, _ in caps] == [i for i, _ in expected]
+        for (i, got), (_, want) in zip(caps, expected):
+            want = mapping.take_local(want) if MIXED.stages[i].startswith("shard_") else want
+            assert torch.equal(got, want), (rank, i)
 
 
 def test_the_cp_path_issues_cp_collectives():
