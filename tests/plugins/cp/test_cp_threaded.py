@@ -157,3 +157,30 @@ def test_core_grid_decode_under_a_cp_topology(topo):
     (expected,), _ = reference(spec, grid_inputs(spec, (2,)))
     for out, _ in results:
         assert torch.equal(out, expected)
+
+
+@pytest.mark.parametrize("model", ["qwen3", "qwen3_moe"])
+def test_a_model_rank_without_rows_joins_the_kv_gather(tmp_path, model):
+    """A 1-token and a 2-token prompt over 4 CP ranks: some ranks hold no row at all, yet every
+    rank's attention joins the KV all-gather and the logits match a single rank."""
+    import attrs
+
+    from layer_boundary import Parallel
+    from layer_boundary.models import family, model_config
+    from layer_boundary.models.runner import RunJob, run_rank
+
+    config = model_config(model)
+    path = tmp_path / "weights.pt"
+    torch.save(family(model).random_weights(config, torch.float64, seed=3), path)
+    job = RunJob(
+        model=model, hf_config=dict(config.hf), topology=Topology(), reduction="ar", dtype="float64",
+        weights=str(path), prompts=((17,), (3, 99)), decode_tokens=((5, 6),),
+    )
+    single = run_rank(Parallel.single(), job)["logits"]
+    topology = Topology(tp=4, attn_cp=4)
+    results = run_threaded(run_rank, topology, attrs.evolve(job, topology=topology, options={"cp_order": "zigzag"}))
+    assert results[0]["collectives"]["prefill"]["all_gatherv@attn_cp"] == 2 * config.num_layers + 1
+    got = results[0]["logits"]
+    for r in (0, 1):
+        for ours, theirs in zip(got[r], single[r]):
+            torch.testing.assert_close(ours, theirs, rtol=1e-12, atol=1e-12)
