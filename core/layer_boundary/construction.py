@@ -178,6 +178,8 @@ class StagePlan:
         self.finalize_providers: tuple = ()
         self.all_reduce_providers: tuple = ()
         self.paths: dict[BatchVariant, StagePath] = {}
+        #: why a variant the topology could carry has no path here (shown by describe and errors)
+        self.unsupported: dict[BatchVariant, str] = {}
         self.description: Optional[StageDescription] = None
         #: the residual this stage's read produces is never written in place by the next local
         #: input path, so a capture of it may be retained without a copy
@@ -193,7 +195,13 @@ class StagePlan:
         try:
             return self.paths[fwd.variant]
         except KeyError:
-            raise NotImplementedError(Messages.NO_VARIANT.format(variant=fwd.variant.name)) from None
+            raise NotImplementedError(self.missing_variant(fwd.variant)) from None
+
+    def missing_variant(self, variant: BatchVariant) -> str:
+        """The guide's error for an absent variant, with this stage's reason when one is known."""
+        message = Messages.NO_VARIANT.format(variant=variant.name)
+        reason = self.unsupported.get(variant)
+        return f"{message} (stage {self.label}: {reason})" if reason else message
 
     # facts for providers ----------------------------------------------------------------------
     @property
@@ -213,7 +221,7 @@ class StagePlan:
 
     def describe(self) -> dict:
         decl = self.declaration
-        return {
+        out = {
             "label": self.label,
             "stage": decl.describe(),
             "producer": decl.previous.describe() if decl.previous is not None else ("branch source" if self.is_branch else "stack input"),
@@ -222,6 +230,9 @@ class StagePlan:
                 v.value: {"entry": p.entry.describe(self), "exit": p.exit.describe(self)} for v, p in self.paths.items()
             },
         }
+        if self.unsupported:
+            out["unsupported"] = {v.value: reason for v, reason in self.unsupported.items()}
+        return out
 
     def __repr__(self) -> str:
         return f"StagePlan({self.label}: {self.declaration.describe()})"
@@ -465,15 +476,31 @@ def plan_stage(declaration, norm, options, *, parallel, policy, label, registry)
 
 
 def _bind_context_parallel(plan: StagePlan, registry) -> None:
+    """Ask the adapters of kind "cp" for this stage's CP path, in registry order.
+
+    A factory returns a `StagePath` (entry mode "adapter", exit role "adapter"), None when it
+    does not apply, or raises `NotImplementedError(reason)` for a stage it knows it cannot carry.
+    A stage no adapter takes keeps no CP path: its ordinary (decode) path still works, and a CP
+    batch raises the guide's NO_VARIANT error with the recorded reason.
+    """
+    variant = BatchVariant.CONTEXT_PARALLEL
     if plan.is_branch:
-        raise NotImplementedError("prepared branch transport requires ordinary token rows")
+        plan.unsupported[variant] = "prepared branch transport requires ordinary token rows"
+        return
     adapters = registry.adapters_of("cp")
     if not adapters:
         raise missing_feature(f"context parallel (attn_cp={plan.parallel.topology.attn_cp})", "cp")
+    reasons = []
     for item in adapters:
-        bound = item.record.factory(plan)
+        try:
+            bound = item.record.factory(plan)
+        except NotImplementedError as exc:
+            reasons.append(f"{item.name}: {exc}")
+            continue
         if bound is not None:
-            plan.paths[BatchVariant.CONTEXT_PARALLEL] = bound
+            if not isinstance(bound, StagePath) or bound.variant is not variant:
+                raise TypeError(f"CP adapter {item.name!r} must return a StagePath for {variant!r}, got {bound!r}")
+            plan.paths[variant] = bound
             return
-    # no CP adapter supports this stage: the variant stays absent and a CP batch raises NO_VARIANT
-
+        reasons.append(f"{item.name} does not apply")
+    plan.unsupported[variant] = "; ".join(reasons)

@@ -56,6 +56,9 @@ class StageDeclaration:
     sparse: bool = False
     next_sparse: bool = False
     gathers_tp_input: bool = True
+    #: an attention/mixer compute that takes this rank's context-parallel rows and exchanges
+    #: what it needs itself (`Forward.cp`); otherwise a CP batch gathers its input to full rows
+    takes_cp_shard: bool = False
     output_transform: Optional[OutputTransform] = None
     previous: Optional["StageDeclaration"] = None
     prepared_from: Optional["StageDeclaration"] = None
@@ -115,13 +118,17 @@ def declare_attn(
     read=None,
     update=None,
     gathers_tp_input: bool = True,
+    takes_cp_shard: bool = False,
     output_transform: Optional[OutputTransform] = None,
 ) -> StageDeclaration:
     """An attention stage (PARTIAL: always leaves its attention-TP sum) or, with
     `reduction=SCOPED`, a single-stage token mixer that obeys its exit's decision.
 
     `gathers_tp_input=False` says the compute cannot take input gathered over attention TP, so
-    the stage has no sequence-parallel or input-scattered path.
+    the stage has no sequence-parallel or input-scattered path. `takes_cp_shard=True` says that
+    under an active context-parallel batch the compute runs on this rank's CP rows and fetches
+    the other rows' keys and values itself (through `Forward.cp`), even when it has no rows;
+    otherwise the CP adapter gathers its input to full rows first.
     """
     reduction = ProducerReduction(reduction)
     if reduction is ProducerReduction.LOCAL_TAIL:
@@ -136,6 +143,7 @@ def declare_attn(
         residual=ops.name,
         residual_ops=ops,
         gathers_tp_input=gathers_tp_input,
+        takes_cp_shard=takes_cp_shard,
         output_transform=output_transform,
     )
 

@@ -66,6 +66,11 @@ class Forward:
     """Batch facts of one forward pass and its residual stream.
 
     Derived row counts are computed once here, so boundaries only read attributes.
+
+    `cp` makes the batch a context-parallel one: a token mapping (the CP plugin builds it) that
+    says which of the batch's rows this attention-CP rank holds. The core relies on two of its
+    methods: `take_local(x)` (this rank's rows of attention rows) and `gather(x)` (every CP
+    rank's rows back to attention rows in token order, a collective over attention CP).
     """
 
     __slots__ = (

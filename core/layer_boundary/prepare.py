@@ -10,18 +10,35 @@ from .checks import check_rows
 from .fusions import run_candidates
 from .ops import move_input, dp_partial_sum, dp_scatter, gather_slices, move_residual, reduce_scatter_slices, take_slice
 from .output import HandoffOutput, UnreducedOutput
-from .residual.stream import ATTENTION_ROWS, SLICE_ROWS
+from .residual.stream import ATTENTION_ROWS, CP_ROWS, SLICE_ROWS
 
 __all__ = ["run_entry", "run_local", "align_rows"]
 
 
 def align_rows(value, rows_from: str, rows_to: str, fwd):
-    """Move a tensor (or residual tuple) between attention rows and this rank's slice."""
+    """Move a tensor (or residual tuple) between attention rows and this rank's share of them
+    (its attention-TP slice, or its context-parallel partition through `fwd.cp`)."""
     if rows_from == rows_to:
         return value
+    if CP_ROWS in (rows_from, rows_to):
+        return _align_cp_rows(value, rows_from, rows_to, fwd)
     if rows_to == SLICE_ROWS:
         return move_residual(value, lambda t: take_slice(t, fwd))
     return move_residual(value, lambda t: gather_slices(t, fwd))
+
+
+def _align_cp_rows(value, rows_from: str, rows_to: str, fwd):
+    """CP partition <-> attention rows, through the batch's token mapping (`take_local`, `gather`)."""
+    mapping = fwd.cp
+    if mapping is None:
+        raise RuntimeError(
+            "rows on a context-parallel partition need the batch's token mapping; build the Forward with cp=..."
+        )
+    if (rows_from, rows_to) == (ATTENTION_ROWS, CP_ROWS):
+        return move_residual(value, mapping.take_local)
+    if (rows_from, rows_to) == (CP_ROWS, ATTENTION_ROWS):
+        return move_residual(value, mapping.gather)
+    raise NotImplementedError(f"no row move from {rows_from} rows to {rows_to} rows")
 
 
 def _capture(callback, value, owned: bool) -> None:
@@ -55,7 +72,7 @@ def run_local(plan, entry, hidden, fwd):
     else:
         inp, residual = plan.read.update_and_read(pending.update, pending.complete(), stream.residual, norm)
     stream.residual = residual
-    stream.rows = ATTENTION_ROWS
+    stream.rows = entry.residual_rows
     move = entry.input_move
     return inp if move is None else move_input(inp, move, fwd)
 
@@ -77,7 +94,7 @@ def run_entry(plan, entry, hidden, fwd, capture_output=None, captured=None):
             debug.check_batch_facts(fwd)
         check_rows(plan, hidden, fwd.num_tokens, fwd, "stack input")
         _capture(capture_output, hidden, owned=False)
-        h = take_slice(hidden, fwd) if entry.slices_on_entry else hidden
+        h = align_rows(hidden, ATTENTION_ROWS, entry.residual_rows, fwd)
         inp, residual = read.read(read.enter(h), norm)
         stream.write(residual, entry.residual_rows)
         return _finish_entry(plan, entry, inp, residual, fwd, captured, owned=False)
@@ -132,9 +149,13 @@ def run_entry(plan, entry, hidden, fwd, capture_output=None, captured=None):
     else:
         value = contribution.complete()
         inp, residual = read.update_and_read(contribution.update, value, residual, norm)
-    stream.write(residual, ATTENTION_ROWS)
-    _capture(capture_output, residual, owned=plan.capture_owned)
-    return _finish_entry(plan, entry, inp, residual, fwd, captured, owned=plan.capture_owned)
+    stream.write(residual, entry.residual_rows)
+    if entry.residual_rows == ATTENTION_ROWS:
+        _capture(capture_output, residual, owned=plan.capture_owned)
+        return _finish_entry(plan, entry, inp, residual, fwd, captured, owned=plan.capture_owned)
+    if capture_output is not None:  # residual on a share of the rows: the capture gathers (allocates)
+        _capture(capture_output, _to_producer_rows(residual, entry, fwd), owned=True)
+    return _finish_entry(plan, entry, inp, residual, fwd, captured, owned=False)
 
 
 def _to_producer_rows(residual, entry, fwd):
@@ -144,8 +165,9 @@ def _to_producer_rows(residual, entry, fwd):
 
 def _finish_entry(plan, entry, inp, residual, fwd, captured, *, owned, skip_move=False):
     if captured is not None:
-        if entry.residual_rows == SLICE_ROWS:
-            _capture(captured, align_rows(residual, SLICE_ROWS, ATTENTION_ROWS, fwd), owned=True)
+        if entry.residual_rows != ATTENTION_ROWS and entry.input_move is not None:
+            # the compute input moves to attention rows: capture the residual on those rows
+            _capture(captured, align_rows(residual, entry.residual_rows, ATTENTION_ROWS, fwd), owned=True)
         else:
             _capture(captured, residual, owned=owned)
     if entry.input_move is not None and not skip_move:

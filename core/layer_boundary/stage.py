@@ -77,6 +77,8 @@ class StageBoundary:
         if self.plan.kind is StageKind.ATTENTION:
             raise RuntimeError("postprocess() is for FFN and mixer stages; attention publishes with finish()")
         path = self.plan.path_for(forward)
+        if path.exit.role == "adapter":
+            return path.exit.adapter.postprocess(self.plan, path, output, forward)
         check_rows(self.plan, output, forward.full_rows if path.exit.compute_rows_full else forward.num_tokens, forward, "output")
         return complete_reduced(self.plan, path, output, forward)
 
@@ -118,7 +120,9 @@ class StageBoundary:
                 f"previous={decl.previous.describe()} expects a complete output; describe the same edge on both "
                 "pipeline ranks (the sender's following= must be this stage's declaration)"
             )
-        rows = SLICE_ROWS if path.entry.residual_rows == SLICE_ROWS else ATTENTION_ROWS
+        rows = path.entry.residual_rows
+        # the slice entry reduce-scatters attention-row partials itself; others complete on the residual's rows
+        contribution_rows = ATTENTION_ROWS if rows == SLICE_ROWS else rows
         update = plan.declaration.previous.update
         if residual is None:
             stream, handle = ResidualStream.arrive(align_rows(hidden, ATTENTION_ROWS, rows, forward), None, None, rows=rows)
@@ -127,17 +131,20 @@ class StageBoundary:
                 raise NotImplementedError("pipeline boundaries require a plain add or a producer-written residual")
             _, sum_group = arriving_sum(plan.declaration)
             owed_sum = transform = None
-            if declared and owes is not False:  # owes False: the sender completed the sum already
+            group = plan.group(sum_group) if sum_group is not None else None
+            # owes False: the sender completed the sum; over one rank the producer recorded its
+            # output complete with the transform applied
+            if declared and owes is not False and group.size > 1:
                 transform = plan.declaration.previous.output_transform
-                group = plan.group(sum_group)
                 owed_sum = lambda h: UnreducedOutput(h, group, sum_group, declared=True)  # noqa: E731
             stream, handle = ResidualStream.arrive(
-                hidden,
+                align_rows(hidden, ATTENTION_ROWS, contribution_rows, forward),
                 align_rows(residual, ATTENTION_ROWS, rows, forward),
                 update,
                 owed_sum=owed_sum,
                 transform=transform,
                 rows=rows,
+                contribution_rows=contribution_rows,
             )
         forward.residual_stream = stream
         return handle

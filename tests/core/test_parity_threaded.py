@@ -66,6 +66,8 @@ def test_sequence_parallel_and_input_scattered(variant, policy, tp, n):
         ("dp2xtp2", 4, None),
         ("tp4", 5, "sp"),
         ("tp4", 6, None),  # between two mixers
+        ("tp1", 1, None),  # attention TP of one: the transformed output travels complete, transformed once
+        ("dp2xtp1", 1, None),
     ],
 )
 def test_pipeline_split_into_two_segments(topo, split, variant):

@@ -81,4 +81,6 @@ def run(args) -> int:
                 print(f"    in:  {step}")
             for step in paths["exit"]:
                 print(f"    out: {step}")
+        for variant, reason in plan.get("unsupported", {}).items():
+            print(f"  [{variant}] no path: {reason}")
     return 0

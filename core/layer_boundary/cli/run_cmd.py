@@ -34,6 +34,7 @@ def add_parser(sub) -> None:
     p.add_argument("--tp", type=int, default=2, help="tensor-parallel size (default 2)")
     p.add_argument("--attn-dp", type=int, default=1, help="attention data-parallel size")
     p.add_argument("--attn-cp", type=int, default=1, help="attention context-parallel size (needs layer-boundary-cp)")
+    p.add_argument("--cp-order", default="zigzag", choices=["zigzag", "contiguous"], help="how a CP prefill splits each request over CP ranks")
     p.add_argument("--moe-ep", type=int, default=1, help="expert-parallel size of MoE layers")
     p.add_argument("--pp", type=int, default=1, help="pipeline stages, each with --tp ranks (models that support it: nemotron_h)")
     p.add_argument("--reduction", default="auto", choices=["ar", "rs", "rsv", "rs+rsv", "auto"])
@@ -98,8 +99,8 @@ def _require_features(args, topology) -> None:
         check_requirements(family(args.model))
     except MissingPluginError as exc:
         raise UsageError(str(exc)) from None
-    if args.sequence_parallel and (topology.attn_dp > 1 or topology.attn_tp < 2):
-        raise UsageError("--sequence-parallel needs attention TP > 1 and no attention DP")
+    if args.sequence_parallel and (topology.attn_dp > 1 or topology.attn_tp < 2 or topology.attn_cp > 1):
+        raise UsageError("--sequence-parallel needs attention TP > 1 and no attention DP or CP")
     if args.device == "cuda":
         if not torch.cuda.is_available():
             raise UsageError("--device cuda: no CUDA device is visible; run on a GPU machine or use --device cpu")
@@ -123,9 +124,16 @@ def _preflight(config, topology, policy, lora=None) -> None:
 
     parallel = Parallel.create(topology, 0, lambda name, ranks: PlanningCollectives(name, ranks, 0))
     try:
-        build_model(config, parallel, reduction=policy, device="meta", lora=lora)
+        model = build_model(config, parallel, reduction=policy, device="meta", lora=lora)
     except (ConfigError, MissingPluginError, ValueError, NotImplementedError) as exc:
         raise UsageError(str(exc)) from None
+    if topology.attn_cp > 1:  # prefill runs as a CP batch: every stage needs a CP path
+        from ..forward import BatchVariant
+        from ..stage import boundaries_of
+
+        for boundary in boundaries_of(model):
+            if BatchVariant.CONTEXT_PARALLEL not in boundary.plan.paths:
+                raise UsageError(f"--attn-cp {topology.attn_cp}: {boundary.plan.missing_variant(BatchVariant.CONTEXT_PARALLEL)}")
 
 
 def _reference(args, config, job, dtype):
@@ -158,6 +166,8 @@ def _reference(args, config, job, dtype):
 def _options(args) -> dict:
     """The per-forward facts plugins read (`RunJob.options` -> `Forward.extras`)."""
     options = {k: v for k, v in (("tbo", args.tbo), ("lora", args.lora)) if v}
+    if args.attn_cp > 1:
+        options["cp_order"] = args.cp_order
     if args.lora:
         options["lora_seed"] = args.seed  # every rank and the oracle draw the same adapters
     return options
@@ -301,6 +311,7 @@ def run(args) -> int:
             "decode_steps": args.decode_steps,
             "sequence_parallel": args.sequence_parallel,
             "tbo": args.tbo,
+            "cp_order": args.cp_order if topology.attn_cp > 1 else None,
         },
         "timings": timings,
         "collectives": collectives,

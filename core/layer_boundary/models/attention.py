@@ -165,7 +165,9 @@ class TPAttention(nn.Module):
             self.k_proj.weight.copy_(k_full[rows])
             self.v_proj.weight.copy_(v_full[rows])
 
-    def forward(self, x: torch.Tensor, step, rope: Optional[tuple], cache) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, step, rope: Optional[tuple], cache, cp=None) -> torch.Tensor:
+        if cp is not None:
+            return self._forward_context_parallel(x, step, rope, cache, cp)
         if isinstance(cache, StaticKVCache):
             return self._forward_static(x, step, rope, cache)
         T, D = x.shape[0], self.head_dim
@@ -237,6 +239,46 @@ class TPAttention(nn.Module):
             if count > 1:
                 mask = torch.ones(count, total, dtype=torch.bool, device=q.device).tril(total - count)
                 scores = scores + torch.zeros_like(mask, dtype=scores.dtype).masked_fill(~mask, torch.finfo(scores.dtype).min)
+            probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(qs.dtype)
+            out[rows] = torch.matmul(probs, vs).transpose(0, 1)
+        return self.o_proj(out.reshape(T, self.heads * D))
+
+    def _forward_context_parallel(self, x, step, rope, cache, cp) -> torch.Tensor:
+        """Prefill of a context-parallel batch: `x` holds this CP rank's rows (`cp`, the batch's
+        token mapping); `step` and `rope` describe the whole batch.
+
+        Reference path, all-gather KV: queries, keys and values are projected on this rank's
+        rows, then one all_gatherv over attention CP brings every row's keys and values in token
+        order. Each rank attends its own queries against them (a causal mask by position) and
+        appends the full keys and values to its cache, so decode runs ordinary on every CP rank.
+        """
+        if isinstance(cache, StaticKVCache):
+            raise NotImplementedError("context-parallel prefill keeps a KVCache; the static (CUDA-graph) cache is decode-only here")
+        if tuple(step.counts) != tuple(cp.lengths):
+            raise ValueError(f"the CP token mapping was built for request lengths {tuple(cp.lengths)}, the step has {tuple(step.counts)}")
+        cos, sin = rope
+        q, k, v = self._project(x, (cp.take_local(cos), cp.take_local(sin)))
+        T, D = x.shape[0], self.head_dim
+        keys, values = cp.gather(torch.cat((k, v), dim=-1)).split(D, dim=-1)  # [tokens, kv_heads, D] each
+        positions = cp.take_local(step.positions)
+        out = x.new_empty(T, self.heads, D)
+        groups = self.heads // self.kv_heads
+        local_start = 0
+        for rid, start, count, local in zip(step.rids, step.starts, step.counts, cp.request_counts):
+            ks = keys[start : start + count].transpose(0, 1)
+            vs = values[start : start + count].transpose(0, 1)
+            if cache is not None:
+                ks, vs = cache.append(self.layer, rid, ks, vs)
+            rows = slice(local_start, local_start + local)
+            local_start += local
+            if local == 0:
+                continue
+            ks = ks.repeat_interleave(groups, dim=0)
+            vs = vs.repeat_interleave(groups, dim=0)
+            qs = q[rows].transpose(0, 1)
+            scores = torch.matmul(qs, ks.transpose(1, 2)) * self.scaling
+            visible = torch.arange(ks.shape[1], device=x.device)[None, :] <= positions[rows][:, None]
+            scores = scores + torch.zeros_like(visible, dtype=scores.dtype).masked_fill(~visible, torch.finfo(scores.dtype).min)
             probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(qs.dtype)
             out[rows] = torch.matmul(probs, vs).transpose(0, 1)
         return self.o_proj(out.reshape(T, self.heads * D))

@@ -58,7 +58,7 @@ class DecoderLayer(nn.Module):
             attach_attention_lora(self.self_attn, lora, dtype=dtype, device=device)
             options["publish_rows"] = ("lora",)
         self.attn_boundary, self.ffn_boundary = make_stages(
-            (declare_attn(residual=attn_res), self.input_layernorm, options),
+            (declare_attn(residual=attn_res, takes_cp_shard=True), self.input_layernorm, options),
             (declare_ffn(sparse=sparse, next_sparse=config.is_sparse(layer_id + 1), residual=ffn_res), self.post_attention_layernorm, options),
             previous=declare_ffn(sparse=config.is_sparse(layer_id - 1), next_sparse=sparse, residual=prev_ffn_res) if layer_id else None,
             terminal=layer_id == config.num_layers - 1,
@@ -71,9 +71,9 @@ class DecoderLayer(nn.Module):
 
     def attention(self, hidden_states, forward, step: StepLayout, rope, cache: Optional[KVCache]):
         hidden_states = self.attn_boundary.prepare(hidden_states, forward)
-        if hidden_states.shape[0] != 0:
-            hidden_states = self.self_attn(hidden_states, step, rope, cache)
-        return self.attn_boundary.finish(hidden_states, forward)
+        if hidden_states.shape[0] != 0 or forward.cp is not None:  # a CP rank joins the KV gather even with no rows
+            hidden_states = self.self_attn(hidden_states, step, rope, cache, cp=forward.cp)
+        hidden_states = self.attn_boundary.finish(hidden_states, forward)
 
     def feed_forward(self, hidden_states, forward):
         hidden_states = self.ffn_boundary.prepare(hidden_states, forward)

@@ -19,7 +19,7 @@ from . import lora_layers
 from .attention import StepLayout
 from .weights import open_source
 
-__all__ = ["RunJob", "run_rank", "make_requests", "DTYPES"]
+__all__ = ["RunJob", "run_rank", "make_requests", "token_mapping", "DTYPES"]
 
 DTYPES = {"float32": torch.float32, "float64": torch.float64, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -52,6 +52,17 @@ def make_requests(vocab: int, batch: int, prompt_tokens: int, decode_steps: int,
     prompts = tuple(tuple(torch.randint(0, vocab, (n,), generator=gen).tolist()) for n in lengths)
     decode = tuple(tuple(torch.randint(0, vocab, (batch,), generator=gen).tolist()) for _ in range(decode_steps))
     return prompts, decode
+
+
+def token_mapping(parallel, lengths, order, device):
+    """The token mapping of a context-parallel batch, from the installed CP plugin (kind "cp_batch")."""
+    from .._errors import missing_feature
+    from ..plugin.manager import get_registry
+
+    found = get_registry().adapters_of("cp_batch")
+    if not found:
+        raise missing_feature(f"a context-parallel batch (attn_cp={parallel.topology.attn_cp})", "cp")
+    return found[0].record.factory({"parallel": parallel, "lengths": tuple(lengths), "order": order, "device": device})
 
 
 def _sync(device: str) -> None:
@@ -104,6 +115,8 @@ def run_rank(parallel, job: RunJob, *, fusions=None) -> dict:
             step = StepLayout(mine, [1] * len(mine), past, device=device, dp_request_counts=per_request)
         dp_counts = tuple(sum(counts) for counts in per_request)
         input_ids = (torch.cat(ids) if ids else torch.zeros(0, dtype=torch.long)).to(device)
+        # prefill under attention CP is a CP batch (each CP rank computes its share of the rows); decode is ordinary
+        cp = token_mapping(counted, step.counts, job.options.get("cp_order"), device) if topo.attn_cp > 1 and index == 0 else None
         fwd = Forward(
             counted,
             step.num_tokens,
@@ -111,6 +124,7 @@ def run_rank(parallel, job: RunJob, *, fusions=None) -> dict:
             dp_padding=DpPadding(job.dp_padding),
             mode=mode,
             sequence_parallel=job.sequence_parallel and mode is ForwardMode.EXTEND,
+            cp=cp,
             extras=dict(job.options),
         )
         if lora is not None:  # which adapter each of this rank's rows uses

@@ -63,7 +63,12 @@ class ResidualKind:
 class Adapter:
     """A row transport of one `kind` ("cp", "tbo", "branch", "lora", ...).
 
-    `factory(request)` returns the adapter object for a stage or a model, or None.
+    `factory(request)` returns the adapter object for a stage or a model, or None. Kinds the
+    core asks for itself:
+    - "cp": `factory(plan)` -> the stage's CP `StagePath` (entry mode "adapter", exit role
+      "adapter"), None, or raises `NotImplementedError(reason)` for a stage it cannot carry;
+    - "cp_batch": `factory({"parallel", "lengths", "order", "device"})` -> the token mapping
+      of a CP batch (`Forward(cp=...)`), used by `layer-boundary run`.
     """
 
     name: str = attrs.field(validator=_valid_name)

@@ -9,11 +9,10 @@ from __future__ import annotations
 import torch
 
 from .._errors import Messages
-from ..ops import gather_slices, move_residual
 from ..output import HandoffOutput, UnreducedOutput
 from ..prepare import align_rows
 from .add_norm import is_rms_norm
-from .stream import ATTENTION_ROWS, SLICE_ROWS, ResidualStream
+from .stream import ATTENTION_ROWS, ResidualStream
 
 __all__ = [
     "start",
@@ -76,9 +75,7 @@ def take_output(hidden_states, forward):
     stream.check(hidden_states)
     if stream.pending is not None:
         raise RuntimeError(Messages.PENDING_AT_TAKE)
-    residual = stream.residual
-    if stream.rows == SLICE_ROWS:
-        residual = gather_slices(residual, forward)
+    residual = align_rows(stream.residual, stream.rows, ATTENTION_ROWS, forward)
     forward.residual_stream = None
     return residual
 
@@ -145,10 +142,10 @@ def norm(
             else:
                 new_residual = update.apply(value, residual)
                 normed = layernorm(new_residual)
-    if stream.rows == SLICE_ROWS:
-        normed = gather_slices(normed, forward)
+    if stream.rows != ATTENTION_ROWS:  # a share of the rows (slice or CP partition): gather them
+        normed = align_rows(normed, stream.rows, ATTENTION_ROWS, forward)
         if capture_output is not None:
-            _call(capture_output, move_residual(new_residual, lambda t: gather_slices(t, forward)), True)
+            _call(capture_output, align_rows(new_residual, stream.rows, ATTENTION_ROWS, forward), True)
     elif capture_output is not None:
         _call(capture_output, new_residual, False)
     forward.residual_stream = None
@@ -187,7 +184,7 @@ def to_pp(hidden_states, forward, *, preserve_declared: bool = True) -> dict:
         owed = contribution.owed
         if isinstance(owed, UnreducedOutput) and owed.declared and preserve_declared:
             # the receiver's from_pp() completes the sum and applies the producer's transform
-            value, owes = owed.partial, True
+            value, owes = align_rows(owed.partial, contribution.rows, ATTENTION_ROWS, forward), True
         else:
             value = align_rows(contribution.complete(), contribution.rows, ATTENTION_ROWS, forward)
         out = {"hidden_states": value, "residual": align_rows(residual, stream.rows, ATTENTION_ROWS, forward)}

@@ -19,11 +19,13 @@ import torch
 from .._errors import Messages
 from ..output import HandoffOutput, OutputTransform, UnreducedOutput
 
-__all__ = ["Contribution", "OwedOutput", "ResidualStream", "ATTENTION_ROWS", "SLICE_ROWS"]
+__all__ = ["Contribution", "OwedOutput", "ResidualStream", "ATTENTION_ROWS", "SLICE_ROWS", "CP_ROWS"]
 
-#: where a stream's residual lives: the attention rows, or this rank's attention-TP slice of them
+#: where a stream's residual lives: the attention rows, this rank's attention-TP slice of them,
+#: or this rank's context-parallel partition of them (an active CP batch; `Forward.cp` maps it)
 ATTENTION_ROWS = "attention"
 SLICE_ROWS = "slice"
+CP_ROWS = "cp"
 
 
 class Contribution:
@@ -164,13 +166,15 @@ class ResidualStream:
 
     @classmethod
     def arrive(
-        cls, hidden, residual, update, *, owed_sum=None, transform=None, rows: str = ATTENTION_ROWS
+        cls, hidden, residual, update, *, owed_sum=None, transform=None, rows: str = ATTENTION_ROWS,
+        contribution_rows: str = ATTENTION_ROWS,
     ) -> tuple["ResidualStream", Any]:
         """A stream rebuilt from handed-off parts (pipeline receive, TBO microbatches).
 
         `hidden` is the producer's contribution (or, when `update` is None, the written
         residual); `owed_sum` is an `UnreducedOutput`-compatible factory for a declared sum the
-        receiver still completes, with the producer's `transform` after it. Returns (stream, handle).
+        receiver still completes, with the producer's `transform` after it; `contribution_rows`
+        says which rows it lies on. Returns (stream, handle).
         """
         stream = cls()
         stream.rows = rows
@@ -179,9 +183,9 @@ class ResidualStream:
             return stream, hidden
         stream.residual = residual
         if owed_sum is not None:
-            handle = stream.record(Contribution(None, update, owed=owed_sum(hidden), transform=transform))
+            handle = stream.record(Contribution(None, update, owed=owed_sum(hidden), transform=transform, rows=contribution_rows))
         else:
-            handle = stream.record(Contribution(hidden, update))
+            handle = stream.record(Contribution(hidden, update, rows=contribution_rows))
         return stream, handle
 
     def __repr__(self) -> str:
