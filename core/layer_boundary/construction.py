@@ -485,8 +485,8 @@ def _bind_context_parallel(plan: StagePlan, registry) -> None:
     """
     variant = BatchVariant.CONTEXT_PARALLEL
     if plan.is_branch:
-        plan.unsupported[variant] = "prepared branch transport requires ordinary token rows"
-        return
+        # the guide: construction rejects CP (and SP/IS) for branch transport
+        raise NotImplementedError("prepared branch transport requires ordinary token rows")
     adapters = registry.adapters_of("cp")
     if not adapters:
         raise missing_feature(f"context parallel (attn_cp={plan.parallel.topology.attn_cp})", "cp")

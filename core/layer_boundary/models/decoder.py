@@ -73,7 +73,7 @@ class DecoderLayer(nn.Module):
         hidden_states = self.attn_boundary.prepare(hidden_states, forward)
         if hidden_states.shape[0] != 0 or forward.cp is not None:  # a CP rank joins the KV gather even with no rows
             hidden_states = self.self_attn(hidden_states, step, rope, cache, cp=forward.cp)
-        hidden_states = self.attn_boundary.finish(hidden_states, forward)
+        return self.attn_boundary.finish(hidden_states, forward)
 
     def feed_forward(self, hidden_states, forward):
         hidden_states = self.ffn_boundary.prepare(hidden_states, forward)

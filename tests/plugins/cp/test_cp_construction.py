@@ -52,26 +52,13 @@ def test_every_ordinary_stage_gets_a_cp_path_and_keeps_its_ordinary_one():
     assert any("compute all-reduces over TP" in step for step in described["exit"])
 
 
-def test_a_prepared_branch_has_no_cp_path_and_a_cp_batch_names_the_variant():
-    """Branch transport supports ordinary token rows only: construction binds no CP path; a CP
-    batch raises the guide's message (with the reason) before any collective."""
-    topology = Topology(tp=2, attn_cp=2)
-
-    def build_and_enter(parallel):
-        attn, ffn = make_stages((declare_attn(), norm()), (declare_ffn(), norm()), parallel=parallel)
-        (branch,) = make_stages((declare_ffn(), norm()), prepared_from=ffn.declaration, terminal=True, parallel=parallel)
-        assert BatchVariant.CONTEXT_PARALLEL not in branch.plan.paths and BatchVariant.ORDINARY in branch.plan.paths
-        assert branch.describe()["unsupported"] == {"context_parallel": "prepared branch transport requires ordinary token rows"}
-        fwd = Forward(parallel, 4, cp=TokenMapping(parallel, (4,)))
-        residual_batch.start(fwd)
-        with pytest.raises(NotImplementedError) as info:
-            branch.prepare(torch.ones(4, H, dtype=torch.float64), fwd)
-        return str(info.value)
-
-    # threaded ranks: a collective started by mistake would hang one of them, not pass
-    for message in run_threaded(build_and_enter, topology, timeout=10):
-        assert message.startswith(NO_CP)
-        assert "prepared branch transport requires ordinary token rows" in message
+def test_a_prepared_branch_under_cp_is_rejected_at_construction():
+    """Branch transport supports ordinary token rows only: the guide has construction reject CP
+    for it, before any forward (and so before any collective)."""
+    parallel = planning(Topology(tp=2, attn_cp=2))
+    attn, ffn = make_stages((declare_attn(takes_cp_shard=True), norm()), (declare_ffn(), norm()), parallel=parallel)
+    with pytest.raises(NotImplementedError, match="prepared branch transport requires ordinary token rows"):
+        make_stages((declare_ffn(), norm()), prepared_from=ffn.declaration, terminal=True, parallel=parallel)
 
 
 def test_attention_dp_with_cp_gathers_ffn_input_over_both():
