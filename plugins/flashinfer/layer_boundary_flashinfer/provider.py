@@ -187,5 +187,8 @@ class FlashInferFinalizeFusion(FlashInferFusion):
     def disable_finalize(self) -> None:
         self.finalize_limit = 0
 
+    #: a workspace rebuild or release turns the deferral off with the candidates
+    unbind = disable_finalize
+
     def can_defer_finalize(self, plan, forward) -> bool:
         return 0 < forward.num_tokens <= self.finalize_limit

@@ -227,6 +227,7 @@ def prepare_flashinfer_fusion(model, *, max_tokens: Optional[int] = None, manage
         slot = manager.slots.get((tuple(group.ranks), dtype, group.rank))
         if opts.defer_finalize and finalize_stage_reason(desc) is None and slot is not None and slot.available:
             provider.enable_finalize(min(limit, slot.spec.capacity(desc.hidden_size)))
+            slot.bind(provider)
             finalize.append(plan.label)
     return PrepareReport(limit, tuple(results), tuple(bound), tuple(skipped), tuple(finalize))
 

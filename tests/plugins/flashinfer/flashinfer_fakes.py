@@ -184,7 +184,7 @@ def model_logits(model, parallel, prompts):
     return prefill, decode
 
 
-def on_off_run(parallel, name, backend_options):
+def on_off_run(parallel, name, backend_options, max_tokens=64):
     """One rank: logits unfused (before prepare), then after prepare with a ReferenceBackend;
     the report, the launch counts and both logits. Module-level so gloo workers can run it."""
     from layer_boundary_flashinfer.service import prepare_flashinfer_fusion
@@ -195,7 +195,7 @@ def on_off_run(parallel, name, backend_options):
         config, model = tiny_model(name, parallel)
     prompts = prompt_batches(config)
     unfused = model_logits(model, parallel, prompts)
-    report = prepare_flashinfer_fusion(model, max_tokens=64, manager=manager)
+    report = prepare_flashinfer_fusion(model, max_tokens=max_tokens, manager=manager)
     fused = model_logits(model, parallel, prompts)
     manager.shutdown()
     return {
