@@ -29,6 +29,8 @@ import torch
 
 #: the largest relative error allowed between two bf16 paths of one boundary (the contract's)
 BF16_TOL = 2e-2
+#: bf16 logits: max |difference| / max |reference|, the tolerance `layer-boundary run` checks with
+BF16_LOGITS_TOL = 3e-2
 
 MODEL_SIZES = {
     "qwen3": {"hidden_size": 2048, "intermediate_size": 6144, "num_hidden_layers": 4, "num_attention_heads": 16,
@@ -53,6 +55,10 @@ class Checks:
 
 def _rel(a, b) -> float:
     return float((a.double() - b.double()).norm() / b.double().norm().clamp_min(1e-30))
+
+
+def _max_rel(a, b) -> float:
+    return float((a.double() - b.double()).abs().max() / b.double().abs().max().clamp_min(1e-30))
 
 
 def _same_on_all_ranks(t, group) -> bool:
@@ -239,11 +245,12 @@ def check_model(checks, parallel, rank, name, args):
         counters[mode] = counter.snapshot()
         del model
         torch.cuda.empty_cache()
-    on_off = [_rel(a, b) for a, b in zip(logits["on"], logits["off"])]
+    on_off = [_max_rel(a, b) for a, b in zip(logits["on"], logits["off"])]
     on_ref = [_rel(a, b) for a, b in zip(logits["on"], logits["fp32"])]
     off_ref = [_rel(a, b) for a, b in zip(logits["off"], logits["fp32"])]
     top1 = [float((a.argmax(-1) == b.argmax(-1)).float().mean()) for a, b in zip(logits["on"], logits["off"])]
-    ok = max(on_off) <= BF16_TOL and all(a <= 1.25 * b + 1e-3 for a, b in zip(on_ref, off_ref))
+    # equal within bf16 (as `layer-boundary run` checks logits), and no further from float32 than unfused bf16 is
+    ok = max(on_off) <= BF16_LOGITS_TOL and all(a <= 1.25 * b + 1e-3 for a, b in zip(on_ref, off_ref))
     same = all(_same_on_all_ranks(t.cuda(), parallel.groups["tp"].group) for t in logits["on"])
     checks.add(f"{name}: TP=2 bf16 logits equal with the plugin on and off", ok and same, err_on_vs_off=on_off,
                err_on_vs_fp32=on_ref, err_off_vs_fp32=off_ref, top1_agreement=top1, ranks_identical=same)

@@ -11,8 +11,9 @@ so a failure on one rank turns the fusion off on all of them: the unfused path r
 
 from __future__ import annotations
 
+import zlib
 from collections import defaultdict
-from typing import Iterable, Optional
+from typing import Optional
 
 import attrs
 import torch
@@ -20,7 +21,7 @@ import torch
 from layer_boundary.residual.add_norm import GemmaRMSNorm, RMSNorm
 from layer_boundary.stage import StageBoundary, boundaries_of
 
-from .eligibility import SUPPORTED_DTYPES, finalize_stage_reason, settings, stage_reason
+from .eligibility import ENABLE_ENV, SUPPORTED_DTYPES, finalize_stage_reason, settings, stage_reason
 from .provider import FlashInferFinalizeFusion, FlashInferFusion
 from .workspace import EnsureResult, WorkspaceManager, WorkspaceSpec
 
@@ -133,7 +134,10 @@ def _collect(boundaries, backend) -> tuple[dict, list, list]:
             continue
         local = None
         if provider is None or not provider.offers_input:
-            local = "the flashinfer provider is not attached to this stage on this rank (plugin disabled or not installed?)"
+            local = (
+                "the flashinfer provider is not attached to this stage on this rank "
+                f"(no CUDA or flashinfer, {ENABLE_ENV}=0, or LAYER_BOUNDARY_DISABLE_PLUGINS)"
+            )
         if local is None:
             local = backend.placement_reason(norm.weight)
         group = plan.group(desc.incoming_sum)
@@ -185,8 +189,8 @@ def prepare_flashinfer_fusion(model, *, max_tokens: Optional[int] = None, manage
     if isinstance(limit, bool) or not isinstance(limit, int) or limit < 1:
         raise ValueError(f"max_tokens must be a positive integer, got {max_tokens!r}")
     boundaries = _boundaries(model)
-    if not opts.enabled:
-        return PrepareReport(limit, skipped=tuple((b.plan.label, "disabled by LAYER_BOUNDARY_FLASHINFER=0") for b in boundaries))
+    # disabled (LAYER_BOUNDARY_FLASHINFER=0): the factory attached no provider, so every group
+    # agrees to stay unfused; the agreement still runs, in case one rank alone was disabled
     manager = manager if manager is not None else default_manager()
     backend = manager.backend
     needs, skipped, producers = _collect(boundaries, backend)
@@ -196,6 +200,8 @@ def prepare_flashinfer_fusion(model, *, max_tokens: Optional[int] = None, manage
         if key in needs and plan.description.output_sum is not None:
             local = None if provider is not None else "the flashinfer provider is not attached to a MoE stage on this rank"
             needs[key].append(_Need(plan.label, provider, plan.norm, None, 0, dtype, None, local, producer=True))
+    # every setting that changes which kernel a rank launches, compared across each group
+    fingerprint = zlib.crc32(repr((limit, opts.enabled, opts.launch_with_pdl, opts.fp32_acc, opts.defer_finalize)).encode())
     results: list[EnsureResult] = []
     bound: list[str] = []
     for key in sorted(needs, key=lambda k: (k[0], str(k[1]))):
@@ -204,7 +210,7 @@ def prepare_flashinfer_fusion(model, *, max_tokens: Optional[int] = None, manage
         spec = WorkspaceSpec(limit, max(n.hidden for n in group_needs if not n.producer), first.dtype)
         local = next((n.local_reason for n in group_needs if n.local_reason), None)
         slot = manager.slot(first.group, first.dtype, first.device)
-        result = slot.ensure(spec, local)
+        result = slot.ensure(spec, local, fingerprint)
         if result.available:
             failure = _bind(slot, group_needs, limit, backend)
             if not first.group.agree(failure is None):

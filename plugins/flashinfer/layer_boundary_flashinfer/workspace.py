@@ -102,11 +102,13 @@ def _host_id() -> int:
     return zlib.crc32(socket.gethostname().encode()) & 0x7FFFFFFF
 
 
-def _same_node(group) -> bool:
-    """Every rank of `group` runs on this host (one all_gather; the same answer on all ranks)."""
-    mine = torch.tensor([_host_id()], dtype=torch.int64, device=getattr(group, "device", "cpu"))
-    hosts = group.all_gather(mine)
-    return bool((hosts == hosts[0]).all().item())
+def _shared_facts(group, fingerprint: int) -> tuple[bool, bool]:
+    """(every rank runs on this host, every rank has this settings fingerprint): one all_gather,
+    so every rank gets the same answers."""
+    mine = torch.tensor([[_host_id(), fingerprint & 0x7FFFFFFF]], dtype=torch.int64, device=getattr(group, "device", "cpu"))
+    facts = group.all_gather(mine)
+    same = (facts == facts[0]).all(dim=0)
+    return bool(same[0].item()), bool(same[1].item())
 
 
 def _group_alive(group) -> bool:
@@ -149,13 +151,16 @@ class GroupWorkspace:
         self._bound = weakref.WeakSet()
 
     # life cycle ----------------------------------------------------------------------------
-    def ensure(self, spec: WorkspaceSpec, local_reason: Optional[str]) -> EnsureResult:
-        """Make the workspace hold `spec` on every rank, or on none. Collective."""
+    def ensure(self, spec: WorkspaceSpec, local_reason: Optional[str], fingerprint: int = 0) -> EnsureResult:
+        """Make the workspace hold `spec` on every rank, or on none. Collective. `fingerprint`
+        summarises the settings that decide which kernel runs; ranks that differ stay unfused."""
         backend, group = self.manager.backend, self.group
-        single_node = _same_node(group)
+        single_node, same_settings = _shared_facts(group, fingerprint)
         reason = local_reason
         if reason is None and not single_node:
             reason = "the group spans more than one node (the trtllm workspace maps peer memory over NVLink/PCIe)"
+        if reason is None and not same_settings:
+            reason = "ranks of the group run with different flashinfer settings (max_tokens or LAYER_BOUNDARY_FLASHINFER_*)"
         if reason is None:
             reason = _safe(lambda: backend.probe(self.device, group), "probing the device")
         reuse = False

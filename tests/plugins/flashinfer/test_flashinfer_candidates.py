@@ -2,7 +2,6 @@
 for the kernels): same logits with the plugin on and off, the fused path taken exactly where
 it should be, declines that touch nothing, MoE finalize handoffs, and prepare's re-runs."""
 
-import types
 
 import pytest
 import torch
@@ -239,3 +238,53 @@ def test_a_launcher_failing_to_bind_on_one_rank_releases_the_workspace_on_all():
         # check, then agreements on the probe, on reuse, on creation, on binding, and the release barrier
         assert collectives == {"agree@attn_tp": 5, "all_gather@attn_tp": 1}
     assert results[0][3] == results[1][3]
+
+
+def _one_rank_without_providers(parallel):
+    backend = ReferenceBackend()
+    with hardware_present():
+        config, model = tiny_model("qwen3", parallel)
+    if parallel.rank == 1:  # as if the factory had declined here (no GPU seen, plugin disabled on this rank)
+        for boundary in boundaries_of(model):
+            boundary.plan.providers = [(p, s) for p, s in boundary.plan.providers if not isinstance(p, FlashInferFusion)]
+    prompts = prompt_batches(config)
+    before = model_logits(model, parallel, prompts)
+    report = prepare_flashinfer_fusion(model, manager=WorkspaceManager(backend))
+    after = model_logits(model, parallel, prompts)
+    return report, backend.events, len(backend.launches), all(torch.equal(a, b) for a, b in zip(before, after))
+
+
+def test_a_rank_without_the_provider_keeps_every_rank_unfused():
+    results = run_threaded(_one_rank_without_providers, TP2, timeout=60)
+    for rank, (report, events, launches, same) in enumerate(results):
+        assert not report.available and events == [] and launches == 0 and same
+        assert ("not attached to this stage on this rank" if rank == 1 else "another rank") in report.groups[0].reason
+
+
+def _disabled(parallel):
+    backend = ReferenceBackend()
+    with hardware_present():
+        _, model = tiny_model("qwen3", parallel)
+    return prepare_flashinfer_fusion(model, manager=WorkspaceManager(backend)), backend.events
+
+
+def test_the_switch_turns_the_plugin_off_on_every_rank(monkeypatch):
+    monkeypatch.setenv("LAYER_BOUNDARY_FLASHINFER", "0")
+    for report, events in run_threaded(_disabled, TP2, timeout=60):
+        assert not report.available and not report.bound and events == []
+        assert "LAYER_BOUNDARY_FLASHINFER=0" in report.groups[0].reason
+
+
+def _limits_differ(parallel):
+    backend = ReferenceBackend()
+    with hardware_present():
+        config, model = tiny_model("qwen3", parallel)
+    # a rank-dependent limit would fuse a batch on one rank and not on the other: a hang
+    report = prepare_flashinfer_fusion(model, max_tokens=64 if parallel.rank == 0 else 32, manager=WorkspaceManager(backend))
+    return report, backend.events
+
+
+def test_ranks_with_different_settings_stay_unfused():
+    for report, events in run_threaded(_limits_differ, TP2, timeout=60):
+        assert not report.available and events == []
+        assert "different flashinfer settings" in report.groups[0].reason
