@@ -121,9 +121,16 @@ class FlashInferBackend:
         if group is not None and getattr(group, "group", None) is None:
             return f"group {getattr(group, 'name', group)!r} is not a torch.distributed process group"
         try:
-            import flashinfer.comm  # noqa: F401
+            from flashinfer.comm.trtllm_ar import get_trtllm_comm_module
         except Exception as exc:  # noqa: BLE001
             return f"import flashinfer.comm failed: {type(exc).__name__}: {exc}"
+        try:
+            # the first use JIT-compiles the trtllm_comm module (minutes): do it here, on each
+            # rank, so that a failed build is agreed on before any rank enters a rendezvous
+            with torch.cuda.device(torch.device(device)):
+                get_trtllm_comm_module()
+        except Exception as exc:  # noqa: BLE001
+            return f"building FlashInfer's trtllm_comm module failed: {type(exc).__name__}: {exc}"
         return None
 
     def placement_reason(self, tensor) -> Optional[str]:

@@ -29,13 +29,19 @@ def _rank_main(rank: int, world: int, init_method: str, fn: Callable, args: tupl
     import torch.distributed as dist
 
     torch.cuda.set_device(rank % torch.cuda.device_count())
-    dist.init_process_group("nccl", init_method=init_method, rank=rank, world_size=world, timeout=datetime.timedelta(seconds=300))
+    # a long collective timeout: ranks wait in an agreement while another JIT-builds FlashInfer (minutes)
+    dist.init_process_group("nccl", init_method=init_method, rank=rank, world_size=world, timeout=datetime.timedelta(seconds=900))
+    from .service import default_manager
+
     try:
         fn(rank, world, *args)
+    except BaseException:
+        # peers may be stuck in another collective: release this rank's part without a barrier
+        default_manager().shutdown(barrier=False)
+        raise
+    else:
+        default_manager().shutdown(barrier=True)  # in lock-step, before the process group goes
     finally:
-        from .service import shutdown_flashinfer_fusion
-
-        shutdown_flashinfer_fusion()
         dist.destroy_process_group()
 
 

@@ -133,7 +133,6 @@ class GroupWorkspace:
         self.device = device
         self.workspace: Any = None
         self.spec: Optional[WorkspaceSpec] = None
-        self.generation = 0
         self._bound: "weakref.WeakSet" = weakref.WeakSet()
 
     @property
@@ -196,7 +195,6 @@ class GroupWorkspace:
             why = error or "another rank of the group failed to create the workspace"
             return EnsureResult(self.ranks, str(self.dtype), False, "unavailable", why)
         self.workspace, self.spec = created, spec
-        self.generation += 1
         self.manager._created()
         return EnsureResult(self.ranks, str(self.dtype), True, "rebuilt" if rebuilding else "created", "", need)
 
