@@ -1,15 +1,52 @@
-"""Hook implementations of the flashinfer plugin (records only; heavy imports stay in factories)."""
+"""Hook implementations of the flashinfer plugin (records only; flashinfer is imported on GPU
+ranks by `prepare_flashinfer_fusion`, never here)."""
+
+from __future__ import annotations
+
+import torch
 
 from layer_boundary.plugin import FusionProvider, Priority, hookimpl
 
+from .eligibility import ENABLE_ENV, finalize_stage_reason, flashinfer_installed, settings, stage_reason
 
-def _decline(description):
-    return None
+RECORD_NAME = "flashinfer.ar_add_rmsnorm"
+
+
+def hardware_ready() -> bool:
+    """A CUDA device and the flashinfer package (found without importing it)."""
+    return torch.cuda.is_available() and flashinfer_installed()
+
+
+def build_provider(description):
+    """A `FlashInferFusion` for a stage whose input (or, for a MoE FFN, whose output) the
+    fused kernels can complete; None elsewhere, and on machines without CUDA or flashinfer."""
+    input_ok = stage_reason(description) is None
+    finalize_ok = finalize_stage_reason(description) is None
+    if not (input_ok or finalize_ok):
+        return None
+    if not hardware_ready():
+        return None
+    opts = settings()
+    if not opts.enabled:
+        return None
+    finalize_ok = finalize_ok and opts.defer_finalize
+    if not (input_ok or finalize_ok):
+        return None
+    from .provider import FlashInferFinalizeFusion, FlashInferFusion
+
+    provider = (FlashInferFinalizeFusion if finalize_ok else FlashInferFusion)(description)
+    provider.offers_input = input_ok
+    return provider
 
 
 @hookimpl
 def layer_boundary_fusion_providers():
     yield FusionProvider(
-        name="flashinfer.ar_add_rmsnorm", factory=_decline, priority=Priority.VENDOR,
-        description="all-reduce + residual add + RMSNorm through flashinfer.comm (lands with issue 9)",
+        name=RECORD_NAME,
+        factory=build_provider,
+        priority=Priority.VENDOR,
+        description=(
+            "all-reduce + residual add + RMSNorm (and MoE finalize) in one FlashInfer trtllm kernel; "
+            f"active after prepare_flashinfer_fusion(model) (Hopper/Blackwell, TP>1, one node; {ENABLE_ENV}=0 disables)"
+        ),
     )

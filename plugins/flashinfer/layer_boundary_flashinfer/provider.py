@@ -1,0 +1,194 @@
+"""`FlashInferFusion`: consumer candidates that complete an owed sum together with the add + norm.
+
+One provider per stage (the registry's factory builds it from the stage description). Its
+candidates are inert until `prepare_flashinfer_fusion` binds them to an agreed workspace; then
+
+- `AllReduceAddNorm` takes an `UnreducedOutput` (attention's declared sum at the FFN input, an
+  FFN's deferred sum at the next attention input) and runs all-reduce + residual add + RMSNorm
+  in one FlashInfer kernel (`kARResidualRMSNorm`);
+- `FinalizeAddNorm` takes a `MoeFinalizeHandoff` (a MoE that left its weighted combine to the
+  next input) and runs top-k combine + shared expert + all-reduce + add + RMSNorm in one kernel
+  (`kMoEFinalizeARResidualRMSNorm`) up to 128 tokens; above that (where the one-shot-only
+  finalize kernel is not tuned) it combines in torch and runs the fused all-reduce + add + norm.
+
+A candidate declines (None, before touching anything) on facts every rank of the group shares:
+not bound, a token count outside (0, limit], another dtype or width, another device type, a sum
+over other ranks. Inputs that are not contiguous or not 16-byte aligned are copied locally
+(this never changes which collective runs). Outputs are new tensors: the old residual is kept.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from layer_boundary.contracts import FusedMlpInput
+from layer_boundary.layers import MoeFinalizeHandoff
+from layer_boundary.layout import SumGroup
+from layer_boundary.output import UnreducedOutput
+
+__all__ = ["FlashInferFusion", "FlashInferFinalizeFusion", "AllReduceAddNorm", "FinalizeAddNorm", "AR_NAME", "FINALIZE_NAME"]
+
+AR_NAME = "flashinfer.ar_add_rmsnorm"
+FINALIZE_NAME = "flashinfer.moe_finalize_ar_add_rmsnorm"
+
+_Tensor = torch.Tensor
+
+
+def _aligned(t: _Tensor) -> _Tensor:
+    """`t`, or a contiguous 16-byte-aligned copy (the kernels load 16-byte vectors)."""
+    if t.is_contiguous() and not t.data_ptr() & 15:
+        return t
+    return t.clone(memory_format=torch.contiguous_format)
+
+
+class _Bound:
+    """What a candidate needs at run time, set by `bind` (None fields: not bound)."""
+
+    __slots__ = ("launch", "limit", "dtype", "hidden", "group", "ranks", "cuda", "__weakref__")
+
+    def __init__(self):
+        self.launch = None
+        self.limit = 0
+        self.dtype = None
+        self.hidden = 0
+        self.group = None
+        self.ranks = ()
+        self.cuda = True
+
+    def bind(self, launch, *, limit: int, dtype, hidden: int, group, cuda: bool = True) -> None:
+        self.limit, self.dtype, self.hidden, self.cuda = int(limit), dtype, int(hidden), bool(cuda)
+        self.group, self.ranks = group, tuple(group.ranks)
+        self.launch = launch
+
+    def unbind(self) -> None:
+        self.launch = None
+
+    @property
+    def bound(self) -> bool:
+        return self.launch is not None
+
+    def _same_group(self, group) -> bool:
+        return group is self.group or tuple(group.ranks) == self.ranks
+
+
+class AllReduceAddNorm(_Bound):
+    """Candidate for an `UnreducedOutput`: one kernel for all-reduce + add + RMSNorm."""
+
+    __slots__ = ()
+
+    def __call__(self, owed, residual, forward=None):
+        launch = self.launch
+        if launch is None or type(owed) is not UnreducedOutput:
+            return None
+        partial = owed.partial
+        tokens = partial.shape[0]
+        if not 0 < tokens <= self.limit or not isinstance(residual, _Tensor):
+            return None
+        dtype = self.dtype
+        if partial.dtype is not dtype or residual.dtype is not dtype or partial.shape != residual.shape:
+            return None
+        if partial.dim() != 2 or partial.shape[1] != self.hidden:
+            return None
+        if partial.is_cuda is not self.cuda or residual.is_cuda is not self.cuda or not self._same_group(owed.group):
+            return None
+        return launch(_aligned(partial), _aligned(residual), tokens)
+
+
+class FinalizeAddNorm(_Bound):
+    """Candidate for a `MoeFinalizeHandoff`: one kernel for combine + all-reduce + add + RMSNorm
+    (up to the finalize kernel's token limit), else a torch combine and the fused rest."""
+
+    __slots__ = ("all_reduce",)
+
+    def __init__(self, all_reduce: AllReduceAddNorm):
+        super().__init__()
+        self.all_reduce = all_reduce
+
+    def __call__(self, owed, residual, forward=None):
+        launch = self.launch
+        if launch is None or type(owed) is not MoeFinalizeHandoff:
+            return None
+        rows = owed.expert_rows
+        if not isinstance(rows, _Tensor) or rows.dim() != 3 or not isinstance(residual, _Tensor):
+            return None
+        tokens, top_k, hidden = rows.shape
+        if not 0 < tokens <= self.limit or hidden != self.hidden:
+            return None
+        dtype = self.dtype
+        if rows.dtype is not dtype or residual.dtype is not dtype or residual.shape != (tokens, hidden):
+            return None
+        weights, shared = owed.weights, owed.shared
+        if not isinstance(weights, _Tensor) or weights.shape != (tokens, top_k) or not weights.is_floating_point():
+            return None
+        if shared is not None and (not isinstance(shared, _Tensor) or shared.dtype is not dtype or shared.shape != residual.shape):
+            return None
+        cuda = self.cuda
+        if rows.is_cuda is not cuda or residual.is_cuda is not cuda or weights.is_cuda is not cuda:
+            return None
+        if (shared is not None and shared.is_cuda is not cuda) or not self._same_group(owed.group):
+            return None
+        if tokens <= launch.max_tokens and top_k <= launch.max_top_k:
+            scales = weights if weights.dtype is dtype else weights.to(dtype)  # the kernel reads scales as the data dtype
+            return launch(_aligned(rows), _aligned(scales), None if shared is None else _aligned(shared), _aligned(residual))
+        fused = self.all_reduce.launch
+        if fused is None:  # pragma: no cover - both are bound and unbound together
+            return None
+        return fused(_aligned(owed.finalize_local()), _aligned(residual), tokens)
+
+
+class FlashInferFusion:
+    """Fusion provider of one stage's input. Inert until `prepare_flashinfer_fusion` binds it."""
+
+    def __init__(self, description):
+        self.description = description
+        self.plan = None
+        self.all_reduce = AllReduceAddNorm()
+        self.finalize = FinalizeAddNorm(self.all_reduce)
+        #: the input candidates exist only where the stage's input is eligible (set by the factory)
+        self.offers_input = True
+
+    @property
+    def takes_handoff(self) -> bool:
+        """The input may receive a MoE finalize handoff (it follows a MoE FFN)."""
+        return self.offers_input and self.description.incoming_sum is SumGroup.MOE_OUTPUT
+
+    def attention_input(self, plan):
+        self.plan = plan
+        if not self.offers_input:
+            return ()
+        items = []
+        if self.takes_handoff:
+            items.append(FusedMlpInput(run=self.finalize, handoff=True, name=FINALIZE_NAME, preserves_residual=True))
+        items.append(FusedMlpInput(run=self.all_reduce, name=AR_NAME, preserves_residual=True))
+        return tuple(items)
+
+    ffn_input = attention_input
+
+    @property
+    def bound(self) -> bool:
+        return self.all_reduce.bound
+
+    def __repr__(self) -> str:
+        state = "bound" if self.bound else "not prepared"
+        return f"FlashInferFusion({self.description.label}, {state})"
+
+
+class FlashInferFinalizeFusion(FlashInferFusion):
+    """The provider of a MoE FFN stage: also lets its MoE hand the finalize to the next input
+    (`can_defer_finalize`) once the output group's workspace is agreed."""
+
+    def __init__(self, description):
+        super().__init__(description)
+        self.finalize_limit = 0  #: 0: deferral off (not prepared, or no workspace for the output sum)
+
+    def enable_finalize(self, limit: int) -> None:
+        self.finalize_limit = int(limit)
+
+    def disable_finalize(self) -> None:
+        self.finalize_limit = 0
+
+    #: a workspace rebuild or release turns the deferral off with the candidates
+    unbind = disable_finalize
+
+    def can_defer_finalize(self, plan, forward) -> bool:
+        return 0 < forward.num_tokens <= self.finalize_limit

@@ -1,0 +1,246 @@
+"""The model-level life cycle: `prepare_flashinfer_fusion(model)` before any CUDA-graph capture,
+`shutdown_flashinfer_fusion()` before `torch.distributed.destroy_process_group()`.
+
+Prepare walks the model's stage boundaries (in module order: the same on every rank), groups
+the stages whose input the fused kernels can complete by (reduction group, dtype), sizes one
+workspace per group for (max tokens, the widest hidden, dtype), creates or reuses it with every
+rank agreeing, and binds each stage's candidates to it. Everything a rank can fail at (an
+import, its GPU, memory, a missing provider) is agreed across the group before any rendezvous,
+so a failure on one rank turns the fusion off on all of them: the unfused path runs instead.
+"""
+
+from __future__ import annotations
+
+import zlib
+from collections import defaultdict
+from typing import Optional
+
+import attrs
+import torch
+
+from layer_boundary.residual.add_norm import GemmaRMSNorm, RMSNorm
+from layer_boundary.stage import StageBoundary, boundaries_of
+
+from .eligibility import ENABLE_ENV, SUPPORTED_DTYPES, finalize_stage_reason, settings, stage_reason
+from .provider import FlashInferFinalizeFusion, FlashInferFusion
+from .workspace import EnsureResult, WorkspaceManager, WorkspaceSpec
+
+__all__ = ["PrepareReport", "prepare_flashinfer_fusion", "shutdown_flashinfer_fusion", "default_manager"]
+
+_DEFAULT: Optional[WorkspaceManager] = None
+
+
+def default_manager() -> WorkspaceManager:
+    """The process's workspaces over FlashInfer (created on first use)."""
+    global _DEFAULT
+    if _DEFAULT is None:
+        from .backend import FlashInferBackend
+
+        _DEFAULT = WorkspaceManager(FlashInferBackend())
+    return _DEFAULT
+
+
+@attrs.frozen
+class PrepareReport:
+    """What prepare did: per workspace group, which stages were bound, which were skipped."""
+
+    max_tokens: int
+    groups: tuple = ()  #: EnsureResult per (group, dtype), in creation order
+    bound: tuple = ()  #: labels of stages whose input candidates are bound
+    skipped: tuple = ()  #: (label, reason) of stages left to the unfused path
+    finalize: tuple = ()  #: labels of MoE FFN stages that hand their finalize to the next input
+
+    @property
+    def available(self) -> bool:
+        return bool(self.groups) and all(g.available for g in self.groups)
+
+    def __str__(self) -> str:
+        lines = [f"flashinfer fusion (max_tokens={self.max_tokens}): {len(self.bound)} stage input(s) bound, "
+                 f"{len(self.finalize)} MoE finalize handoff(s), {len(self.skipped)} stage(s) unfused"]
+        for g in self.groups:
+            size = f", {g.workspace_bytes / 2**20:.0f} MiB" if g.available else ""
+            why = f": {g.reason}" if g.reason else ""
+            lines.append(f"  group ranks {list(g.ranks)} {g.dtype}: {g.action}{size}{why}")
+        reasons = defaultdict(int)
+        for _, reason in self.skipped:
+            reasons[reason] += 1
+        for reason, n in sorted(reasons.items()):
+            lines.append(f"  {n} stage(s) unfused: {reason}")
+        return "\n".join(lines)
+
+
+@attrs.define
+class _Need:
+    """A stage input (or a MoE producer) that wants the workspace of (group, dtype)."""
+
+    label: str
+    provider: Optional[FlashInferFusion]
+    norm: object
+    group: object
+    hidden: int
+    dtype: torch.dtype
+    device: object
+    local_reason: Optional[str]
+    producer: bool = False
+
+
+def _boundaries(model) -> list:
+    if isinstance(model, StageBoundary):
+        return [model]
+    if isinstance(model, torch.nn.Module):
+        return boundaries_of(model)
+    items = list(model)
+    if not all(isinstance(b, StageBoundary) for b in items):
+        raise TypeError("prepare_flashinfer_fusion takes a model (an nn.Module holding StageBoundary objects) or StageBoundary objects")
+    return items
+
+
+def _ours(plan) -> Optional[FlashInferFusion]:
+    return next((p for p, _ in plan.providers if isinstance(p, FlashInferFusion)), None)
+
+
+def _norm_reason(norm, dtype) -> Optional[str]:
+    """Uniform facts: the kernels compute exactly this norm (fp32 statistic, gamma in `dtype`)."""
+    if type(norm) not in (RMSNorm, GemmaRMSNorm):
+        return f"{type(norm).__name__} is not the core's RMSNorm or GemmaRMSNorm"
+    if norm.compute_dtype != torch.float32:
+        return f"the norm's statistic is computed in {norm.compute_dtype}; the kernels use float32"
+    if dtype not in SUPPORTED_DTYPES:
+        return f"dtype {dtype} has no FlashInfer fusion workspace"
+    return None
+
+
+def _weight_bias(norm) -> float:
+    return float(type(norm).offset)  # 0 for RMSNorm, 1 for Gemma's (1 + w)
+
+
+def _collect(boundaries, backend) -> tuple[dict, list, list]:
+    needs: dict = defaultdict(list)
+    skipped: list = []
+    producers: list = []
+    for boundary in boundaries:
+        plan = boundary.plan
+        desc = plan.description
+        provider = _ours(plan)
+        norm = plan.norm
+        if isinstance(provider, FlashInferFinalizeFusion) or (provider is None and finalize_stage_reason(desc) is None):
+            producers.append((plan, provider))
+        reason = stage_reason(desc)
+        dtype = getattr(getattr(norm, "weight", None), "dtype", None)
+        if reason is None:
+            reason = _norm_reason(norm, dtype)
+        if reason is not None:
+            skipped.append((plan.label, reason))
+            continue
+        local = None
+        if provider is None or not provider.offers_input:
+            local = (
+                "the flashinfer provider is not attached to this stage on this rank "
+                f"(no CUDA or flashinfer, {ENABLE_ENV}=0, or LAYER_BOUNDARY_DISABLE_PLUGINS)"
+            )
+        if local is None:
+            local = backend.placement_reason(norm.weight)
+        group = plan.group(desc.incoming_sum)
+        needs[(tuple(group.ranks), dtype)].append(
+            _Need(plan.label, provider, norm, group, desc.hidden_size, dtype, norm.weight.device, local)
+        )
+    return needs, skipped, producers
+
+
+def _bind(slot, needs: list, limit: int, backend) -> Optional[str]:
+    """Bind every need's candidates to `slot`; a reason when this rank could not."""
+    try:
+        cuda = backend.device_type == "cuda"
+        for need in needs:
+            if need.producer:
+                continue
+            norm, provider = need.norm, need.provider
+            capped = min(limit, slot.spec.capacity(need.hidden))
+            gamma, eps, bias = norm.weight.detach(), float(norm.eps), _weight_bias(norm)
+            common = dict(limit=capped, dtype=need.dtype, hidden=need.hidden, group=need.group, cuda=cuda)
+            provider.all_reduce.bind(backend.bind_all_reduce(slot, gamma, eps, bias, need.hidden, capped), **common)
+            slot.bind(provider.all_reduce)
+            if provider.takes_handoff:
+                finalize = backend.bind_finalize(slot, gamma, eps, bias, need.hidden, capped)
+                if finalize is not None:
+                    provider.finalize.bind(finalize, **common)
+                    slot.bind(provider.finalize)
+        return None
+    except Exception as exc:  # noqa: BLE001 - agreed below, then reported
+        return f"binding the launchers failed: {type(exc).__name__}: {exc}"
+
+
+def prepare_flashinfer_fusion(model, *, max_tokens: Optional[int] = None, manager: Optional[WorkspaceManager] = None) -> PrepareReport:
+    """Create (or reuse) the fusion workspaces of `model` and bind its stages' candidates.
+
+    Call it on every rank, after the model's weights are on their device and before any
+    CUDA-graph capture; calling it again (after moving the model, or with a new limit) reuses or
+    rebuilds the workspaces (a rebuild requires capturing graphs again). `max_tokens` bounds
+    the tokens of a fused batch (default 2048, or LAYER_BOUNDARY_FLASHINFER_MAX_TOKENS); larger
+    batches take the unfused path. Returns a `PrepareReport` (the same on every rank).
+    """
+    if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
+        raise RuntimeError(
+            "prepare_flashinfer_fusion() ran inside a CUDA-graph capture; workspaces rendezvous across ranks, "
+            "so call it once after building the model and before capturing"
+        )
+    opts = settings()
+    limit = opts.max_tokens if max_tokens is None else max_tokens
+    if isinstance(limit, bool) or not isinstance(limit, int) or limit < 1:
+        raise ValueError(f"max_tokens must be a positive integer, got {max_tokens!r}")
+    boundaries = _boundaries(model)
+    # disabled (LAYER_BOUNDARY_FLASHINFER=0): the factory attached no provider, so every group
+    # agrees to stay unfused; the agreement still runs, in case one rank alone was disabled
+    manager = manager if manager is not None else default_manager()
+    backend = manager.backend
+    needs, skipped, producers = _collect(boundaries, backend)
+    for plan, provider in producers:  # a producer missing on one rank must turn its group off everywhere
+        dtype = getattr(getattr(plan.norm, "weight", None), "dtype", None)
+        key = (tuple(plan.group(plan.description.output_sum).ranks), dtype)
+        if key in needs and plan.description.output_sum is not None:
+            local = None if provider is not None else "the flashinfer provider is not attached to a MoE stage on this rank"
+            needs[key].append(_Need(plan.label, provider, plan.norm, None, 0, dtype, None, local, producer=True))
+    # every setting that changes which kernel a rank launches, compared across each group
+    fingerprint = zlib.crc32(repr((limit, opts.enabled, opts.launch_with_pdl, opts.fp32_acc, opts.defer_finalize)).encode())
+    results: list[EnsureResult] = []
+    bound: list[str] = []
+    for key in sorted(needs, key=lambda k: (k[0], str(k[1]))):
+        group_needs = needs[key]
+        first = next(n for n in group_needs if not n.producer)
+        spec = WorkspaceSpec(limit, max(n.hidden for n in group_needs if not n.producer), first.dtype)
+        local = next((n.local_reason for n in group_needs if n.local_reason), None)
+        slot = manager.slot(first.group, first.dtype, first.device)
+        result = slot.ensure(spec, local, fingerprint)
+        if result.available:
+            failure = _bind(slot, group_needs, limit, backend)
+            if not first.group.agree(failure is None):
+                slot.release(barrier=True)
+                result = attrs.evolve(result, available=False, action="unavailable",
+                                      reason=failure or "another rank of the group could not bind its launchers")
+        results.append(result)
+        if result.available:
+            bound.extend(n.label for n in group_needs if not n.producer)
+        else:
+            skipped.extend((n.label, f"no workspace: {result.reason}") for n in group_needs if not n.producer)
+    finalize: list[str] = []
+    for plan, provider in producers:
+        if provider is None:
+            continue
+        provider.disable_finalize()
+        desc = plan.description
+        dtype = plan.norm.weight.dtype
+        group = plan.group(desc.output_sum)
+        slot = manager.slots.get((tuple(group.ranks), dtype, group.rank))
+        if opts.defer_finalize and finalize_stage_reason(desc) is None and slot is not None and slot.available:
+            provider.enable_finalize(min(limit, slot.spec.capacity(desc.hidden_size)))
+            slot.bind(provider)
+            finalize.append(plan.label)
+    return PrepareReport(limit, tuple(results), tuple(bound), tuple(skipped), tuple(finalize))
+
+
+def shutdown_flashinfer_fusion(manager: Optional[WorkspaceManager] = None) -> None:
+    """Release every workspace on every rank (collective: call it on all ranks, before
+    `torch.distributed.destroy_process_group()`; a workspace left alive can hang the exit)."""
+    manager = manager if manager is not None else _DEFAULT
+    if manager is not None:
+        manager.shutdown(barrier=True)

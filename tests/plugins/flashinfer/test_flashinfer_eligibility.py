@@ -1,0 +1,128 @@
+"""Where the fusion applies: stage rules from the frozen description (identical on every rank),
+device rules, settings, and the one-shot choice per token count."""
+
+import pytest
+import torch
+
+from flashinfer_fakes import hardware_present
+from layer_boundary import Topology
+from layer_boundary.contracts import StageKind
+from layer_boundary.layout import SumGroup
+from layer_boundary.testing._contract.report import ContractSettings
+from layer_boundary.testing._contract.stages import stage_descriptions
+from layer_boundary_flashinfer import eligibility
+from layer_boundary_flashinfer.backend import MAX_COMM_SIZE, oneshot_table, workspace_bytes
+from layer_boundary_flashinfer.eligibility import device_reason, finalize_stage_reason, settings, stage_reason
+from layer_boundary_flashinfer.plugin import build_provider
+from layer_boundary_flashinfer.provider import FlashInferFinalizeFusion, FlashInferFusion
+from layer_boundary_flashinfer.workspace import WorkspaceSpec
+
+SETTINGS = ContractSettings(described_topologies=(Topology(tp=2, attn_dp=2), Topology(tp=4, moe_ep=2), Topology(tp=4)))
+
+
+def _descriptions():
+    return {(d.label.split(".")[0], d.topology, d.norm_kind): d for d in stage_descriptions(SETTINGS)}
+
+
+def _find(label, topology, norm="rms"):
+    return _descriptions()[(label, topology, norm)]
+
+
+@pytest.fixture
+def gpu_rank():
+    with hardware_present():
+        yield
+
+
+def test_stage_rules(gpu_rank):
+    tp2 = Topology(tp=2)
+    for label in ("ffn_after_attention", "attention_after_ffn", "attention_after_moe", "moe_after_attention"):
+        for norm in ("rms", "gemma_rms"):
+            assert stage_reason(_find(label, tp2, norm)) is None, (label, norm)
+            assert stage_reason(_find(label, Topology(tp=4), norm)) is None
+    assert "nothing is ever owed" in stage_reason(_find("attention_at_entry", tp2))
+    assert "not a plain add" in stage_reason(_find("attention_after_scaled_ffn", tp2))
+    assert "not an RMSNorm" in stage_reason(_find("ffn_after_attention", tp2, "other"))
+    assert "1 rank" in stage_reason(_find("attention_after_ffn", Topology(tp=1)))
+    assert "attention DP" in stage_reason(_find("attention_after_ffn", Topology(tp=2, attn_dp=2)))
+    assert "expert parallelism" in stage_reason(_find("attention_after_ffn", Topology(tp=4, moe_ep=2)))
+
+
+def test_the_factory_follows_the_rules_and_picks_the_finalize_provider_for_moe(gpu_rank):
+    descriptions = stage_descriptions(SETTINGS)
+    for d in descriptions:
+        provider = build_provider(d)
+        eligible = stage_reason(d) is None or finalize_stage_reason(d) is None
+        assert (provider is not None) == eligible, d.label
+        if provider is not None:
+            assert provider.offers_input == (stage_reason(d) is None)
+            assert isinstance(provider, FlashInferFinalizeFusion) == (finalize_stage_reason(d) is None)
+            assert provider.takes_handoff == (provider.offers_input and d.incoming_sum is SumGroup.MOE_OUTPUT)
+    moe = build_provider(_find("moe_after_attention", Topology(tp=2)))
+    assert isinstance(moe, FlashInferFinalizeFusion) and moe.description.kind is StageKind.FFN and moe.description.sparse
+    assert isinstance(build_provider(_find("attention_after_moe", Topology(tp=2))), FlashInferFusion)
+
+
+def test_switches_turn_the_plugin_or_the_finalize_handoff_off(gpu_rank, monkeypatch):
+    moe = _find("moe_after_attention", Topology(tp=2))
+    monkeypatch.setenv(eligibility.FINALIZE_ENV, "0")
+    provider = build_provider(moe)
+    assert type(provider) is FlashInferFusion and not hasattr(provider, "can_defer_finalize")
+    monkeypatch.setenv(eligibility.ENABLE_ENV, "0")
+    assert all(build_provider(d) is None for d in stage_descriptions(SETTINGS))
+
+
+def test_settings_reject_a_bad_token_limit(monkeypatch):
+    assert settings().max_tokens == 2048 and settings().launch_with_pdl and settings().fp32_acc
+    monkeypatch.setenv(eligibility.MAX_TOKENS_ENV, "many")
+    with pytest.raises(ValueError, match="LAYER_BOUNDARY_FLASHINFER_MAX_TOKENS='many' is not an integer"):
+        settings()
+    monkeypatch.setenv(eligibility.MAX_TOKENS_ENV, "512")
+    assert settings().max_tokens == 512
+
+
+@pytest.mark.parametrize("capability,ok", [((9, 0), True), ((10, 0), True), ((10, 3), True), ((8, 0), False), ((12, 0), False)])
+def test_only_hopper_and_blackwell_qualify(monkeypatch, capability, ok):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda index=None: capability)
+    monkeypatch.setattr(eligibility, "flashinfer_installed", lambda: True)
+    reason = device_reason("cuda:0")
+    assert (reason is None) == ok, reason
+    if not ok:
+        assert "neither Hopper" in reason
+
+
+def test_no_cuda_is_a_device_reason(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert device_reason(None) == "no CUDA device"
+
+
+def test_widths_the_kernels_take():
+    assert eligibility.width_reason(4096) is None and eligibility.width_reason(8192) is None
+    assert "multiple of 8" in eligibility.width_reason(4100)
+    assert "exceeds" in eligibility.width_reason(65536 + 8)
+
+
+@pytest.mark.parametrize("world", [2, 4, 8])
+@pytest.mark.parametrize("hidden", [4096, 8192])
+def test_the_oneshot_choice_is_flashinfers_except_where_two_shot_cannot_run(world, hidden):
+    trtllm_ar = pytest.importorskip("flashinfer.comm.trtllm_ar")
+    table = oneshot_table(2048, hidden, torch.bfloat16, world)
+    for tokens in range(1, 2049):
+        theirs = trtllm_ar._should_use_oneshot(tokens, hidden, torch.bfloat16, world)
+        expected = theirs or tokens <= world  # two-shot asserts token_num > world_size
+        assert table[tokens] == expected, tokens
+
+
+def test_sixteen_ranks_and_huge_messages():
+    table = oneshot_table(200, 4096, torch.bfloat16, 16)
+    assert table[128] and not table[129]  # no flashinfer entry for 16 ranks: the 128-token guidance
+    big = MAX_COMM_SIZE // (65536 * 2 * 2) + 1
+    assert not oneshot_table(big, 65536, torch.bfloat16, 2)[big]  # a Lamport buffer cannot hold it
+
+
+def test_workspace_size_matches_the_trtllm_layout():
+    # TP=2, hidden 8192, 2048 tokens, bf16: 64 MiB two-shot buffer + 3 x 64 MiB Lamport + flags
+    assert workspace_bytes(WorkspaceSpec(2048, 8192, torch.bfloat16), 2) == 4 * 64 * 2**20 + 2 * 2**20
+    assert workspace_bytes(WorkspaceSpec(2048, 4096, torch.float32), 2) == 4 * 64 * 2**20 + 2 * 2**20
+    assert WorkspaceSpec(2048, 8192, torch.bfloat16).capacity(4096) == 4096
