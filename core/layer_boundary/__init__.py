@@ -45,6 +45,7 @@ from .residual import ResidualOps, StageRead, StageUpdate, residual_kind
 from .residual import batch as residual_batch
 from .residual.add_norm import NORM_READ, PLAIN_ADD, PLAIN_RESIDUAL, GemmaRMSNorm, RMSNorm
 from .residual.stream import Contribution, OwedOutput, ResidualStream
+from .setup import ModelSetup, prepare_model, release_model
 from .stage import StageBoundary, boundaries_of
 
 __version__ = "0.1.0"
@@ -91,6 +92,9 @@ __all__ = [
     "RowParallelLinear",
     "SingleRankCollectives",
     "StageBoundary",
+    "ModelSetup",
+    "prepare_model",
+    "release_model",
     "boundaries_of",
     "branch_input",
     "branch_output",

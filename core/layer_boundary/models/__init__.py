@@ -66,9 +66,9 @@ def register_model(fam: ModelFamily) -> ModelFamily:
 def _load() -> None:
     global _loaded
     if not _loaded:
-        _loaded = True
         for module in FAMILY_MODULES:
             importlib.import_module(module)
+        _loaded = True  # only once every family is registered (threaded ranks may race here)
 
 
 def family(name: str) -> ModelFamily:

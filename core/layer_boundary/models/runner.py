@@ -17,6 +17,7 @@ from ..forward import DpPadding, Forward, ForwardMode
 from . import build_model, family, model_config
 from . import lora_layers
 from .attention import StepLayout
+from ..setup import prepare_model, release_model
 from .weights import open_source
 
 __all__ = ["RunJob", "run_rank", "make_requests", "token_mapping", "DTYPES"]
@@ -92,6 +93,8 @@ def run_rank(parallel, job: RunJob, *, fusions=None) -> dict:
     if lora is not None:
         lora_layers.load_lora(model, lora_layers.random_lora_weights(config, lora, torch.float64, job.options.get("lora_seed", 0)))
         adapter_of = lora_layers.request_adapters(len(job.prompts), lora_count, job.options.get("lora_assignment"))
+    # plugins' workspaces and kernels, sized for the largest step (the prefill), on every rank
+    prepare_model(model, max_tokens=max(1, sum(len(p) for p in job.prompts)))
     build_s = time.perf_counter() - t0
     topo = parallel.topology
     dp, dp_rank = topo.attn_dp, parallel.attn_dp_rank
@@ -143,6 +146,7 @@ def run_rank(parallel, job: RunJob, *, fusions=None) -> dict:
             print(f"\r  rank 0: {name} done ({index + 1}/{len(steps)})", end="", file=sys.stderr, flush=True)
     if show:
         print(file=sys.stderr)
+    release_model(model)
     report = parallel.attn_tp_rank == 0 and parallel.attn_cp_rank == 0 and parallel.pp_rank == topo.pp - 1
     return {
         "rank": parallel.rank,

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import torch
 
-from layer_boundary.plugin import FusionProvider, Priority, hookimpl
+from layer_boundary.plugin import Adapter, FusionProvider, Priority, hookimpl
 
 from .eligibility import ENABLE_ENV, finalize_stage_reason, flashinfer_installed, settings, stage_reason
 
@@ -49,4 +49,25 @@ def layer_boundary_fusion_providers():
             "all-reduce + residual add + RMSNorm (and MoE finalize) in one FlashInfer trtllm kernel; "
             f"active after prepare_flashinfer_fusion(model) (Hopper/Blackwell, TP>1, one node; {ENABLE_ENV}=0 disables)"
         ),
+    )
+
+
+def _setup(request):
+    """`layer_boundary.prepare_model` / `release_model`: workspaces made or released on every rank."""
+    from .service import prepare_flashinfer_fusion, shutdown_flashinfer_fusion
+
+    if request.phase == "prepare":
+        prepare_flashinfer_fusion(request.model, max_tokens=min(request.max_tokens, 2048) or None)
+    else:
+        shutdown_flashinfer_fusion()
+    return None
+
+
+@hookimpl
+def layer_boundary_adapters():
+    yield Adapter(
+        name="flashinfer.setup",
+        kind="setup",
+        factory=_setup,
+        description="prepare_model(): create the fusion workspaces (rank-agreed) before the first forward; release_model() frees them",
     )
