@@ -62,6 +62,8 @@ class Linear(nn.Linear):
     """nn.Linear that also takes a quantized input (`Fp8Input`) from a quantizing read."""
 
     def forward(self, x) -> torch.Tensor:
+        if isinstance(x, torch.Tensor):  # the exact op of nn.Linear (bias fused into the GEMM)
+            return nn.functional.linear(x, self.weight, self.bias)
         y = linear(x, self.weight, self)
         return y if self.bias is None else y + self.bias
 
@@ -86,6 +88,8 @@ class ColumnParallelLinear(nn.Module):
                 self.bias.copy_(shard_rows(bias[:, None], self.group.rank, self.group.size)[:, 0])
 
     def forward(self, x) -> torch.Tensor:
+        if isinstance(x, torch.Tensor):  # bias fused into the GEMM, as before FP8 inputs existed
+            return nn.functional.linear(x, self.weight, self.bias)
         y = linear(x, self.weight, self)
         return y if self.bias is None else y + self.bias
 

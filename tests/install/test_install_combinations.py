@@ -46,10 +46,15 @@ def test_a_feature_without_its_plugin_names_the_distribution(plugin):
 
 
 def test_models_that_need_a_missing_plugin_name_it():
+    from layer_boundary._errors import FEATURE_DISTRIBUTIONS
     from layer_boundary.models import MODELS, family
 
     family("qwen3")  # loads every family
-    needy = [f for f in MODELS.values() if any(name not in expected_plugins() for _, name in f.requires)]
+
+    def plugin_of(feature):
+        return FEATURE_DISTRIBUTIONS[feature].removeprefix("layer-boundary-")
+
+    needy = [f for f in MODELS.values() if any(plugin_of(name) not in expected_plugins() for _, name in f.requires)]
     if not needy:
         pytest.skip("every model's plugins are installed here")
     for fam in needy:

@@ -8,7 +8,7 @@ import os
 
 from .threaded import CollectiveAborted, ThreadWorld, run_threaded
 
-__all__ = ["ThreadWorld", "run_threaded", "CollectiveAborted", "expected_plugins", "ALL_PLUGINS"]
+__all__ = ["ThreadWorld", "run_threaded", "CollectiveAborted", "expected_plugins", "ALL_PLUGINS", "assert_plugin_registers"]
 
 ALL_PLUGINS = ("flashinfer", "cutedsl", "mhc", "cp", "tbo", "lora")
 
@@ -20,3 +20,18 @@ def expected_plugins() -> tuple[str, ...]:
     if raw is None:
         return ALL_PLUGINS
     return tuple(p.strip() for p in raw.split(",") if p.strip())
+
+
+def assert_plugin_registers(name: str) -> list[str]:
+    """The plugin `name` loads through its entry point (distribution layer-boundary-<name>) and
+    registers at least one record, every one prefixed `<name>.`; returns the record names."""
+    from ..plugin import get_registry, reset_registry
+
+    reset_registry()
+    registry = get_registry()
+    report = registry.plugin(name)
+    assert report is not None and report.ok, report
+    assert report.distribution == f"layer-boundary-{name}"
+    names = [r.name for hook in ("fusion_providers", "residual_kinds", "adapters") for r in registry.records(hook) if r.plugin == name]
+    assert names and all(n.startswith(f"{name}.") for n in names), names
+    return names

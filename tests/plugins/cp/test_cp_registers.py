@@ -1,13 +1,7 @@
 """The cp plugin loads through its entry point and registers records under its prefix."""
 
-from layer_boundary.plugin import get_registry, reset_registry
+from layer_boundary.testing import assert_plugin_registers
 
 
 def test_cp_plugin_loads_and_registers():
-    reset_registry()
-    registry = get_registry()
-    report = registry.plugin("cp")
-    assert report is not None and report.ok, report
-    assert report.distribution == "layer-boundary-cp"
-    names = [r.name for hook in ("fusion_providers", "residual_kinds", "adapters") for r in registry.records(hook) if r.plugin == "cp"]
-    assert names and all(name.startswith("cp.") for name in names)
+    assert_plugin_registers("cp")

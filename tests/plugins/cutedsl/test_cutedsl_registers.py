@@ -1,13 +1,7 @@
 """The cutedsl plugin loads through its entry point and registers records under its prefix."""
 
-from layer_boundary.plugin import get_registry, reset_registry
+from layer_boundary.testing import assert_plugin_registers
 
 
 def test_cutedsl_plugin_loads_and_registers():
-    reset_registry()
-    registry = get_registry()
-    report = registry.plugin("cutedsl")
-    assert report is not None and report.ok, report
-    assert report.distribution == "layer-boundary-cutedsl"
-    names = [r.name for hook in ("fusion_providers", "residual_kinds", "adapters") for r in registry.records(hook) if r.plugin == "cutedsl"]
-    assert names and all(name.startswith("cutedsl.") for name in names)
+    assert_plugin_registers("cutedsl")
