@@ -22,6 +22,10 @@ from layer_boundary.testing.threaded import run_threaded
 
 from model_cases import rel_error, setup
 
+from layer_boundary.testing import requires_plugins
+
+pytestmark = requires_plugins("mhc")
+
 TOLERANCE = {"float64": FLOAT64_TOLERANCE, "float32": 1e-4}
 
 

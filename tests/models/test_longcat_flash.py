@@ -15,6 +15,10 @@ from layer_boundary.models.runner import run_rank
 
 from model_cases import setup
 
+from layer_boundary.testing import requires_plugins
+
+pytestmark = requires_plugins("tbo")
+
 MODEL = "longcat_flash"
 
 

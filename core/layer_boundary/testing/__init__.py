@@ -8,7 +8,15 @@ import os
 
 from .threaded import CollectiveAborted, ThreadWorld, run_threaded
 
-__all__ = ["ThreadWorld", "run_threaded", "CollectiveAborted", "expected_plugins", "ALL_PLUGINS", "assert_plugin_registers"]
+__all__ = [
+    "ThreadWorld",
+    "run_threaded",
+    "CollectiveAborted",
+    "expected_plugins",
+    "ALL_PLUGINS",
+    "assert_plugin_registers",
+    "requires_plugins",
+]
 
 ALL_PLUGINS = ("flashinfer", "cutedsl", "mhc", "cp", "tbo", "lora")
 
@@ -35,3 +43,14 @@ def assert_plugin_registers(name: str) -> list[str]:
     names = [r.name for hook in ("fusion_providers", "residual_kinds", "adapters") for r in registry.records(hook) if r.plugin == name]
     assert names and all(n.startswith(f"{name}.") for n in names), names
     return names
+
+
+def requires_plugins(*names: str):
+    """A pytest mark: skip (with a reason) where this environment does not install `names`.
+
+    Only the install matrix's environments say so (LAYER_BOUNDARY_EXPECT_PLUGINS); in the full
+    development environment every plugin is expected, and a missing one is a failure."""
+    import pytest
+
+    missing = [n for n in names if n not in expected_plugins()]
+    return pytest.mark.skipif(bool(missing), reason=f"needs layer-boundary-{', layer-boundary-'.join(missing)} (not installed in this environment)")
