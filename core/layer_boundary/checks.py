@@ -17,9 +17,31 @@ def expected_hidden(norm):
 
 def check_rows(plan, value, rows: int, fwd, what: str) -> None:
     """`value` (compute output or stack input) must be [rows, hidden] in the residual's dtype
-    and on its device."""
+    and on its device. One combined test on the common path; details only on failure."""
     if not isinstance(value, torch.Tensor):
         return
+    shape = value.shape
+    hidden = plan.hidden_size
+    stream = fwd.residual_stream
+    residual = None if stream is None else stream.residual
+    if (
+        len(shape) >= 2
+        and shape[0] == rows
+        and (hidden is None or shape[-1] == hidden)
+        and (
+            not isinstance(residual, torch.Tensor)
+            or (
+                value.dtype == residual.dtype
+                # torch.device objects are built per access: compare them only off the CPU
+                and ((value.is_cpu and residual.is_cpu) or value.device == residual.device)
+            )
+        )
+    ):
+        return
+    _explain(plan, value, rows, fwd, what, residual)
+
+
+def _explain(plan, value, rows, fwd, what, residual) -> None:
     if value.dim() < 2 or value.shape[0] != rows:
         raise ValueError(
             f"stage {plan.label}: {what} has shape {tuple(value.shape)}, expected {rows} rows "
@@ -30,13 +52,9 @@ def check_rows(plan, value, rows: int, fwd, what: str) -> None:
         raise ValueError(
             f"stage {plan.label}: {what} has hidden size {value.shape[-1]}, but the stage's norm has {hidden}"
         )
-    stream = fwd.residual_stream
-    residual = None if stream is None else stream.residual
-    if isinstance(residual, torch.Tensor):
-        if value.dtype != residual.dtype:
-            raise ValueError(
-                f"stage {plan.label}: {what} is {value.dtype} but the residual is {residual.dtype}; "
-                "cast compute outputs to the residual's dtype"
-            )
-        if value.device != residual.device:
-            raise ValueError(f"stage {plan.label}: {what} is on {value.device} but the residual is on {residual.device}")
+    if value.dtype != residual.dtype:
+        raise ValueError(
+            f"stage {plan.label}: {what} is {value.dtype} but the residual is {residual.dtype}; "
+            "cast compute outputs to the residual's dtype"
+        )
+    raise ValueError(f"stage {plan.label}: {what} is on {value.device} but the residual is on {residual.device}")

@@ -60,9 +60,9 @@ def record_complete(plan, value, rows, fwd):
     return stream.record(Contribution(value, update, rows=rows))
 
 
-def record_attention(plan, out, fwd):
+def record_attention(plan, out, fwd, ex=None):
     """A PARTIAL attention output: its attention-TP sum is always left to the next input."""
-    ex = plan.path_for(fwd).exit
+    ex = ex if ex is not None else plan.path_for(fwd).exit
     check_rows(plan, out, fwd.num_tokens, fwd, "attention output")
     return _leave_sum(plan, ex, out, fwd, declared=True)
 

@@ -22,12 +22,13 @@ __all__ = ["StageBoundary", "build_boundaries", "boundaries_of"]
 class StageBoundary:
     """Prepare a stage's input, take its output, and leave the rest to the next boundary."""
 
-    __slots__ = ("plan", "declaration", "_entries")
+    __slots__ = ("plan", "declaration", "_entries", "_exits")
 
     def __init__(self, plan: StagePlan):
         self.plan = plan
         self.declaration = plan.declaration
         self._entries = {variant: path.entry for variant, path in plan.paths.items()}
+        self._exits = {variant: path.exit for variant, path in plan.paths.items()}
 
     # consumer side ----------------------------------------------------------------------------
     def prepare(self, hidden_states, forward, *, capture_output=None, captured_last_layer_outputs=None):
@@ -57,10 +58,11 @@ class StageBoundary:
                 f"a {self.plan.kind.value} stage publishes its output through exit(): "
                 "`with boundary.exit(forward) as out: h = compute(h)` then `h = out.finish(h)`"
             )
-        path = self.plan.path_for(forward)
-        if path.exit.role == "adapter":
-            return path.exit.adapter.finish_attention(self.plan, path, output, forward)
-        return record_attention(self.plan, output, forward)
+        ex = self._exits.get(forward.variant)
+        if ex is not None and ex.role != "adapter":
+            return record_attention(self.plan, output, forward, ex)
+        path = self.plan.path_for(forward)  # raises for a variant without a path
+        return path.exit.adapter.finish_attention(self.plan, path, output, forward)
 
     def exit(self, forward):
         """Open the exit scope of an FFN (`FfnExit`) or a single-stage mixer (`MixerExit`)."""
