@@ -4,6 +4,8 @@ import functools
 
 import torch
 
+from layer_boundary.testing import logits_rel_error
+
 from layer_boundary import Topology
 from layer_boundary.models import model_config
 from layer_boundary.models.oracle import hf_from_state, hf_logits
@@ -31,16 +33,4 @@ def setup(model: str, dtype: str, weights_dir: str, batch: int = 4, prompt: int 
     return job, ref
 
 
-def rel_error(results, ref):
-    got = {}
-    for res in results:
-        got.update(res["logits"])
-    assert sorted(got) == list(range(len(ref))), sorted(got)
-    worst, scale = 0.0, 0.0
-    for r, steps in enumerate(ref):
-        assert len(got[r]) == len(steps)
-        for ours, theirs in zip(got[r], steps):
-            assert ours.shape == theirs.shape
-            worst = max(worst, (ours.double() - theirs.double()).abs().max().item())
-            scale = max(scale, theirs.double().abs().max().item())
-    return worst / scale
+rel_error = logits_rel_error  # shared with the plugins' model tests

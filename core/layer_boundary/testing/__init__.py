@@ -16,6 +16,7 @@ __all__ = [
     "ALL_PLUGINS",
     "assert_plugin_registers",
     "requires_plugins",
+    "logits_rel_error",
 ]
 
 ALL_PLUGINS = ("flashinfer", "cutedsl", "mhc", "cp", "tbo", "lora")
@@ -54,3 +55,27 @@ def requires_plugins(*names: str):
 
     missing = [n for n in names if n not in expected_plugins()]
     return pytest.mark.skipif(bool(missing), reason=f"needs layer-boundary-{', layer-boundary-'.join(missing)} (not installed in this environment)")
+
+
+def logits_rel_error(results, ref) -> float:
+    """Max |ours - reference| / max |reference| over every request and step.
+
+    `results` are `run_rank` answers (each with a `logits` dict request -> per-step tensors),
+    `ref` per request a list of per-step reference logits. Every request must be reported once,
+    with the reference's steps and shapes; a non-finite value anywhere fails the comparison."""
+    import torch
+
+    got = {}
+    for res in results:
+        got.update(res["logits"])
+    assert sorted(got) == list(range(len(ref))), sorted(got)
+    worst, scale = 0.0, 0.0
+    for r, steps in enumerate(ref):
+        assert len(got[r]) == len(steps)
+        for ours, theirs in zip(got[r], steps):
+            assert ours.shape == theirs.shape
+            ours, theirs = ours.double(), theirs.double()
+            assert bool(torch.isfinite(ours).all()) and bool(torch.isfinite(theirs).all()), f"request {r}: non-finite logits"
+            worst = max(worst, (ours - theirs).abs().max().item())
+            scale = max(scale, theirs.abs().max().item())
+    return worst / scale

@@ -5,6 +5,8 @@ import functools
 
 import torch
 
+from layer_boundary.testing import logits_rel_error
+
 from layer_boundary import FusedMlpInput, Topology, UnreducedOutput
 from layer_boundary.models import family, model_config
 from layer_boundary.models.lora_layers import random_lora_spec, random_lora_weights
@@ -45,17 +47,7 @@ def logits_of(results) -> dict:
     return got
 
 
-def rel_error(results, ref) -> float:
-    got = logits_of(results)
-    assert sorted(got) == list(range(len(ref))), sorted(got)
-    worst, scale = 0.0, 0.0
-    for r, steps in enumerate(ref):
-        assert len(got[r]) == len(steps)
-        for ours, theirs in zip(got[r], steps):
-            assert ours.shape == theirs.shape
-            worst = max(worst, (ours.double() - theirs.double()).abs().max().item())
-            scale = max(scale, theirs.double().abs().max().item())
-    return worst / scale
+rel_error = logits_rel_error  # the same comparison as the core's model tests
 
 
 class DeferLoraSums:

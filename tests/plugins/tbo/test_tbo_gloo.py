@@ -7,6 +7,8 @@ import attrs
 import pytest
 import torch
 
+from layer_boundary.testing import logits_rel_error
+
 from layer_boundary import Topology
 from layer_boundary.models import family, model_config
 from layer_boundary.models.oracle import hf_from_state, hf_logits
@@ -76,17 +78,7 @@ def weights_dir(tmp_path_factory):
     return str(tmp_path_factory.mktemp("tbo-weights"))
 
 
-def _worst(results, ref):
-    got = {}
-    for res in results:
-        got.update(res["logits"])
-    assert sorted(got) == list(range(len(ref)))
-    worst = scale = 0.0
-    for r, steps in enumerate(ref):
-        for ours, theirs in zip(got[r], steps):
-            worst = max(worst, (ours - theirs).abs().max().item())
-            scale = max(scale, theirs.abs().max().item())
-    return worst / scale
+_worst = logits_rel_error  # the shared logits comparison (also checks steps, shapes, finiteness)
 
 
 @pytest.mark.parametrize(
