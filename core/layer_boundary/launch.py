@@ -18,7 +18,7 @@ import time
 import traceback
 from typing import Any, Callable, Optional
 
-from .parallel import Parallel, Topology
+from ._parallel import Parallel, Topology
 
 __all__ = ["ProcessWorld", "RankError", "RankTimeout", "worker_parallel"]
 

@@ -20,8 +20,8 @@ from layer_boundary import (
     make_stages,
     residual_batch,
 )
-from layer_boundary import debug as debug_module
-from layer_boundary.residual.add_norm import add_rms_norm
+from layer_boundary import _debug as debug_module
+from layer_boundary._residual.add_norm import add_rms_norm
 from layer_boundary.testing.threaded import CollectiveAborted, ThreadWorld, run_threaded
 
 H = 4

@@ -26,8 +26,8 @@ from layer_boundary import (
     residual_batch,
 )
 from layer_boundary.cli.plan_cmd import PlanningCollectives
-from layer_boundary.forward import BatchVariant
-from layer_boundary.parallel import Parallel
+from layer_boundary._forward import BatchVariant
+from layer_boundary._parallel import Parallel
 from layer_boundary.testing.grid import GridModel, GridSpec, grid_inputs, reference, run_grid_rank
 from layer_boundary.testing.threaded import run_threaded
 

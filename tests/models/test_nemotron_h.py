@@ -15,12 +15,12 @@ import torch
 
 from layer_boundary import Parallel, Topology
 from layer_boundary.cli.plan_cmd import PlanningCollectives
-from layer_boundary.forward import BatchVariant
+from layer_boundary._forward import BatchVariant
 from layer_boundary.models import build_model, family, model_config
 from layer_boundary.models.nemotron_h import pipeline_layers
 from layer_boundary.models.oracle import hf_from_state, hf_logits
 from layer_boundary.models.runner import RunJob, make_requests, run_rank
-from layer_boundary.stage import boundaries_of
+from layer_boundary._stage import boundaries_of
 from layer_boundary.testing.threaded import run_threaded
 
 from model_cases import TOLERANCE, rel_error, setup

@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import functools
 
-from ..contracts import FusedMlpInput
-from ..plugin.hookspecs import hookimpl
-from ..plugin.records import FusionProvider, Priority, ResidualKind
-from ..residual.add_norm import PLAIN_ADD, PLAIN_RESIDUAL
+from .._contracts import FusedMlpInput
+from ..plugin._hookspecs import hookimpl
+from ..plugin._records import FusionProvider, Priority, ResidualKind
+from .._residual.add_norm import PLAIN_ADD, PLAIN_RESIDUAL
 
 
 def _complete_then_read(read, norm, owed, residual, forward):

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 
-from ..plugin.manager import HOOKS, PluginError, get_registry
+from ..plugin._manager import HOOKS, PluginError, get_registry
 
 
 def add_parser(sub) -> None:

@@ -14,8 +14,8 @@ from pathlib import Path
 
 import torch
 
-from ..parallel import Topology, TopologyError
-from ..policy import resolve_reduction
+from .._parallel import Topology, TopologyError
+from .._policy import resolve_reduction
 from .main import UsageError
 
 #: the largest relative error each dtype may show against the reference
@@ -84,7 +84,7 @@ def _config(args):
 def _require_features(args, topology) -> None:
     from .._errors import MissingPluginError, missing_feature
     from ..models import check_requirements, family
-    from ..plugin.manager import get_registry
+    from ..plugin._manager import get_registry
 
     registry = get_registry()
     if topology.attn_cp > 1 and not registry.adapters_of("cp"):
@@ -119,7 +119,7 @@ def _preflight(config, topology, policy, lora=None) -> None:
     error (a missing plugin, an impossible stage combination) is one line before any rank starts."""
     from .._errors import MissingPluginError
     from ..models import ConfigError, build_model
-    from ..parallel import Parallel
+    from .._parallel import Parallel
     from .plan_cmd import PlanningCollectives
 
     parallel = Parallel.create(topology, 0, lambda name, ranks: PlanningCollectives(name, ranks, 0))
@@ -128,8 +128,8 @@ def _preflight(config, topology, policy, lora=None) -> None:
     except (ConfigError, MissingPluginError, ValueError, NotImplementedError) as exc:
         raise UsageError(str(exc)) from None
     if topology.attn_cp > 1:  # prefill runs as a CP batch: every stage needs a CP path
-        from ..forward import BatchVariant
-        from ..stage import boundaries_of
+        from .._forward import BatchVariant
+        from .._stage import boundaries_of
 
         for boundary in boundaries_of(model):
             if BatchVariant.CONTEXT_PARALLEL not in boundary.plan.paths:
@@ -140,7 +140,7 @@ def _reference(args, config, job, dtype):
     """Per request: a list of per-step logits, or None for --check none."""
     from ..models import oracle
     from ..models.runner import run_rank
-    from ..parallel import Parallel
+    from .._parallel import Parallel
 
     if args.check == "none":
         return None
@@ -345,7 +345,7 @@ def _under_torchrun(job, topology):
     import torch.distributed as dist
 
     from ..models.runner import run_rank
-    from ..parallel import Parallel
+    from .._parallel import Parallel
 
     if not dist.is_initialized():
         dist.init_process_group("nccl" if job.device == "cuda" else "gloo")

@@ -105,7 +105,7 @@ def build_model(config, parallel, *, reduction="ar", fusions=None, dtype=None, d
 def check_requirements(fam: ModelFamily) -> None:
     """Raise `MissingPluginError` naming the distribution when a required feature is absent."""
     from .._errors import missing_feature
-    from ..plugin.manager import get_registry
+    from ..plugin._manager import get_registry
 
     registry = get_registry()
     for kind, name in fam.requires:

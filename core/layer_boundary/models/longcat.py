@@ -25,10 +25,10 @@ import torch
 from torch import nn
 
 from .. import branch_input, branch_output, declare_attn, declare_ffn, layer_stack, make_stages, merge_branch, residual_batch
-from ..forward import get_forward
-from ..layers import MoeFinalizeHandoff, reduce_output, shard_cols, shard_rows
-from ..layout import SumGroup
-from ..residual.add_norm import RMSNorm
+from .._forward import get_forward
+from .._layers import MoeFinalizeHandoff, reduce_output, shard_cols, shard_rows
+from .._layout import SumGroup
+from .._residual.add_norm import RMSNorm
 from . import ModelFamily, register_model
 from .attention import KVCache, RotaryEmbedding, StepLayout
 from .config import ConfigError

@@ -13,11 +13,11 @@ import attrs
 import torch
 
 from ..collectives import CollectiveCounter, CountingCollectives
-from ..forward import DpPadding, Forward, ForwardMode
+from .._forward import DpPadding, Forward, ForwardMode
 from . import build_model, family, model_config
 from . import lora_layers
 from .attention import StepLayout
-from ..setup import prepare_model, release_model
+from .._lifecycle import prepare_model, release_model
 from .weights import open_source
 
 __all__ = ["RunJob", "run_rank", "make_requests", "token_mapping", "DTYPES"]
@@ -58,7 +58,7 @@ def make_requests(vocab: int, batch: int, prompt_tokens: int, decode_steps: int,
 def token_mapping(parallel, lengths, order, device):
     """The token mapping of a context-parallel batch, from the installed CP plugin (kind "cp_batch")."""
     from .._errors import missing_feature
-    from ..plugin.manager import get_registry
+    from ..plugin._manager import get_registry
 
     found = get_registry().adapters_of("cp_batch")
     if not found:

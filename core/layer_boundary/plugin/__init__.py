@@ -1,7 +1,7 @@
 """The plugin registry: pluggy hooks that yield typed records, ordered by priority."""
 
-from .hookspecs import PROJECT, hookimpl, hookspec
-from .manager import (
+from ._hookspecs import PROJECT, hookimpl, hookspec
+from ._manager import (
     ENTRY_POINT_GROUP,
     LoadReport,
     PluginError,
@@ -11,7 +11,7 @@ from .manager import (
     get_registry,
     reset_registry,
 )
-from .records import (
+from ._records import (
     Adapter,
     FusionProvider,
     Priority,

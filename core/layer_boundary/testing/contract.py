@@ -53,8 +53,8 @@ from typing import Any, Optional, Sequence
 import attrs
 import torch
 
-from ..plugin.manager import get_registry
-from ..plugin.records import Adapter, FusionProvider, ResidualKind
+from ..plugin._manager import get_registry
+from ..plugin._records import Adapter, FusionProvider, ResidualKind
 from ._contract.fusion import runtime_report
 from ._contract.hardware import settings_from_json, without_hardware, without_hardware_here, without_hardware_subprocess
 from ._contract.records import check_record, kind_of, resolve

@@ -16,7 +16,7 @@ import contextlib
 
 import pytest
 
-from ..plugin.manager import get_plugin_manager, reset_registry
+from ..plugin._manager import get_plugin_manager, reset_registry
 from .threaded import ThreadWorld
 
 
@@ -51,7 +51,7 @@ def fresh_registry():
 @contextlib.contextmanager
 def registered(obj, name: str):
     """Register `obj`'s hook implementations in this process's plugin manager for the block."""
-    from ..plugin.manager import get_registry
+    from ..plugin._manager import get_registry
 
     pm, _, provenance = get_plugin_manager()
     pm.register(obj, name=name)

@@ -29,7 +29,7 @@ from typing import Sequence
 import torch
 
 from layer_boundary import split_sizes
-from layer_boundary.forward import BatchFactsError
+from layer_boundary._forward import BatchFactsError
 
 __all__ = ["ORDERS", "TokenMapping", "request_pieces"]
 

@@ -24,14 +24,14 @@ from __future__ import annotations
 import attrs
 import torch
 
-from layer_boundary.construction import ExitPath, StagePath, output_sum_group
-from layer_boundary.contracts import StageKind
-from layer_boundary.exit import COMPLETE_NOW, ExitDecision, FfnExit, MixerExit, record_complete
-from layer_boundary.forward import BatchVariant, ComputeFlags
-from layer_boundary.ops import dp_gather, dp_scatter, move_residual
-from layer_boundary.output import HandoffOutput, UnreducedOutput
-from layer_boundary.prepare import run_entry, run_local
-from layer_boundary.residual.stream import CP_ROWS, Contribution
+from layer_boundary._planning import ExitPath, StagePath, output_sum_group
+from layer_boundary._contracts import StageKind
+from layer_boundary._exit import COMPLETE_NOW, ExitDecision, FfnExit, MixerExit, record_complete
+from layer_boundary._forward import BatchVariant, ComputeFlags
+from layer_boundary._ops import dp_gather, dp_scatter, move_residual
+from layer_boundary._output import HandoffOutput, UnreducedOutput
+from layer_boundary._prepare import run_entry, run_local
+from layer_boundary._residual.stream import CP_ROWS, Contribution
 
 __all__ = ["ContextParallelStage", "build_stage_path"]
 

@@ -22,8 +22,8 @@ from __future__ import annotations
 import functools
 from typing import Optional
 
-from layer_boundary.contracts import FusedMlpInput
-from layer_boundary.forward import BatchVariant
+from layer_boundary._contracts import FusedMlpInput
+from layer_boundary._forward import BatchVariant
 
 from . import fused_paths
 from .kernel_set import CUTEDSL_KERNELS, KernelSet, kernels_available

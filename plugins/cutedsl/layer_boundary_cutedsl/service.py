@@ -25,8 +25,8 @@ from typing import Callable, Optional
 
 import torch
 
-from layer_boundary.residual.add_norm import is_rms_norm
-from layer_boundary.stage import StageBoundary, boundaries_of
+from layer_boundary._residual.add_norm import is_rms_norm
+from layer_boundary._stage import StageBoundary, boundaries_of
 
 from . import fused_paths
 from .kernel_set import CUTEDSL_KERNELS, KernelSet, MoeShape

@@ -22,7 +22,7 @@ from typing import Optional
 import attrs
 import torch
 
-from layer_boundary.contracts import StageKind
+from layer_boundary._contracts import StageKind
 
 __all__ = [
     "ENABLE_ENV",

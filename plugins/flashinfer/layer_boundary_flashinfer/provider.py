@@ -21,10 +21,10 @@ from __future__ import annotations
 
 import torch
 
-from layer_boundary.contracts import FusedMlpInput
-from layer_boundary.layers import MoeFinalizeHandoff
-from layer_boundary.layout import SumGroup
-from layer_boundary.output import UnreducedOutput
+from layer_boundary._contracts import FusedMlpInput
+from layer_boundary._layers import MoeFinalizeHandoff
+from layer_boundary._layout import SumGroup
+from layer_boundary._output import UnreducedOutput
 
 __all__ = ["FlashInferFusion", "FlashInferFinalizeFusion", "AllReduceAddNorm", "FinalizeAddNorm", "AR_NAME", "FINALIZE_NAME"]
 

@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from layer_boundary.contracts import StageKind
-from layer_boundary.forward import RowLayout
+from layer_boundary._contracts import StageKind
+from layer_boundary._forward import RowLayout
 
 from .rows import lora_rows
 

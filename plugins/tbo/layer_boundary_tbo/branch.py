@@ -25,9 +25,9 @@ branch plan has no sequence-parallel or input-scattered path.
 from __future__ import annotations
 
 from layer_boundary import Messages as CoreMessages, ResidualStream, StageKind
-from layer_boundary.ops import dp_gather, dp_scatter
-from layer_boundary.prepare import align_rows
-from layer_boundary.residual.stream import ATTENTION_ROWS
+from layer_boundary._ops import dp_gather, dp_scatter
+from layer_boundary._prepare import align_rows
+from layer_boundary._residual.stream import ATTENTION_ROWS
 
 from .messages import Messages
 

@@ -18,9 +18,9 @@ import attrs
 import torch
 
 from layer_boundary import Contribution, Messages as CoreMessages, ResidualStream
-from layer_boundary.ops import move_residual
-from layer_boundary.prepare import align_rows
-from layer_boundary.residual.stream import ATTENTION_ROWS
+from layer_boundary._ops import move_residual
+from layer_boundary._prepare import align_rows
+from layer_boundary._residual.stream import ATTENTION_ROWS
 
 from .messages import Messages
 

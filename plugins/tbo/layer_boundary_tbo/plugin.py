@@ -53,7 +53,7 @@ def register_in_process() -> None:
     """Register these hooks in this process when the distribution is not installed (a source
     checkout on a bare GPU machine); a no-op when the entry point already provides them or
     LAYER_BOUNDARY_DISABLE_PLUGINS names "tbo"."""
-    from layer_boundary.plugin.manager import _disabled, get_plugin_manager, get_registry
+    from layer_boundary.plugin._manager import _disabled, get_plugin_manager, get_registry
 
     if get_registry().adapters_of("tbo") or "tbo" in _disabled():
         return

@@ -8,9 +8,9 @@ import torch
 
 from flashinfer_fakes import ReferenceBackend, hardware_present, model_logits, on_off_run, prompt_batches, tiny_model
 from layer_boundary import CollectiveCounter, CountingCollectives, Forward, Parallel, Topology, UnreducedOutput
-from layer_boundary.layers import MoeFinalizeHandoff
-from layer_boundary.layout import SumGroup
-from layer_boundary.stage import boundaries_of
+from layer_boundary._layers import MoeFinalizeHandoff
+from layer_boundary._layout import SumGroup
+from layer_boundary._stage import boundaries_of
 from layer_boundary.testing.threaded import run_threaded
 from layer_boundary_flashinfer.provider import AllReduceAddNorm, FinalizeAddNorm, FlashInferFinalizeFusion, FlashInferFusion
 from layer_boundary_flashinfer.service import prepare_flashinfer_fusion

@@ -10,15 +10,15 @@ import torch
 
 from ..._builtin.plugin import UnfusedCompletion
 from ...collectives import CollectiveCounter, CountingCollectives
-from ...construction import arriving_sum
-from ...contracts import FusedMlpInput, StageKind
-from ...forward import Forward, ForwardMode
-from ...fusions import consumer_candidates
-from ...layers import MoeFinalizeHandoff
+from ..._planning import arriving_sum
+from ..._contracts import FusedMlpInput, StageKind
+from ..._forward import Forward, ForwardMode
+from ..._fusions import consumer_candidates
+from ..._layers import MoeFinalizeHandoff
 from ...launch import RankTimeout
-from ...layout import SumGroup
-from ...output import UnreducedOutput
-from ...residual.add_norm import add_rms_norm
+from ..._layout import SumGroup
+from ..._output import UnreducedOutput
+from ..._residual.add_norm import add_rms_norm
 from ..threaded import CollectiveAborted, ThreadWorld
 from .records import resolve
 from .report import DTYPES, PROVIDER_HOOKS, ContractReport, ContractSettings, relative_error

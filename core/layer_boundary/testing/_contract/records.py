@@ -5,8 +5,8 @@ from __future__ import annotations
 import inspect
 from typing import Any, Optional
 
-from ...plugin.manager import get_registry
-from ...plugin.records import Adapter, FusionProvider, Priority, Registered, ResidualKind
+from ...plugin._manager import get_registry
+from ...plugin._records import Adapter, FusionProvider, Priority, Registered, ResidualKind
 from .report import ContractReport
 
 

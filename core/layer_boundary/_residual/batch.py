@@ -9,8 +9,8 @@ from __future__ import annotations
 import torch
 
 from .._errors import Messages
-from ..output import HandoffOutput, UnreducedOutput
-from ..prepare import align_rows
+from .._output import HandoffOutput, UnreducedOutput
+from .._prepare import align_rows
 from .add_norm import is_rms_norm
 from .stream import ATTENTION_ROWS, ResidualStream
 

@@ -13,13 +13,13 @@ from typing import Any, Callable, Optional
 import attrs
 
 from ._errors import Messages, missing_feature
-from .contracts import ProducerReduction, ReductionPolicy, StageDescription, StageKind
-from .forward import BatchVariant, RowLayout
-from .fusions import Candidate, build_providers, consumer_candidates, read_format
-from .layout import SumGroup
-from .ops import dp_gather, gather_slices
-from .residual.add_norm import GemmaRMSNorm, NormRead, is_rms_norm
-from .residual.stream import ATTENTION_ROWS, SLICE_ROWS
+from ._contracts import ProducerReduction, ReductionPolicy, StageDescription, StageKind
+from ._forward import BatchVariant, RowLayout
+from ._fusions import Candidate, build_providers, consumer_candidates, read_format
+from ._layout import SumGroup
+from ._ops import dp_gather, gather_slices
+from ._residual.add_norm import GemmaRMSNorm, NormRead, is_rms_norm
+from ._residual.stream import ATTENTION_ROWS, SLICE_ROWS
 
 __all__ = ["EntryPath", "ExitPath", "StagePath", "StagePlan", "plan_stage", "arriving_sum"]
 
@@ -89,7 +89,7 @@ class EntryPath:
         if self.input_move_name:
             steps.append(self.input_move_name)
         if plan.row_adapters:
-            from .row_adapters import describe_publication
+            from ._row_publishers import describe_publication
 
             steps.append(describe_publication(plan, self.compute_rows))
         return steps
@@ -327,7 +327,7 @@ def _entry(plan: StagePlan, variant: BatchVariant, candidates) -> EntryPath:
             def move(x, fwd, _latent=latent, _plan=plan):
                 if not _plan.row_adapters:
                     return gather_slices(_latent(x), fwd)
-                from .row_adapters import rows_in_scope
+                from ._row_publishers import rows_in_scope
 
                 with rows_in_scope(_plan, RowLayout.ATTN_TP_SLICE, fwd):  # the latent runs on the slice
                     return gather_slices(_latent(x), fwd)
@@ -462,14 +462,14 @@ def plan_stage(declaration, norm, options, *, parallel, policy, label, registry)
     for variant in variants:
         exit_path = _exit(plan, variant)
         if _decision_is_static(exit_path):
-            from .exit import COMPLETE_NOW
+            from ._exit import COMPLETE_NOW
 
             exit_path.static_decision = COMPLETE_NOW
         plan.paths[variant] = StagePath(variant, _entry(plan, variant, candidates), exit_path)
     if parallel.topology.attn_cp > 1:
         _bind_context_parallel(plan, registry)
     if options.get("publish_rows"):
-        from .row_adapters import bind_row_adapters
+        from ._row_publishers import bind_row_adapters
 
         bind_row_adapters(plan, registry)
     return plan

@@ -12,7 +12,7 @@ from __future__ import annotations
 from typing import Any
 
 from ._errors import missing_feature
-from .plugin.manager import get_registry
+from .plugin._manager import get_registry
 
 __all__ = ["adapter_for", "two_batch_overlap", "branch_input", "branch_output", "merge_branch"]
 

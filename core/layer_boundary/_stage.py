@@ -5,16 +5,16 @@ from __future__ import annotations
 from typing import Mapping
 
 from ._errors import Messages
-from .contracts import StageKind
-from .checks import check_rows
-from .construction import StagePlan, arriving_sum, plan_stage
-from .forward import BatchVariant
-from .exit import FfnExit, MixerExit, complete_reduced, record_attention
-from .output import UnreducedOutput
-from .plugin.manager import get_registry
-from .prepare import align_rows, run_entry, run_local
-from .residual.stream import ATTENTION_ROWS, SLICE_ROWS, ResidualStream
-from .row_adapters import publish_rows
+from ._contracts import StageKind
+from ._checks import check_rows
+from ._planning import StagePlan, arriving_sum, plan_stage
+from ._forward import BatchVariant
+from ._exit import FfnExit, MixerExit, complete_reduced, record_attention
+from ._output import UnreducedOutput
+from .plugin._manager import get_registry
+from ._prepare import align_rows, run_entry, run_local
+from ._residual.stream import ATTENTION_ROWS, SLICE_ROWS, ResidualStream
+from ._row_publishers import publish_rows
 
 __all__ = ["StageBoundary", "build_boundaries", "boundaries_of"]
 
@@ -88,7 +88,7 @@ class StageBoundary:
     def capture_output(self, hidden_states, forward):
         """(handle, snapshot): completes dynamic work on the main output, snapshots a declared sum
         on a copy (the main output still owes it)."""
-        from .residual import batch
+        from ._residual import batch
 
         stream = forward.residual_stream
         if stream is None:

@@ -18,9 +18,9 @@ from typing import Any, Optional
 
 import attrs
 
-from . import debug
-from .contracts import FusedMlpInput, StageKind
-from .layout import SumGroup
+from . import _debug as debug
+from ._contracts import FusedMlpInput, StageKind
+from ._layout import SumGroup
 
 __all__ = ["Candidate", "FusionError", "build_providers", "consumer_candidates"]
 

@@ -21,8 +21,8 @@ from typing import Iterable, Optional
 import attrs
 import pluggy
 
-from .hookspecs import PROJECT, LayerBoundarySpecs
-from .records import Adapter, FusionProvider, Registered, ResidualKind, selection_key
+from ._hookspecs import PROJECT, LayerBoundarySpecs
+from ._records import Adapter, FusionProvider, Registered, ResidualKind, selection_key
 
 log = logging.getLogger("layer_boundary.plugins")
 

@@ -4,13 +4,13 @@ and move the input, in the order the plan chose.
 
 from __future__ import annotations
 
-from . import debug
+from . import _debug as debug
 from ._errors import Messages
-from .checks import check_rows
-from .fusions import run_candidates
-from .ops import move_input, dp_partial_sum, dp_scatter, gather_slices, move_residual, reduce_scatter_slices, take_slice
-from .output import HandoffOutput, UnreducedOutput
-from .residual.stream import ATTENTION_ROWS, CP_ROWS, SLICE_ROWS
+from ._checks import check_rows
+from ._fusions import run_candidates
+from ._ops import move_input, dp_partial_sum, dp_scatter, gather_slices, move_residual, reduce_scatter_slices, take_slice
+from ._output import HandoffOutput, UnreducedOutput
+from ._residual.stream import ATTENTION_ROWS, CP_ROWS, SLICE_ROWS
 
 __all__ = ["run_entry", "run_local", "align_rows"]
 

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import torch
 
-from .forward import DpPadding, Forward
+from ._forward import DpPadding, Forward
 
 __all__ = [
     "dp_gather",

@@ -23,7 +23,7 @@ _PADDINGS = ("sum_len", "max_len")
 
 def check_batch_facts(fwd) -> None:
     """Raise BatchFactsError on every rank when the TP group's ranks disagree on batch facts."""
-    from .forward import BatchFactsError
+    from ._forward import BatchFactsError
 
     group = fwd.parallel.groups["tp"]
     if group.size == 1:

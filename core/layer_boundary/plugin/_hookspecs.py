@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING, Iterable
 import pluggy
 
 if TYPE_CHECKING:  # records import torch-free modules only, but keep the spec import light
-    from .records import Adapter, FusionProvider, ResidualKind
+    from ._records import Adapter, FusionProvider, ResidualKind
 
 PROJECT = "layer_boundary"
 hookspec = pluggy.HookspecMarker(PROJECT)
@@ -59,6 +59,6 @@ class LayerBoundarySpecs:
         The core looks adapters up by `kind` when a stage or a batch needs one; a missing kind
         raises an error that names the distribution providing it. A stage built with
         `publish_rows=(kind, ...)` binds row adapters (`factory(plan)`), told after each
-        `prepare()` which rows the compute input holds (see `layer_boundary.row_adapters`).
+        `prepare()` which rows the compute input holds (see `layer_boundary._row_publishers`).
         """
         yield from ()

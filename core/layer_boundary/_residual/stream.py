@@ -17,7 +17,7 @@ from typing import Any, Optional
 import torch
 
 from .._errors import Messages
-from ..output import HandoffOutput, OutputTransform, UnreducedOutput
+from .._output import HandoffOutput, OutputTransform, UnreducedOutput
 
 __all__ = ["Contribution", "OwedOutput", "ResidualStream", "ATTENTION_ROWS", "SLICE_ROWS", "CP_ROWS"]
 

@@ -18,8 +18,8 @@ A bound row adapter is an object with:
 from __future__ import annotations
 
 from ._errors import missing_feature
-from .contracts import StageKind
-from .forward import ComputeRows, RowLayout, publish_compute_rows, scoped_compute_rows
+from ._contracts import StageKind
+from ._forward import ComputeRows, RowLayout, publish_compute_rows, scoped_compute_rows
 
 __all__ = ["bind_row_adapters", "compute_rows", "publish_rows", "rows_in_scope", "describe_publication"]
 

@@ -11,11 +11,11 @@ from __future__ import annotations
 import torch
 
 from ._errors import Messages
-from .checks import check_rows
-from .forward import _FLAGS, BatchVariant, ComputeFlags, DpPadding
-from .ops import dp_reduce_scatter, dp_scatter, reduce_scatter_slices, take_slice
-from .output import HandoffOutput, UnreducedOutput
-from .residual.stream import Contribution
+from ._checks import check_rows
+from ._forward import _FLAGS, BatchVariant, ComputeFlags, DpPadding
+from ._ops import dp_reduce_scatter, dp_scatter, reduce_scatter_slices, take_slice
+from ._output import HandoffOutput, UnreducedOutput
+from ._residual.stream import Contribution
 
 __all__ = ["FfnExit", "MixerExit", "ExitDecision", "record_complete", "record_attention"]
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import attrs
 
-from .plugin.manager import get_registry
+from .plugin._manager import get_registry
 
 __all__ = ["ModelSetup", "prepare_model", "release_model"]
 
