@@ -44,8 +44,9 @@ from ._policy import resolve_reduction
 from ._residual import ResidualOps, StageRead, StageUpdate, residual_kind
 from ._residual import batch as residual_batch
 from ._residual.add_norm import NORM_READ, PLAIN_ADD, PLAIN_RESIDUAL, GemmaRMSNorm, RMSNorm
-from ._residual.stream import Contribution, OwedOutput, ResidualStream
-from ._lifecycle import ModelSetup, prepare_model, release_model
+from ._residual.stream import Contribution, OwedOutput, ResidualStream, StreamState
+from ._lifecycle import prepare_model, release_model
+from .plugin._legacy import ModelSetup
 from ._stage import StageBoundary, boundaries_of
 
 __version__ = "0.1.0"
@@ -88,6 +89,7 @@ __all__ = [
     "ResidualKind",
     "ResidualOps",
     "ResidualStream",
+    "StreamState",
     "RowLayout",
     "RowParallelLinear",
     "SingleRankCollectives",

@@ -8,13 +8,13 @@
 
 from __future__ import annotations
 
-import os
-
 import torch
+
+from ._env import env_flag
 
 __all__ = ["DEBUG", "check_batch_facts"]
 
-DEBUG = os.environ.get("LAYER_BOUNDARY_DEBUG", "").strip().lower() in ("1", "true", "yes", "on")
+DEBUG = env_flag("LAYER_BOUNDARY_DEBUG")
 
 _VARIANTS = ("ordinary", "context_parallel", "input_scattered", "sequence_parallel")
 _MODES = ("extend", "decode", "idle")

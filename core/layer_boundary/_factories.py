@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
-from typing import Any, Iterator, Optional, Sequence
+from typing import Any, Iterator, Optional
 
 import attrs
 
@@ -384,6 +384,3 @@ def make_ffn_stage(declaration: StageDeclaration, norm, options: Optional[dict] 
         raise TypeError(f"unsupported ffn stage options: {unknown}")
     return _single(declaration, norm, options, parallel, reduction, label)
 
-
-def stage_sequence(declarations: Sequence[StageDeclaration]) -> str:
-    return " -> ".join(d.describe() for d in declarations)

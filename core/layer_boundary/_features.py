@@ -1,43 +1,46 @@
 """Entry points for handoffs a sequential `prepare()` cannot express: two-batch overlap (TBO)
 and prepared branches.
 
-The core only names these features. Adapters of kind "tbo" and "branch", registered by a plugin
-(the `layer-boundary-tbo` distribution), implement them; without one, each entry point raises an
-error naming the distribution to install. Model code calls these functions and never imports
-the plugin.
+The core only names these features; plugins implement them through the extension points
+`layer_boundary_overlaps` and `layer_boundary_branches`. Without one, each entry point raises
+an error naming the distribution to install. Model code calls these functions and never
+imports a plugin.
 """
 
 from __future__ import annotations
 
-from typing import Any
-
 from ._errors import missing_feature
 from .plugin._manager import get_registry
+from .plugin._requests import BranchRequest, BranchTransport, Overlap, OverlapRequest
 
-__all__ = ["adapter_for", "two_batch_overlap", "branch_input", "branch_output", "merge_branch"]
-
-
-def adapter_for(kind: str, request: Any, what: str):
-    """The first registered adapter of `kind` whose factory accepts `request` (by priority).
-
-    No registered adapter of that kind raises `MissingPluginError` naming the distribution;
-    registered adapters that all decline raise `NotImplementedError`.
-    """
-    items = get_registry().adapters_of(kind)
-    if not items:
-        raise missing_feature(what, kind)
-    for item in items:
-        adapter = item.record.factory(request)
-        if adapter is not None:
-            return adapter
-    names = ", ".join(item.name for item in items)
-    raise NotImplementedError(f"no installed {kind} adapter supports {what} here (tried {names})")
+__all__ = ["two_batch_overlap", "branch_input", "branch_output", "merge_branch"]
 
 
-def two_batch_overlap(forward):
-    """The two-batch-overlap adapter for this batch: `.run(stages, hidden_states, forward, ...)`
+def _first(records, request, what: str, feature: str, capability):
+    """The object of the first record (by priority) whose factory accepts `request`.
+
+    No record raises `MissingPluginError` naming the distribution; records that all decline
+    raise `NotImplementedError`."""
+    if not records:
+        raise missing_feature(what, feature)
+    for item in records:
+        found = item.record.factory(request)
+        if found is not None:
+            if not isinstance(found, capability):
+                raise TypeError(f"{item.name!r} returned {found!r}, which is not a {capability.__name__}")
+            return found
+    names = ", ".join(item.name for item in records)
+    raise NotImplementedError(f"no installed {feature} provider supports {what} here (tried {names})")
+
+
+def two_batch_overlap(forward) -> Overlap:
+    """The two-batch-overlap scheduler for this batch: `.run(stages, hidden_states, forward, ...)`
     splits the batch into two microbatches, interleaves their stages and merges them back."""
-    return adapter_for("tbo", forward, "two-batch overlap")
+    return _first(get_registry().overlaps, OverlapRequest(forward), "two-batch overlap", "tbo", Overlap)
+
+
+def _branches(boundary, what: str) -> BranchTransport:
+    return _first(get_registry().branches, BranchRequest(boundary), what, "branch", BranchTransport)
 
 
 def branch_input(boundary, hidden_states, forward):
@@ -47,17 +50,17 @@ def branch_input(boundary, hidden_states, forward):
     Returns `(branch_input, branch_forward)`: run the branch's stages on `branch_forward`, which
     carries the branch's own residual stream.
     """
-    return adapter_for("branch", boundary, "prepared branches (branch_input)").branch_input(boundary, hidden_states, forward)
+    return _branches(boundary, "prepared branches (branch_input)").branch_input(boundary, hidden_states, forward)
 
 
 def branch_output(hidden_states, branch_forward):
     """Complete the branch's last contribution on the handoff rows and apply it to the branch's
     residual; releases the branch's stream. Pass the result to `merge_branch()`."""
-    return adapter_for("branch", None, "prepared branches (branch_output)").branch_output(hidden_states, branch_forward)
+    return _branches(None, "prepared branches (branch_output)").branch_output(hidden_states, branch_forward)
 
 
 def merge_branch(hidden_states, branch, forward):
     """Join a `branch_output()` with the main line's output (`hidden_states`, the source stage's
     handle): the main line's contribution stays pending over the branch's residual, so the next
     stage adds it once. Returns the handle the next stage takes."""
-    return adapter_for("branch", None, "prepared branches (merge_branch)").merge_branch(hidden_states, branch, forward)
+    return _branches(None, "prepared branches (merge_branch)").merge_branch(hidden_states, branch, forward)

@@ -1,196 +1,170 @@
-"""Building a `StagePlan`: resolve each supported batch variant into bound entry and exit paths.
+"""Planning: the frozen `StagePlan` of each stage, with a bound path per supported batch variant.
 
-Construction decides everything static: which rows the residual lives on, which sum an
-arriving output owes, which collectives complete it, which fused candidates may take it,
-which reduce-scatters an exit may choose. At forward time a plan only selects the path of the
-batch's variant; a variant it has no path for raises instead of silently using ordinary rows.
+`plan_stages` is the one planning function. It resolves each stage's facts (`Stage`), asks
+the plugins what they contribute (fusion providers and their candidates, a context-parallel
+path, row publishers), and derives every entry and exit path from those values with pure
+functions. Construction decides everything static: which rows the residual lives on, what an
+arriving output owes, which collectives complete it, which fused candidates may take it, which
+reduce-scatters an exit may choose. At forward time a boundary only selects the path of the
+batch's variant; a variant without a path raises instead of silently using ordinary rows.
 """
 
 from __future__ import annotations
 
-from typing import Any, Callable, Optional
+import types
+from typing import Any, Mapping, Optional
 
 import attrs
 
-from ._errors import Messages, missing_feature
+from . import _describe
 from ._contracts import ProducerReduction, ReductionPolicy, StageDescription, StageKind
-from ._forward import BatchVariant, RowLayout
-from ._fusions import Candidate, build_providers, consumer_candidates, read_format
+from ._errors import Messages, missing_feature
+from ._forward import BatchVariant, DpPadding, RowLayout
+from ._fusions import build_providers, consumer_candidates, read_format
 from ._layout import SumGroup
-from ._ops import dp_gather, gather_slices
+from ._ops import dp_gather, dp_reduce_scatter, dp_scatter, gather_slices, reduce_scatter_slices, take_slice
+from ._paths import EntryMode, EntryPath, ExitPath, ExitRole, Owed, ReduceScatter, StagePath, defers_to_next_input
 from ._residual.add_norm import GemmaRMSNorm, NormRead, is_rms_norm
-from ._residual.stream import ATTENTION_ROWS, SLICE_ROWS
+from ._row_publishers import bind_row_publishers, rows_in_scope
+from .plugin._requests import AttentionInputFusion, CpPathRequest, DefersAllReduce, DefersFinalize  # noqa: F401
 
-__all__ = ["EntryPath", "ExitPath", "StagePath", "StagePlan", "plan_stage", "arriving_sum"]
+__all__ = ["Stage", "StagePlan", "plan_stages", "arriving_sum", "output_sum_group"]
 
 SLICE_VARIANTS = (BatchVariant.SEQUENCE_PARALLEL, BatchVariant.INPUT_SCATTERED)
 
 
-@attrs.define(slots=True, eq=False)
-class EntryPath:
-    """The consumer half of a boundary for one batch variant.
+def output_sum_group(decl) -> SumGroup:
+    if decl.kind in (StageKind.ATTENTION, StageKind.MIXER):
+        return SumGroup.ATTN_TP
+    return SumGroup.MOE_OUTPUT if decl.sparse else SumGroup.TP
 
-    mode:
-    - "enter": stack entry (initial or written stream), read without an update;
-    - "local": complete what is owed on the residual's rows (fused candidates first when
-      eligible), then update and read; an optional `input_move` then moves the input;
-    - "dp_partial": one TP all-reduce completes the attention-TP sum and gathers over DP;
-    - "scatter": reduce-scatter onto attention-TP slices, update and read on the slice;
-    - "branch": a prepared branch, entered through `branch_input` only;
-    - "adapter": an adapter's own entry (context parallel).
+
+def arriving_sum(decl) -> tuple[Owed, Optional[SumGroup]]:
+    """What the output arriving at `decl`'s input may owe, and over which group."""
+    prev = decl.previous
+    if prev is None:
+        return Owed.NOTHING, None
+    if prev.kind is StageKind.ATTENTION:
+        return Owed.DECLARED, SumGroup.ATTN_TP
+    if prev.kind is StageKind.MIXER:
+        if decl.kind is StageKind.FFN:
+            return Owed.DECLARED, SumGroup.ATTN_TP
+        return Owed.DYNAMIC, SumGroup.ATTN_TP
+    if prev.reduction is ProducerReduction.LOCAL_TAIL:
+        return Owed.NOTHING, None
+    return Owed.DYNAMIC, output_sum_group(prev)
+
+
+def _norm_kind(norm) -> str:
+    if isinstance(norm, GemmaRMSNorm):
+        return "gemma_rms"
+    return "rms" if is_rms_norm(norm) else "other"
+
+
+@attrs.frozen(eq=False, repr=False)
+class Stage:
+    """The facts of one stage: what fusion providers, CP path providers and row publishers see.
+
+    `declaration`, `norm`, `options`, `parallel`, `policy` and `label` are given; the rest is
+    derived from them.
     """
 
-    mode: str
-    residual_rows: str = ATTENTION_ROWS
-    input_move: Optional[Callable] = None
-    input_move_name: str = ""
-    candidates: tuple[Candidate, ...] = ()
-    arrives_plain: Optional[bool] = None
-    expects: str = "nothing"  # "declared", "dynamic", "nothing"
-    slices_on_entry: bool = False
-    capture_allocates: bool = False
-    adapter: Any = None
-    #: the norm's own fused add + norm when the read is a plain norm of an RMSNorm (bound once)
-    add_norm: Optional[Callable] = None
-    #: the rows the compute input holds (published to the stage's row adapters, such as LoRA)
-    compute_rows: RowLayout = RowLayout.DP_LOCAL
+    declaration: Any
+    norm: Any
+    options: Mapping[str, Any] = attrs.field(converter=lambda o: types.MappingProxyType(dict(o)))
+    parallel: Any
+    policy: ReductionPolicy
+    label: str
+    kind: StageKind = attrs.field(init=False)
+    read: Any = attrs.field(init=False)
+    terminal: bool = attrs.field(init=False)
+    is_branch: bool = attrs.field(init=False)
+    enters_stack: bool = attrs.field(init=False)
+    hidden_size: Optional[int] = attrs.field(init=False)
+    output_sum: SumGroup = attrs.field(init=False)
+    fusions: Any = attrs.field(init=False)
+    qkv_latent_func: Any = attrs.field(init=False)
+    #: what a fusion provider's factory decides from
+    description: StageDescription = attrs.field(init=False)
+
+    def __attrs_post_init__(self):
+        decl = self.declaration
+        is_branch = decl.prepared_from is not None
+        facts = dict(
+            kind=decl.kind,
+            read=decl.read,
+            terminal=decl.terminal,
+            is_branch=is_branch,
+            enters_stack=decl.previous is None and not is_branch,
+            hidden_size=getattr(self.norm, "hidden_size", None),
+            output_sum=output_sum_group(decl),
+            fusions=self.options.get("fusions"),
+            qkv_latent_func=self.options.get("qkv_latent_func"),
+        )
+        for name, value in facts.items():
+            object.__setattr__(self, name, value)
+        object.__setattr__(self, "description", _description(self))
+
+    def group(self, sum_group: SumGroup):
+        """The `Collectives` a sum over `sum_group` runs on."""
+        return self.parallel.groups[sum_group.group_name]
 
     @property
-    def preserves_residual(self) -> bool:
-        return all(c.fused.preserves_residual for c in self.candidates)
+    def norm_name(self) -> str:
+        name = type(self.norm).__name__ if self.norm is not None else "no norm"
+        fmt = getattr(self.read, "quant_format", None)
+        if fmt is not None:
+            return f"{name}, quantized to {fmt.replace('_', ' ')} (compute gets an Fp8Input)"
+        return name
 
-    def describe(self, plan: "StagePlan") -> list[str]:
-        steps: list[str] = []
-        if self.mode == "branch":
-            return ["enter through branch_input (input already prepared by the source stage)"]
-        if self.mode == "adapter":
-            return list(self.adapter.describe_entry(plan))
-        if self.mode == "enter":
-            if self.slices_on_entry:
-                steps.append("take this rank's attention-TP slice of the stack input")
-            steps.append(f"enter the residual, read with {plan.norm_name}")
-        elif self.mode == "dp_partial":
-            steps.append("attn-TP rank 0 adds the residual into its partial")
-            steps.append("all_reduce@tp over the DP-gathered rows (completes the attention-TP sum and gathers DP)")
-            steps.append(f"keep this DP rank's rows as the residual; {plan.norm_name} on full rows")
-            steps.append("(fallback when the sum arrives complete: add + norm locally, then all_gatherv@attn_dp)")
-        elif self.mode == "scatter":
-            steps.append("reduce_scatterv@attn_tp onto attention-TP slices when a sum is owed (else take the slice)")
-            steps.append(f"update and read on the slice with {plan.norm_name}")
-        else:
-            owes = {"declared": "the declared sum", "dynamic": "a deferred sum or finalize, when left", "nothing": "nothing"}[self.expects]
-            if self.candidates and self.expects != "nothing":
-                names = ", ".join(c.name for c in self.candidates)
-                steps.append(f"complete {owes} through the first accepting candidate: {names}")
-            elif self.expects != "nothing":
-                steps.append(f"complete {owes} unfused, then update and read with {plan.norm_name}")
-            else:
-                steps.append(f"update and read with {plan.norm_name}")
-        if self.input_move_name:
-            steps.append(self.input_move_name)
-        if plan.row_adapters:
-            from ._row_publishers import describe_publication
-
-            steps.append(describe_publication(plan, self.compute_rows))
-        return steps
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}({self.label}: {self.declaration.describe()})"
 
 
-@attrs.define(slots=True, eq=False)
-class ExitPath:
-    """The producer half: how a stage's output reaches the residual's rows.
-
-    role:
-    - "declared": attention (PARTIAL); the output always leaves its attention-TP sum;
-    - "mixer": a SCOPED token mixer; leaves the sum before an FFN, may defer it before another
-      mixer (never under attention DP), else its compute reduces;
-    - "ffn": an FFN; defers its sum to the next input, reduce-scatters it, or lets compute
-      reduce, per batch;
-    - "adapter": an adapter's own exit (context parallel).
-    """
-
-    role: str
-    sum_group: SumGroup
-    group: Any
-    output_rows: str = ATTENTION_ROWS
-    leaves_declared: bool = False
-    may_defer: bool = False
-    handoff_ok: bool = False
-    rs_kind: Optional[str] = None  # None, "dp" or "slice"
-    rs_allowed: bool = False
-    rsv_allowed: bool = False
-    complete_move: Optional[str] = None  # None, "dp_scatter" or "slice"
-    #: compute sees (and returns) the DP-gathered full rows rather than the attention rows
-    compute_rows_full: bool = False
-    adapter: Any = None
-    #: set when no batch fact can change the decision (then exits reuse one decision object)
-    static_decision: Any = None
-
-    def describe(self, plan: "StagePlan") -> list[str]:
-        if self.role == "adapter":
-            return list(self.adapter.describe_exit(plan))
-        g = self.sum_group.name
-        if self.role == "declared" or self.leaves_declared:
-            return [f"leave the {g} sum (declared) for the next input"]
-        steps = []
-        if self.may_defer and not plan.fused_consumer_only:
-            steps.append(f"defer the {g} all-reduce to the next input when the batch has tokens (fuse_mlp_allreduce)")
-        elif self.may_defer and plan.all_reduce_providers:
-            steps.append(f"defer the {g} all-reduce to the next input when a provider accepts the batch (can_defer_all_reduce)")
-        if self.handoff_ok:
-            steps.append("a provider may let the MoE hand its finalize to the next input (defer_moe_finalize)")
-        if self.rs_kind == "dp":
-            kinds = [k for k, ok in (("rs (MAX_LEN padding)", self.rs_allowed), ("rsv (SUM_LEN)", self.rsv_allowed)) if ok]
-            if kinds:
-                steps.append(f"reduce_scatter@tp ({' or '.join(kinds)}) then all_gatherv@attn_tp back to DP rows (mlp_reduce_scatter)")
-        if self.rs_kind == "slice" and (self.rs_allowed or self.rsv_allowed):
-            steps.append("reduce_scatterv@attn_tp onto the slice (mlp_reduce_scatter)")
-        move = {"dp_scatter": ", then keep this DP rank's rows", "slice": ", then keep this rank's slice", None: ""}[self.complete_move]
-        steps.append(f"else compute all-reduces over {g}{move}")
-        return steps
+def _description(stage: Stage) -> StageDescription:
+    decl = stage.declaration
+    owed, group = arriving_sum(decl)
+    source = decl.previous if decl.previous is not None else decl.prepared_from
+    return StageDescription(
+        kind=decl.kind,
+        label=stage.label,
+        sparse=decl.sparse,
+        terminal=decl.terminal,
+        enters_stack=stage.enters_stack,
+        topology=stage.parallel.topology,
+        incoming_sum=group if owed is not Owed.NOTHING else None,
+        plain_update=bool(source is not None and source.update.plain_add),
+        plain_read=bool(decl.read.plain_norm),
+        norm_kind=_norm_kind(stage.norm),
+        hidden_size=stage.hidden_size,
+        eps=getattr(stage.norm, "eps", None),
+        residual=decl.residual,
+        reduction=stage.policy,
+        output_sum=stage.output_sum,
+    )
 
 
-@attrs.define(slots=True, eq=False)
-class StagePath:
-    variant: BatchVariant
-    entry: EntryPath
-    exit: ExitPath
+@attrs.frozen(eq=False, repr=False)
+class StagePlan(Stage):
+    """Everything bound for one stage: its facts, its providers, and a path per variant."""
 
+    #: (provider, where it came from) in the order they are asked
+    providers: tuple = ()
+    #: providers that may let this FFN's MoE defer its finalize (`DefersFinalize`)
+    finalize_providers: tuple = ()
+    #: providers that may take an FFN's non-all-reduce sum at the next input (`DefersAllReduce`)
+    all_reduce_providers: tuple = ()
+    paths: Mapping[BatchVariant, StagePath] = attrs.field(factory=dict, converter=lambda p: types.MappingProxyType(dict(p)))
+    #: why a variant the topology could carry has no path here (shown by describe and errors)
+    unsupported: Mapping[BatchVariant, str] = attrs.field(factory=dict, converter=lambda u: types.MappingProxyType(dict(u)))
+    #: the residual this stage's read produces is never written in place by the next local
+    #: input path, so a capture of it may be retained without a copy
+    capture_owned: bool = False
+    #: (kind, publisher) pairs told which rows the compute input holds (`publish_rows=`)
+    row_publishers: tuple = ()
+    #: an FFN whose sum is not one all-reduce (LoRA): defer only when a provider accepts the batch
+    fused_consumer_only: bool = False
 
-class StagePlan:
-    """Everything bound for one stage: declaration, norm, providers, and a path per variant."""
-
-    def __init__(self, declaration, norm, options, parallel, policy: ReductionPolicy, label: str):
-        self.declaration = declaration
-        self.kind: StageKind = declaration.kind
-        self.norm = norm
-        self.options = options
-        self.parallel = parallel
-        self.policy = policy
-        self.label = label
-        self.terminal = declaration.terminal
-        self.is_branch = declaration.prepared_from is not None
-        self.enters_stack = declaration.previous is None and not self.is_branch
-        self.read = declaration.read
-        self.hidden_size = getattr(norm, "hidden_size", None)
-        self.qkv_latent_func = options.get("qkv_latent_func")
-        self.fusions = options.get("fusions")
-        self.providers: list[tuple[Any, str]] = []
-        self.finalize_providers: tuple = ()
-        self.all_reduce_providers: tuple = ()
-        self.paths: dict[BatchVariant, StagePath] = {}
-        #: why a variant the topology could carry has no path here (shown by describe and errors)
-        self.unsupported: dict[BatchVariant, str] = {}
-        self.description: Optional[StageDescription] = None
-        #: the residual this stage's read produces is never written in place by the next local
-        #: input path, so a capture of it may be retained without a copy
-        self.capture_owned = False
-        #: an FFN whose sum is not one all-reduce (LoRA, TP1 shared expert): defer only when a
-        #: provider accepts the batch (`can_defer_all_reduce`)
-        self.fused_consumer_only = False
-        #: (kind, adapter) pairs told which rows the compute input holds (`publish_rows=`)
-        self.row_adapters: tuple = ()
-
-    # runtime selection ----------------------------------------------------------------------
     def path_for(self, fwd) -> StagePath:
         try:
             return self.paths[fwd.variant]
@@ -203,101 +177,19 @@ class StagePlan:
         reason = self.unsupported.get(variant)
         return f"{message} (stage {self.label}: {reason})" if reason else message
 
-    # facts for providers ----------------------------------------------------------------------
-    @property
-    def norm_name(self) -> str:
-        name = type(self.norm).__name__ if self.norm is not None else "no norm"
-        fmt = getattr(self.read, "quant_format", None)
-        if fmt is not None:
-            return f"{name}, quantized to {fmt.replace('_', ' ')} (compute gets an Fp8Input)"
-        return name
-
-    def group(self, sum_group: SumGroup):
-        return self.parallel.groups[sum_group.group_name]
-
-    @property
-    def output_sum(self) -> Optional[SumGroup]:
-        return output_sum_group(self.declaration)
-
     def describe(self) -> dict:
-        decl = self.declaration
-        out = {
-            "label": self.label,
-            "stage": decl.describe(),
-            "producer": decl.previous.describe() if decl.previous is not None else ("branch source" if self.is_branch else "stack input"),
-            "consumer": decl.following.describe() if decl.following is not None else ("final norm" if self.terminal else "next stage"),
-            "variants": {
-                v.value: {"entry": p.entry.describe(self), "exit": p.exit.describe(self)} for v, p in self.paths.items()
-            },
-        }
-        if self.unsupported:
-            out["unsupported"] = {v.value: reason for v, reason in self.unsupported.items()}
-        return out
-
-    def __repr__(self) -> str:
-        return f"StagePlan({self.label}: {self.declaration.describe()})"
-
-
-def output_sum_group(decl) -> Optional[SumGroup]:
-    if decl.kind in (StageKind.ATTENTION, StageKind.MIXER):
-        return SumGroup.ATTN_TP
-    return SumGroup.MOE_OUTPUT if decl.sparse else SumGroup.TP
-
-
-def arriving_sum(decl) -> tuple[str, Optional[SumGroup]]:
-    """What the output arriving at `decl`'s input may owe: ("declared"|"dynamic"|"nothing", group)."""
-    prev = decl.previous
-    if prev is None:
-        return "nothing", None
-    if prev.kind is StageKind.ATTENTION:
-        return "declared", SumGroup.ATTN_TP
-    if prev.kind is StageKind.MIXER:
-        if decl.kind is StageKind.FFN:
-            return "declared", SumGroup.ATTN_TP
-        return "dynamic", SumGroup.ATTN_TP
-    if prev.reduction is ProducerReduction.LOCAL_TAIL:
-        return "nothing", None
-    return "dynamic", output_sum_group(prev)
-
-
-def _norm_kind(norm) -> str:
-    if isinstance(norm, GemmaRMSNorm):
-        return "gemma_rms"
-    return "rms" if is_rms_norm(norm) else "other"
-
-
-def describe_stage(plan: StagePlan) -> StageDescription:
-    decl = plan.declaration
-    expects, group = arriving_sum(decl)
-    source = decl.previous if decl.previous is not None else decl.prepared_from
-    return StageDescription(
-        kind=decl.kind,
-        label=plan.label,
-        sparse=decl.sparse,
-        terminal=decl.terminal,
-        enters_stack=plan.enters_stack,
-        topology=plan.parallel.topology,
-        incoming_sum=group if expects != "nothing" else None,
-        plain_update=bool(source is not None and source.update.plain_add),
-        plain_read=bool(decl.read.plain_norm),
-        norm_kind=_norm_kind(plan.norm),
-        hidden_size=getattr(plan.norm, "hidden_size", None),
-        eps=getattr(plan.norm, "eps", None),
-        residual=decl.residual,
-        reduction=plan.policy,
-        output_sum=output_sum_group(decl),
-    )
+        return _describe.plan(self)
 
 
 # ---------------------------------------------------------------------------------------------
-# the planner
+# the paths of one variant (pure: facts in, frozen paths out)
 # ---------------------------------------------------------------------------------------------
 
 
-def _supports_slices(plan: StagePlan) -> bool:
-    topo = plan.parallel.topology
-    decl = plan.declaration
-    if topo.attn_dp > 1 or topo.attn_cp > 1 or topo.attn_tp < 2 or plan.is_branch:
+def _supports_slices(stage: Stage) -> bool:
+    topo = stage.parallel.topology
+    decl = stage.declaration
+    if topo.attn_dp > 1 or topo.attn_cp > 1 or topo.attn_tp < 2 or stage.is_branch:
         return False
     if decl.residual_ops is not None and not decl.residual_ops.supports_slices:
         return False
@@ -309,198 +201,244 @@ def _supports_slices(plan: StagePlan) -> bool:
     return True
 
 
-def _entry(plan: StagePlan, variant: BatchVariant, candidates) -> EntryPath:
-    decl = plan.declaration
-    topo = plan.parallel.topology
-    if plan.is_branch:
-        return EntryPath(mode="branch")
-    expects, _ = arriving_sum(decl)
+def _entry(stage: Stage, variant: BatchVariant, candidates, publishers) -> EntryPath:
+    decl = stage.declaration
+    topo = stage.parallel.topology
+    if stage.is_branch:
+        return EntryPath(mode=EntryMode.BRANCH)
+    owed, _ = arriving_sum(decl)
     source = decl.previous
     arrives_plain = None if source is None else bool(source.update.plain_add)
-    slices = variant in SLICE_VARIANTS
-    if expects == "dynamic" and (topo.attn_dp > 1 or topo.attn_cp > 1 or variant is not BatchVariant.ORDINARY):
-        expects = "nothing"  # producers defer sums and finalizes only on ordinary rows without DP/CP
-    if slices:
-        if decl.is_attention_like and variant is BatchVariant.INPUT_SCATTERED and plan.qkv_latent_func is not None:
-            latent = plan.qkv_latent_func
-
-            def move(x, fwd, _latent=latent, _plan=plan):
-                if not _plan.row_adapters:
-                    return gather_slices(_latent(x), fwd)
-                from ._row_publishers import rows_in_scope
-
-                with rows_in_scope(_plan, RowLayout.ATTN_TP_SLICE, fwd):  # the latent runs on the slice
-                    return gather_slices(_latent(x), fwd)
-
-            name = "qkv_latent_func on the slice, then all_gatherv@attn_tp of the latent"
+    if owed is Owed.DYNAMIC and not defers_to_next_input(topo, variant):
+        owed = Owed.NOTHING  # producers defer only where the rule lets them (and they use the same rule)
+    if variant in SLICE_VARIANTS:
+        latent = stage.qkv_latent_func
+        if decl.is_attention_like and variant is BatchVariant.INPUT_SCATTERED and latent is not None:
+            move, name = _LatentMove(latent, stage.label, publishers), "qkv_latent_func on the slice, then all_gatherv@attn_tp of the latent"
         else:
             move, name = gather_slices, "all_gatherv@attn_tp of the input slices"
-        mode = "enter" if source is None else "scatter"
-        # an SP/IS mixer before a mixer leaves its sum declared too (see MixerExit)
+        # an SP/IS mixer before a mixer leaves its sum declared too (see the mixer exit)
         return EntryPath(
-            mode=mode,
-            residual_rows=SLICE_ROWS,
+            mode=EntryMode.ENTER if source is None else EntryMode.SCATTER,
+            residual_rows=RowLayout.ATTN_TP_SLICE,
             input_move=move,
             input_move_name=name,
             arrives_plain=arrives_plain,
-            expects="declared" if source is not None and source.is_attention_like else expects,
-            slices_on_entry=True,
+            owed=Owed.DECLARED if source is not None and source.is_attention_like else owed,
             capture_allocates=True,
         )
     needs_full = decl.kind is StageKind.FFN and topo.attn_dp > 1
     move, name = (dp_gather, "all_gatherv@attn_dp of the input to full rows") if needs_full else (None, "")
     rows = RowLayout.DP_GATHERED if needs_full else RowLayout.DP_LOCAL
     if source is None:
-        return EntryPath(mode="enter", input_move=move, input_move_name=name, compute_rows=rows)
+        return EntryPath(mode=EntryMode.ENTER, input_move=move, input_move_name=name, compute_rows=rows)
     plain = arrives_plain and decl.read.plain_norm and source.output_transform is None
     fusable = arrives_plain and read_format(decl.read) is not None and source.output_transform is None
-    if (
-        needs_full
-        and expects == "declared"
-        and plain
-        and not decl.read.before_gather
-        and topo.attn_tp > 1
-        and topo.attn_cp == 1
-    ):
-        return EntryPath(
-            mode="dp_partial", input_move=move, input_move_name="", arrives_plain=True, expects=expects, compute_rows=rows
-        )
-    use_candidates = expects != "nothing" and fusable and is_rms_norm(plan.norm)
+    if needs_full and owed is Owed.DECLARED and plain and not decl.read.before_gather and topo.attn_tp > 1 and topo.attn_cp == 1:
+        return EntryPath(mode=EntryMode.DP_PARTIAL, input_move=move, arrives_plain=True, owed=owed, compute_rows=rows)
+    use_candidates = owed is not Owed.NOTHING and fusable and is_rms_norm(stage.norm)
     return EntryPath(
-        mode="local",
+        mode=EntryMode.LOCAL,
         input_move=move,
         input_move_name=name,
         candidates=candidates if use_candidates else (),
         arrives_plain=arrives_plain,
-        expects=expects,
-        add_norm=plan.norm.add_forward if plain and is_rms_norm(plan.norm) and type(decl.read) is NormRead else None,
+        owed=owed,
+        add_norm=stage.norm.add_forward if plain and is_rms_norm(stage.norm) and type(decl.read) is NormRead else None,
         compute_rows=rows,
     )
 
 
-def _exit(plan: StagePlan, variant: BatchVariant) -> ExitPath:
-    decl = plan.declaration
-    topo = plan.parallel.topology
-    policy = plan.policy
-    sum_group = output_sum_group(decl)
-    group = plan.group(sum_group)
+class _LatentMove:
+    """The input move of an input-scattered attention with a `qkv_latent_func`: the latent
+    runs on this rank's slice (publishing slice rows to the row publishers, when the stage has
+    any), then its output gathers over attention TP."""
+
+    __slots__ = ("latent", "label", "publishers")
+
+    def __init__(self, latent, label: str, publishers: tuple):
+        self.latent = latent
+        self.label = label
+        self.publishers = publishers
+
+    def __call__(self, x, fwd):
+        if not self.publishers:
+            return gather_slices(self.latent(x), fwd)
+        with rows_in_scope(self.label, self.publishers, RowLayout.ATTN_TP_SLICE, fwd):  # the latent runs on the slice
+            return gather_slices(self.latent(x), fwd)
+
+
+def _dp_scatter_route(rs: bool, rsv: bool) -> Optional[ReduceScatter]:
+    if not (rs or rsv):
+        return None
+    kinds = [k for k, ok in (("rs (MAX_LEN padding)", rs), ("rsv (SUM_LEN)", rsv)) if ok]
+
+    def eligible(fwd, _rs=rs, _rsv=rsv):
+        padded = fwd.dp_padding is DpPadding.MAX_LEN
+        return (_rs and padded) or (_rsv and not padded)
+
+    return ReduceScatter(
+        name=f"reduce_scatter@tp ({' or '.join(kinds)}) then all_gatherv@attn_tp back to DP rows (mlp_reduce_scatter)",
+        eligible=eligible,
+        run=lambda out, fwd, group: dp_reduce_scatter(out, fwd),
+    )
+
+
+def _slice_scatter_route(rs: bool, rsv: bool) -> Optional[ReduceScatter]:
+    if not (rs or rsv):
+        return None
+
+    def eligible(fwd, _rs=rs, _rsv=rsv):
+        sizes = fwd.slice_sizes
+        return _rsv or (_rs and min(sizes) == max(sizes))
+
+    return ReduceScatter(
+        name="reduce_scatterv@attn_tp onto the slice (mlp_reduce_scatter)",
+        eligible=eligible,
+        run=lambda out, fwd, group: reduce_scatter_slices(out, fwd),
+    )
+
+
+def _exit(stage: Stage, variant: BatchVariant, finalize_ok: bool) -> ExitPath:
+    decl = stage.declaration
+    topo = stage.parallel.topology
+    policy = stage.policy
     transform = decl.output_transform
     update = decl.update
     slices = variant in SLICE_VARIANTS
+    defers = defers_to_next_input(topo, variant)
     deferrable_update = update.outlives_layer and not update.at_producer and transform is None
     if decl.kind is StageKind.ATTENTION:
-        return ExitPath(role="declared", sum_group=sum_group, group=group)
+        return ExitPath.of(stage)
     if decl.kind is StageKind.MIXER:
         following = decl.following
         leaves = slices or (following is not None and following.kind is StageKind.FFN)
         may_defer = (
-            not leaves
-            and not decl.terminal
-            and following is not None
-            and topo.attn_dp == 1
-            and topo.attn_tp > 1
-            and deferrable_update
+            defers and not leaves and not decl.terminal and following is not None and topo.attn_tp > 1 and deferrable_update
         )
-        return ExitPath(role="mixer", sum_group=sum_group, group=group, leaves_declared=leaves, may_defer=may_defer)
+        return ExitPath.of(stage, leaves_declared=leaves, may_defer=may_defer)
     # FFN
     scatter_ok = transform is None or transform.before_reduce_scatter
     if slices:
-        return ExitPath(
-            role="ffn",
-            sum_group=sum_group,
-            group=group,
-            output_rows=SLICE_ROWS,
-            rs_kind="slice",
-            rs_allowed=scatter_ok and policy.allows_rs,
-            rsv_allowed=scatter_ok and policy.allows_rsv,
-            complete_move="slice",
+        return ExitPath.of(
+            stage,
+            output_rows=RowLayout.ATTN_TP_SLICE,
+            output_move=take_slice,
+            output_move_name="this rank's slice",
+            scatter=_slice_scatter_route(scatter_ok and policy.allows_rs, scatter_ok and policy.allows_rsv),
         )
     if topo.attn_dp > 1:
         dp_rs = scatter_ok and topo.attn_cp == 1
-        return ExitPath(
-            role="ffn",
-            sum_group=sum_group,
-            group=group,
-            rs_kind="dp",
-            rs_allowed=dp_rs and policy.allows_rs,
-            rsv_allowed=dp_rs and policy.allows_rsv,
-            complete_move="dp_scatter",
-            compute_rows_full=True,
+        return ExitPath.of(
+            stage,
+            compute_rows=RowLayout.DP_GATHERED,
+            output_move=dp_scatter,
+            output_move_name="this DP rank's rows",
+            scatter=_dp_scatter_route(dp_rs and policy.allows_rs, dp_rs and policy.allows_rsv),
         )
-    may_defer = (
-        not decl.terminal
-        and decl.reduction is ProducerReduction.SCOPED
-        and deferrable_update
-        and topo.attn_cp == 1
-        and group.size > 1
-    )
-    return ExitPath(
-        role="ffn",
-        sum_group=sum_group,
-        group=group,
-        may_defer=may_defer,
-        handoff_ok=bool(plan.finalize_providers) and decl.reduction is ProducerReduction.SCOPED,
+    scoped = decl.reduction is ProducerReduction.SCOPED
+    group = stage.group(stage.output_sum)
+    return ExitPath.of(
+        stage,
+        may_defer=defers and not decl.terminal and scoped and deferrable_update and group.size > 1,
+        handoff_ok=defers and finalize_ok and scoped,
     )
 
 
-def _decision_is_static(ex: ExitPath) -> bool:
-    """An FFN exit that can only let compute reduce (no deferral, scatter or handoff)."""
-    return ex.role == "ffn" and not (ex.may_defer or ex.handoff_ok or ex.rs_allowed or ex.rsv_allowed)
-
-
-def plan_stage(declaration, norm, options, *, parallel, policy, label, registry) -> StagePlan:
-    """Build one stage's plan with a path for every variant the topology supports."""
-    plan = StagePlan(declaration, norm, options, parallel, policy, label)
-    plan.description = describe_stage(plan)
-    plan.providers = build_providers(plan.fusions, plan.description, registry)
-    plan.finalize_providers = tuple(p for p, _ in plan.providers if hasattr(p, "can_defer_finalize"))
-    plan.all_reduce_providers = tuple(p for p, _ in plan.providers if hasattr(p, "can_defer_all_reduce"))
-    candidates = consumer_candidates(plan, plan.providers)
+def stage_paths(stage: Stage, candidates, *, finalize_ok: bool, publishers: tuple = ()) -> dict[BatchVariant, StagePath]:
+    """The ordinary path of `stage`, and its sequence-parallel and input-scattered paths where
+    the topology supports them."""
     variants = [BatchVariant.ORDINARY]
-    if _supports_slices(plan):
+    if _supports_slices(stage):
         variants += list(SLICE_VARIANTS)
-    for variant in variants:
-        exit_path = _exit(plan, variant)
-        if _decision_is_static(exit_path):
-            from ._exit import COMPLETE_NOW
-
-            exit_path.static_decision = COMPLETE_NOW
-        plan.paths[variant] = StagePath(variant, _entry(plan, variant, candidates), exit_path)
-    if parallel.topology.attn_cp > 1:
-        _bind_context_parallel(plan, registry)
-    if options.get("publish_rows"):
-        from ._row_publishers import bind_row_adapters
-
-        bind_row_adapters(plan, registry)
-    return plan
+    return {v: StagePath(v, _entry(stage, v, candidates, publishers), _exit(stage, v, finalize_ok)) for v in variants}
 
 
-def _bind_context_parallel(plan: StagePlan, registry) -> None:
-    """Ask the adapters of kind "cp" for this stage's CP path, in registry order.
+# ---------------------------------------------------------------------------------------------
+# the planning function
+# ---------------------------------------------------------------------------------------------
 
-    A factory returns a `StagePath` (entry mode "adapter", exit role "adapter"), None when it
-    does not apply, or raises `NotImplementedError(reason)` for a stage it knows it cannot carry.
-    A stage no adapter takes keeps no CP path: its ordinary (decode) path still works, and a CP
-    batch raises the guide's NO_VARIANT error with the recorded reason.
-    """
+
+def _context_parallel(stage: Stage, ordinary: StagePath, registry) -> tuple[Optional[StagePath], Optional[str]]:
+    """The CP path from the first provider that takes the stage, or the reasons none did."""
     variant = BatchVariant.CONTEXT_PARALLEL
-    if plan.is_branch:
+    if stage.is_branch:
         # the guide: construction rejects CP (and SP/IS) for branch transport
         raise NotImplementedError("prepared branch transport requires ordinary token rows")
-    adapters = registry.adapters_of("cp")
-    if not adapters:
-        raise missing_feature(f"context parallel (attn_cp={plan.parallel.topology.attn_cp})", "cp")
+    providers = registry.cp_paths
+    if not providers:
+        raise missing_feature(f"context parallel (attn_cp={stage.parallel.topology.attn_cp})", "cp")
+    request = CpPathRequest(stage, ordinary)
     reasons = []
-    for item in adapters:
+    for item in providers:
         try:
-            bound = item.record.factory(plan)
+            path = item.record.factory(request)
         except NotImplementedError as exc:
             reasons.append(f"{item.name}: {exc}")
             continue
-        if bound is not None:
-            if not isinstance(bound, StagePath) or bound.variant is not variant:
-                raise TypeError(f"CP adapter {item.name!r} must return a StagePath for {variant!r}, got {bound!r}")
-            plan.paths[variant] = bound
-            return
+        if path is not None:
+            if not isinstance(path, StagePath) or path.variant is not variant:
+                raise TypeError(f"CP path provider {item.name!r} must return a StagePath for {variant!r}, got {path!r}")
+            return path, None
         reasons.append(f"{item.name} does not apply")
-    plan.unsupported[variant] = "; ".join(reasons)
+    return None, "; ".join(reasons)
+
+
+def _plan(stage: Stage, registry) -> StagePlan:
+    providers = tuple(build_providers(stage.fusions, stage.description, registry))
+    finalize = tuple(p for p, _ in providers if isinstance(p, DefersFinalize))
+    all_reduce = tuple(p for p, _ in providers if isinstance(p, DefersAllReduce))
+    candidates = consumer_candidates(stage, providers)
+    publishers, fused_only = bind_row_publishers(stage, registry)
+    paths = stage_paths(stage, candidates, finalize_ok=bool(finalize), publishers=publishers)
+    unsupported = {}
+    if stage.parallel.topology.attn_cp > 1:
+        path, reason = _context_parallel(stage, paths[BatchVariant.ORDINARY], registry)
+        if path is not None:
+            paths[BatchVariant.CONTEXT_PARALLEL] = path
+        else:
+            unsupported[BatchVariant.CONTEXT_PARALLEL] = reason
+    return StagePlan(
+        stage.declaration,
+        stage.norm,
+        stage.options,
+        stage.parallel,
+        stage.policy,
+        stage.label,
+        providers=providers,
+        finalize_providers=finalize,
+        all_reduce_providers=all_reduce,
+        paths=paths,
+        unsupported=unsupported,
+        row_publishers=publishers,
+        fused_consumer_only=fused_only,
+    )
+
+
+def plan_stages(items, *, parallel, policy: ReductionPolicy, label: str, registry) -> tuple[StagePlan, ...]:
+    """The plans of locally connected stages (`(declaration, norm, options)` items in order).
+
+    The capture certificate flows producer-ward: a stage may hand a capture of the residual it
+    reads without a copy when the next local stage's input path never writes it in place.
+    """
+    stages = [
+        Stage(decl, norm, options, parallel, policy, label if len(items) == 1 else f"{label}.{i}:{decl.kind.value}")
+        for i, (decl, norm, options) in enumerate(items)
+    ]
+    plans = [_plan(stage, registry) for stage in stages]
+    _check_mixer_neighbours(plans[-1])
+    out = []
+    for current, nxt in zip(plans, plans[1:] + [None]):
+        entry = nxt.paths[BatchVariant.ORDINARY].entry if nxt is not None else None
+        owned = entry is not None and entry.mode is EntryMode.LOCAL and entry.preserves_residual
+        out.append(attrs.evolve(current, capture_owned=True) if owned else current)
+    return tuple(out)
+
+
+def _check_mixer_neighbours(last: StagePlan) -> None:
+    decl = last.declaration
+    if decl.kind is StageKind.MIXER and not decl.terminal and decl.following is None:
+        raise ValueError(
+            f"stage {last.label}: a mixer that ends its make_stages call needs following= (the declaration of the next "
+            "stage), unless it is terminal; the next stage derives whether the mixer's sum is left to it from the same fact"
+        )

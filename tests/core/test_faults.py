@@ -21,7 +21,7 @@ from layer_boundary import (
     residual_batch,
 )
 from layer_boundary import _debug as debug_module
-from layer_boundary._residual.add_norm import add_rms_norm
+from layer_boundary.plugin import add_rms_norm
 from layer_boundary.testing.threaded import CollectiveAborted, ThreadWorld, run_threaded
 
 H = 4

@@ -87,13 +87,13 @@ def _require_features(args, topology) -> None:
     from ..plugin._manager import get_registry
 
     registry = get_registry()
-    if topology.attn_cp > 1 and not registry.adapters_of("cp"):
+    if topology.attn_cp > 1 and not registry.cp_paths:
         raise UsageError(str(missing_feature(f"--attn-cp {topology.attn_cp}", "cp")))
-    if args.tbo and not registry.adapters_of("tbo"):
+    if args.tbo and not registry.overlaps:
         raise UsageError(str(missing_feature("--tbo", "tbo")))
     if args.lora < 0:
         raise UsageError(f"--lora takes a number of adapters (0 for none), got {args.lora}")
-    if args.lora and not registry.adapters_of("lora"):
+    if args.lora and not registry.row_publishers_of("lora"):
         raise UsageError(str(missing_feature(f"--lora {args.lora}", "lora")))
     try:
         check_requirements(family(args.model))

@@ -409,6 +409,6 @@ register_model(
         # HF routes in fp32 from a float64 model too: a decode step scores one row at a time there
         # (a CPU GEMV) and a batch here (a GEMM), which round differently (~1e-7 relative)
         tolerances={"float64": 1e-5},
-        requires=(("adapter", "branch"),),
+        requires=(("branches", "branch"),),
     )
 )

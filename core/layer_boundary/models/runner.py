@@ -56,14 +56,16 @@ def make_requests(vocab: int, batch: int, prompt_tokens: int, decode_steps: int,
 
 
 def token_mapping(parallel, lengths, order, device):
-    """The token mapping of a context-parallel batch, from the installed CP plugin (kind "cp_batch")."""
+    """The token mapping of a context-parallel batch, from the installed CP plugin
+    (`layer_boundary_token_mappings`)."""
     from .._errors import missing_feature
     from ..plugin._manager import get_registry
+    from ..plugin._requests import TokenMappingRequest
 
-    found = get_registry().adapters_of("cp_batch")
+    found = get_registry().token_mappings
     if not found:
         raise missing_feature(f"a context-parallel batch (attn_cp={parallel.topology.attn_cp})", "cp")
-    return found[0].record.factory({"parallel": parallel, "lengths": tuple(lengths), "order": order, "device": device})
+    return found[0].record.factory(TokenMappingRequest(parallel, lengths, order, device))
 
 
 def _sync(device: str) -> None:

@@ -1,8 +1,9 @@
-"""Hook specifications. Each hook takes no arguments and yields frozen records.
+"""Hook specifications: one hook per extension point.
 
-Because the hooks take no arguments their results are fixed per process, so the registry
-computes them once and every rank sees the same records in the same order. Everything that
-depends on a stage or a batch goes to the records' factories, never to the hooks.
+Registration hooks take no arguments and yield frozen records; their results are fixed per
+process, so the registry computes them once and every rank sees the same records in the same
+order. What depends on a stage or a batch goes to the records' factories, as a typed request.
+Life-cycle hooks are verbs: the core calls them with a typed request on every rank.
 """
 
 from __future__ import annotations
@@ -11,8 +12,18 @@ from typing import TYPE_CHECKING, Iterable
 
 import pluggy
 
-if TYPE_CHECKING:  # records import torch-free modules only, but keep the spec import light
-    from ._records import Adapter, FusionProvider, ResidualKind
+if TYPE_CHECKING:  # keep the spec import light
+    from ._records import (
+        Adapter,
+        BranchProvider,
+        CpPathProvider,
+        FusionProvider,
+        OverlapProvider,
+        ResidualKind,
+        RowPublisher,
+        TokenMappingProvider,
+    )
+    from ._requests import PrepareRequest, ReleaseRequest
 
 PROJECT = "layer_boundary"
 hookspec = pluggy.HookspecMarker(PROJECT)
@@ -20,23 +31,24 @@ hookimpl = pluggy.HookimplMarker(PROJECT)
 
 
 class LayerBoundarySpecs:
+    # ---- registration hooks: records -------------------------------------------------------
+
     @hookspec
     def layer_boundary_fusion_providers(self) -> "Iterable[FusionProvider]":
-        """Yield `FusionProvider` records.
+        """Yield `FusionProvider` records: fused completion of what a stage's input owes.
 
-        A provider's `factory(stage)` receives a frozen `StageDescription` at model
-        construction and returns a provider object (with any of `attention_input(plan)`,
-        `ffn_input(plan)`, `can_defer_finalize(plan, forward)`, `can_defer_all_reduce(plan,
-        forward)`) or None when it does not apply. Candidates are tried in the order
-        (-priority, name) after the stage's explicit `fusions=` provider and before the
-        built-in unfused completion. A runtime candidate that declines returns None before it
-        touches an input or starts a collective.
+        `factory(stage)` receives a frozen `StageDescription` at model construction and
+        returns a provider object (capabilities: `AttentionInputFusion`, `FfnInputFusion`,
+        `DefersFinalize`, `DefersAllReduce`) or None when it does not apply. Candidates are
+        tried in the order (-priority, name), after the stage's explicit `fusions=` provider
+        and before the built-in unfused completion. A candidate that declines returns None
+        before it touches an input or starts a collective.
 
         Example::
 
             @hookimpl
             def layer_boundary_fusion_providers():
-                yield FusionProvider(name="acme.ar_add_rmsnorm", priority=200,
+                yield FusionProvider(name="acme.ar_add_rmsnorm", priority=Priority.VENDOR,
                                      factory=build_acme_provider,
                                      description="all-reduce + add + RMSNorm on Acme GPUs")
         """
@@ -46,19 +58,69 @@ class LayerBoundarySpecs:
     def layer_boundary_residual_kinds(self) -> "Iterable[ResidualKind]":
         """Yield `ResidualKind` records: named residual semantics (update + read pairs).
 
-        Model code asks for one by its `kind`: `declare_attn(residual=residual_kind("mhc",
-        n_streams=4))`. The record with the highest priority among those of that kind wins.
+        Model code asks for one by its `kind`, with the options its factory takes; the
+        highest-priority record of that kind wins. The mhc plugin's kind, for example::
+
+            ops = residual_kind("mhc", streams=4, attn=attn_mapping, ffn=ffn_mapping, head=head)
+            declare_attn(residual=ops), declare_ffn(residual=ops)
         """
         yield from ()
 
     @hookspec
-    def layer_boundary_adapters(self) -> "Iterable[Adapter]":
-        """Yield `Adapter` records: row transports that a plain prepare cannot express
-        (context parallel, two-batch overlap, branches, LoRA row publication).
+    def layer_boundary_cp_paths(self) -> "Iterable[CpPathProvider]":
+        """Yield `CpPathProvider` records: the context-parallel path of a stage.
 
-        The core looks adapters up by `kind` when a stage or a batch needs one; a missing kind
-        raises an error that names the distribution providing it. A stage built with
-        `publish_rows=(kind, ...)` binds row adapters (`factory(plan)`), told after each
-        `prepare()` which rows the compute input holds (see `layer_boundary._row_publishers`).
+        Asked for every stage when the topology has attention CP > 1: `factory(request)`
+        receives a `CpPathRequest` (the stage's facts and its ordinary path) and returns a
+        `StagePath` for `BatchVariant.CONTEXT_PARALLEL`, None, or raises
+        `NotImplementedError(reason)`. A stage no provider takes has no CP path: its CP batches
+        raise the guide's `no stage boundary path for the active CONTEXT_PARALLEL batch`.
         """
         yield from ()
+
+    @hookspec
+    def layer_boundary_token_mappings(self) -> "Iterable[TokenMappingProvider]":
+        """Yield `TokenMappingProvider` records: `factory(request)` receives a
+        `TokenMappingRequest` and returns the token mapping of a CP batch (`Forward(cp=...)`)."""
+        yield from ()
+
+    @hookspec
+    def layer_boundary_overlaps(self) -> "Iterable[OverlapProvider]":
+        """Yield `OverlapProvider` records: `factory(request)` receives an `OverlapRequest` and
+        returns what `two_batch_overlap(forward)` gives the model (an `Overlap`), or None."""
+        yield from ()
+
+    @hookspec
+    def layer_boundary_branches(self) -> "Iterable[BranchProvider]":
+        """Yield `BranchProvider` records: `factory(request)` receives a `BranchRequest` and
+        returns what `branch_input`, `branch_output` and `merge_branch` run on (a
+        `BranchTransport`), or None."""
+        yield from ()
+
+    @hookspec
+    def layer_boundary_row_publishers(self) -> "Iterable[RowPublisher]":
+        """Yield `RowPublisher` records of a `kind`: a stage built with `publish_rows=(kind,)`
+        binds the first whose `factory(request)` (a `RowPublisherRequest`) returns an object
+        (`PublishesRows`); after every `prepare()` the stage publishes each bound publisher's
+        per-row facts on the compute input's rows (`get_compute_rows()`)."""
+        yield from ()
+
+    @hookspec
+    def layer_boundary_adapters(self) -> "Iterable[Adapter]":
+        """Deprecated: yield `Adapter` records. Each is mapped onto the extension point of its
+        kind (see `Adapter`), with a `DeprecationWarning` naming the replacement."""
+        yield from ()
+
+    # ---- life-cycle hooks: verbs ----------------------------------------------------------
+
+    @hookspec
+    def layer_boundary_prepare_model(self, request: "PrepareRequest") -> None:
+        """Prepare a model before its first forward and before any CUDA-graph capture:
+        workspaces, compiled kernels, agreements across ranks (`request.model`,
+        `request.max_tokens`). Called on every rank, in plugin-name order, by
+        `layer_boundary.prepare_model()`; a collective here must run on every rank."""
+
+    @hookspec
+    def layer_boundary_release_model(self, request: "ReleaseRequest") -> None:
+        """Release what `layer_boundary_prepare_model` created. Called on every rank, in reverse
+        plugin-name order, by `layer_boundary.release_model()`, before the process groups go."""

@@ -21,10 +21,7 @@ from __future__ import annotations
 
 import torch
 
-from layer_boundary._contracts import FusedMlpInput
-from layer_boundary._layers import MoeFinalizeHandoff
-from layer_boundary._layout import SumGroup
-from layer_boundary._output import UnreducedOutput
+from layer_boundary import FusedMlpInput, MoeFinalizeHandoff, SumGroup, UnreducedOutput
 
 __all__ = ["FlashInferFusion", "FlashInferFinalizeFusion", "AllReduceAddNorm", "FinalizeAddNorm", "AR_NAME", "FINALIZE_NAME"]
 

@@ -18,8 +18,7 @@ from typing import Optional
 import attrs
 import torch
 
-from layer_boundary._residual.add_norm import GemmaRMSNorm, RMSNorm
-from layer_boundary._stage import StageBoundary, boundaries_of
+from layer_boundary import GemmaRMSNorm, RMSNorm, StageBoundary, boundaries_of
 
 from .eligibility import ENABLE_ENV, SUPPORTED_DTYPES, finalize_stage_reason, settings, stage_reason
 from .provider import FlashInferFinalizeFusion, FlashInferFusion

@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from layer_boundary.models import family, model_config
-from layer_boundary._parallel import Parallel, Topology
+from layer_boundary import Parallel, Topology
 
 from .decoder_driver import MOE_CONFIG, max_rel_diff, requests, run_decoder
 

@@ -171,7 +171,7 @@ def prompt_batches(config, sizes=(5, 1, 3), seed=7):
 @torch.inference_mode()
 def model_logits(model, parallel, prompts):
     """Prefill `prompts` (one request each, batched) then one decode step; logits of both."""
-    from layer_boundary._forward import Forward, ForwardMode
+    from layer_boundary import Forward, ForwardMode
     from layer_boundary.models.attention import StepLayout
 
     cache = model.new_cache()
