@@ -139,7 +139,6 @@ def _reference(args, config, job, dtype):
     from ..models import oracle
     from ..models.runner import run_rank
     from ..parallel import Parallel
-    from ..placement import current_placement, place_ranks
 
     if args.check == "none":
         return None

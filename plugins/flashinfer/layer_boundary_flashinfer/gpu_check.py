@@ -200,6 +200,25 @@ def check_boundary(checks, parallel, rank, args):
         return
     from .backend import oneshot_table
 
+    if DEVICE == "cuda":  # how slow this world is (ranks sharing a GPU time-slice their spinning kernels)
+        pair = pairs[False]
+        residual, partial = _inputs(1, args.hidden, torch.bfloat16, rank, seed=1)
+        fwd = pair.start(residual)
+        for calls in (1, 10):
+            _sync()
+            group.agree(True)
+            t0 = time.perf_counter()
+            for _ in range(calls):
+                pair.step(partial, fwd)
+            _sync()
+            per_call = (time.perf_counter() - t0) / calls
+        if rank == 0:
+            print(f"  (one fused boundary, 1 token, eager: {per_call * 1e3:.2f} ms in this world)", file=sys.stderr, flush=True)
+        gloo_t0 = time.perf_counter()
+        _summed(group, torch.ones(2048, args.hidden, device=_device(), dtype=torch.bfloat16))
+        _sync()
+        checks.add("boundary: this world's speed (not a measurement of the kernels)", True, fused_call_ms=per_call * 1e3,
+                   group_all_reduce_2048_rows_ms=(time.perf_counter() - gloo_t0) * 1e3)
     table = oneshot_table(args.max_tokens, args.hidden, torch.bfloat16, group.size)
     checks.add("boundary: the token counts cover the algorithms auto picks", True,
                two_shot_from=next((t for t in range(1, args.max_tokens + 1) if not table[t]), None))
