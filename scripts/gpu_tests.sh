@@ -111,7 +111,9 @@ group() {
   case $1 in
     core) run_pytest core 560 tests/models/test_static_decode.py tests/models/test_gpu_ranks.py tests/plugins/tbo ;;
     cutedsl) run_pytest cutedsl 560 tests/plugins/cutedsl ;;
-    flashinfer) run_check flashinfer2 570 python3 -m layer_boundary_flashinfer.gpu_check --ranks 2 --out "$OUT/flashinfer2" ;;
+    # FLASHINFER_CHECK_ARGS: more arguments for the check (e.g. "--only boundary models --watchdog 100")
+    flashinfer) run_check flashinfer2 "${FLASHINFER_CHECK_TIMEOUT:-570}" python3 -m layer_boundary_flashinfer.gpu_check --ranks 2 \
+                  --out "$OUT/flashinfer2" ${FLASHINFER_CHECK_ARGS:-} ;;
     flashinfer4) run_check flashinfer4 570 python3 -m layer_boundary_flashinfer.gpu_check --ranks 4 --out "$OUT/flashinfer4" \
                    --only boundary finalize models graph\ decode --models qwen3 qwen3_moe --graph-models qwen3 ;;
     contract) run_pytest contract 560 tests/plugins/test_contract_plugins.py tests/plugins/test_contract_suite.py tests/test_example_provider.py ;;
