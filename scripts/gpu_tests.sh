@@ -106,7 +106,8 @@ run_check() {  # name timeout command...
   local t0=$SECONDS
   timeout "$limit" "$@" > "$OUT/$name.log" 2>&1
   local rc=$?
-  grep -E "^FAIL|checks passed|correctness only" "$OUT/$name.log" | tail -15
+  grep -a -E "^FAIL|checks passed|correctness only|^check vs|\[rank [0-9]\] (workspace|could not)" "$OUT/$name.log" | tail -15
+  grep -a "\[rank [0-9]\] enter" "$OUT/$name.log" | tail -4
   echo "$name $rc $((SECONDS - t0)) $OUT/$name.log" >> "$RESULTS"
   return "$rc"
 }
@@ -127,6 +128,18 @@ group() {
       run_check fi4_kernels 200 $fi4 --out "$OUT/fi4_kernels" --only boundary finalize || rc=1
       run_check fi4_models 240 $fi4 --out "$OUT/fi4_models" --only models "graph decode" --models qwen3 qwen3_moe --graph-models qwen3 || rc=1
       return $rc ;;
+    # why qwen3_moe hangs with the fused kernels in the shared world (issue 20): one variant each
+    probe-moe)
+      local fi="python3 -m layer_boundary_flashinfer.gpu_check --ranks 2 --watchdog 45 --only models --models qwen3_moe"
+      LAYER_BOUNDARY_CHECK_TRACE=1 run_check moe_default 75 $fi --out "$OUT/moe_default"
+      run_check moe_dense 70 $fi --out "$OUT/moe_dense" --dense-moe
+      LAYER_BOUNDARY_FLASHINFER_FINALIZE=0 run_check moe_nofinalize 70 $fi --out "$OUT/moe_nofinalize"
+      LAYER_BOUNDARY_FLASHINFER_PDL=0 run_check moe_nopdl 70 $fi --out "$OUT/moe_nopdl"
+      run_check moe_preset 70 $fi --out "$OUT/moe_preset" --model-sizes preset
+      local cli="python3 -m layer_boundary run --model qwen3_moe --tp 2 --device cuda --check single --decode-steps 2"
+      LAYER_BOUNDARY_DISABLE_PLUGINS=flashinfer run_check cli_moe_unfused 60 $cli
+      run_check cli_moe_fused 60 $cli
+      return 0 ;;
     contract) run_pytest contract 560 tests/plugins/test_contract_plugins.py tests/plugins/test_contract_suite.py tests/test_example_provider.py ;;
     *) log "unknown group $1 (core cutedsl flashinfer flashinfer4 contract all)"; return 2 ;;
   esac

@@ -509,6 +509,48 @@ def _trace_stages(model, rank):
                                               file=sys.stderr, flush=True))
 
 
+def _watch_lamport_flags(rank, after_s: float = 40.0):
+    """Once `after_s` seconds pass, print every workspace's five control flags (Lamport counter,
+    two-shot flag, Lamport buffer index, buffer size, clear size), read through a non-blocking
+    stream so that a kernel stuck on the GPU does not block the read. Ranks whose buffer index
+    differs have launched a different number of Lamport kernels. On with LAYER_BOUNDARY_CHECK_TRACE=1."""
+    if os.environ.get("LAYER_BOUNDARY_CHECK_TRACE") != "1":
+        return
+
+    def dump():
+        time.sleep(after_s)
+        try:
+            import ctypes
+
+            import cupy
+            import numpy as np
+
+            from .service import default_manager
+
+            stream = cupy.cuda.Stream(non_blocking=True)
+            for key, slot in default_manager().slots.items():
+                if not slot.available:
+                    continue
+                table = slot.workspace.workspace_tensor
+                flag_ptr = int(table[-1].item()) if table.device.type == "cpu" else slot_flag_ptrs.get(key)
+                if not flag_ptr:
+                    continue
+                host = np.zeros(5, dtype=np.int32)
+                cupy.cuda.runtime.memcpyAsync(host.ctypes.data_as(ctypes.c_void_p).value, flag_ptr, 20, 2, stream.ptr)
+                stream.synchronize()
+                print(f"    [rank {rank}] workspace {key[0]} {key[1]}: lamport flags {host.tolist()}", file=sys.stderr, flush=True)
+        except Exception as exc:  # noqa: BLE001 - a diagnostic
+            print(f"    [rank {rank}] could not read the Lamport flags: {type(exc).__name__}: {exc}", file=sys.stderr, flush=True)
+
+    slot_flag_ptrs = {}
+    from .service import default_manager
+
+    for key, slot in default_manager().slots.items():  # read the pointers now, while the stream is free
+        if slot.available:
+            slot_flag_ptrs[key] = int(slot.workspace.workspace_tensor[-1].item())
+    threading.Thread(target=dump, daemon=True).start()
+
+
 def _build(name, parallel, dtype, state):
     from layer_boundary.models import build_model, family, model_config
     from layer_boundary.models.weights import StateDictSource
@@ -560,6 +602,7 @@ def check_model(checks, parallel, rank, name, args):
             report = prepare_flashinfer_fusion(model, max_tokens=args.max_tokens)
             checks.add(f"{name}: workspace agreed and candidates bound", report.available, report=str(report))
             _trace_stages(model, rank)
+            _watch_lamport_flags(rank)
         counter.reset()
         logits[mode] = _logits(model, counted, prompts, decode)
         counters[mode] = counter.snapshot()
