@@ -39,6 +39,7 @@ from ._layers import ColumnParallelLinear, MoeFinalizeHandoff, RowParallelLinear
 from ._layout import Layout, SumGroup, TokenAxis
 from ._output import HandoffOutput, OutputTransform, UnreducedOutput
 from ._parallel import Parallel, Topology, TopologyError
+from .placement import RankPlacement, current_placement, place_ranks
 from .plugin import Adapter, FusionProvider, Priority, ResidualKind, get_registry, hookimpl
 from ._policy import resolve_reduction
 from ._residual import ResidualOps, StageRead, StageUpdate, residual_kind
@@ -52,6 +53,9 @@ from ._stage import StageBoundary, boundaries_of
 __version__ = "0.1.0"
 
 __all__ = [
+    "RankPlacement",
+    "current_placement",
+    "place_ranks",
     "Adapter",
     "BatchFactsError",
     "BatchVariant",

@@ -141,6 +141,7 @@ def _description(stage: Stage) -> StageDescription:
         residual=decl.residual,
         reduction=stage.policy,
         output_sum=stage.output_sum,
+        read_format=read_format(decl.read),
     )
 
 

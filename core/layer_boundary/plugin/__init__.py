@@ -21,7 +21,8 @@ PrepareRequest)` before the first forward and any CUDA-graph capture, and
 Plans and paths (frozen values; CP path providers build theirs from the ordinary path):
 `Stage`, `StagePlan`, `StagePath`, `EntryPath`, `ExitPath`, `ReduceScatter`, `EntryMode`,
 `ExitRole`, `Owed`, the deferral rule `defers_to_next_input`, and the row moves `align_rows`,
-`move_residual`, `dp_gather`, `dp_scatter`, `take_slice`, `gather_slices`.
+`move_residual`, `dp_gather`, `dp_scatter`, `take_slice`, `gather_slices`; the reference
+numerics `add_rms_norm` and the quantized reads (`Fp8Input`, `quantize_fp8`, `fp8_residual`).
 
 Registry and loading: `get_registry`, `reset_registry`, `register_inline` /
 `unregister_inline` / `inline_plugin` (tests, source checkouts), `disabled_plugins`,
@@ -33,6 +34,7 @@ from .._ops import align_rows, dp_gather, dp_scatter, gather_slices, move_residu
 from .._paths import EntryMode, EntryPath, ExitPath, ExitRole, Owed, ReduceScatter, StagePath, defers_to_next_input
 from .._planning import Stage, StagePlan
 from .._residual.add_norm import add_rms_norm, is_rms_norm
+from .._residual.quant import FP8_DTYPE, Fp8Input, fp8_residual, quantize_fp8
 from ._hookspecs import PROJECT, hookimpl, hookspec
 from ._manager import (
     DISABLE_ENV,
@@ -133,6 +135,11 @@ __all__ = [
     "gather_slices",
     "add_rms_norm",
     "is_rms_norm",
+    # quantized reads (what a quantizing candidate returns)
+    "Fp8Input",
+    "FP8_DTYPE",
+    "quantize_fp8",
+    "fp8_residual",
     # registry and loading
     "Registry",
     "LoadReport",
