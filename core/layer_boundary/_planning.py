@@ -11,6 +11,7 @@ batch's variant; a variant without a path raises instead of silently using ordin
 
 from __future__ import annotations
 
+import functools
 import types
 from typing import Any, Mapping, Optional
 
@@ -23,7 +24,7 @@ from ._forward import BatchVariant, DpPadding, RowLayout
 from ._fusions import build_providers, consumer_candidates, read_format
 from ._layout import SumGroup
 from ._ops import dp_gather, dp_reduce_scatter, dp_scatter, gather_slices, reduce_scatter_slices, take_slice
-from ._paths import EntryMode, EntryPath, ExitPath, ExitRole, Owed, ReduceScatter, StagePath, defers_to_next_input
+from ._paths import EntryMode, EntryPath, ExitPath, Owed, ReduceScatter, StagePath, defers_to_next_input
 from ._residual.add_norm import GemmaRMSNorm, NormRead, is_rms_norm
 from ._row_publishers import bind_row_publishers, rows_in_scope
 from .plugin._requests import AttentionInputFusion, CpPathRequest, DefersAllReduce, DefersFinalize  # noqa: F401
@@ -269,35 +270,35 @@ class _LatentMove:
             return gather_slices(self.latent(x), fwd)
 
 
-def _dp_scatter_route(rs: bool, rsv: bool) -> Optional[ReduceScatter]:
+def _dp_eligible(rs: bool, rsv: bool, fwd) -> bool:
+    padded = fwd.dp_padding is DpPadding.MAX_LEN
+    return (rs and padded) or (rsv and not padded)
+
+
+def _slice_eligible(rs: bool, rsv: bool, fwd) -> bool:
+    sizes = fwd.slice_sizes
+    return rsv or (rs and min(sizes) == max(sizes))
+
+
+def _scatter_route(rs: bool, rsv: bool, *, dp: bool) -> Optional[ReduceScatter]:
+    """The FFN exit's reduce-scatter under attention DP (over TP, then back to DP rows) or onto
+    attention-TP slices, as far as the policy permits it (`rs`, `rsv`)."""
     if not (rs or rsv):
         return None
-    kinds = [k for k, ok in (("rs (MAX_LEN padding)", rs), ("rsv (SUM_LEN)", rsv)) if ok]
-
-    def eligible(fwd, _rs=rs, _rsv=rsv):
-        padded = fwd.dp_padding is DpPadding.MAX_LEN
-        return (_rs and padded) or (_rsv and not padded)
-
-    return ReduceScatter(
-        name=f"reduce_scatter@tp ({' or '.join(kinds)}) then all_gatherv@attn_tp back to DP rows (mlp_reduce_scatter)",
-        eligible=eligible,
-        run=lambda out, fwd, group: dp_reduce_scatter(out, fwd),
-    )
+    if dp:
+        kinds = " or ".join(k for k, ok in (("rs (MAX_LEN padding)", rs), ("rsv (SUM_LEN)", rsv)) if ok)
+        name = f"reduce_scatter@tp ({kinds}) then all_gatherv@attn_tp back to DP rows (mlp_reduce_scatter)"
+        return ReduceScatter(name=name, eligible=functools.partial(_dp_eligible, rs, rsv), run=_dp_scatter)
+    name = "reduce_scatterv@attn_tp onto the slice (mlp_reduce_scatter)"
+    return ReduceScatter(name=name, eligible=functools.partial(_slice_eligible, rs, rsv), run=_slice_scatter)
 
 
-def _slice_scatter_route(rs: bool, rsv: bool) -> Optional[ReduceScatter]:
-    if not (rs or rsv):
-        return None
+def _dp_scatter(out, fwd, group):
+    return dp_reduce_scatter(out, fwd)
 
-    def eligible(fwd, _rs=rs, _rsv=rsv):
-        sizes = fwd.slice_sizes
-        return _rsv or (_rs and min(sizes) == max(sizes))
 
-    return ReduceScatter(
-        name="reduce_scatterv@attn_tp onto the slice (mlp_reduce_scatter)",
-        eligible=eligible,
-        run=lambda out, fwd, group: reduce_scatter_slices(out, fwd),
-    )
+def _slice_scatter(out, fwd, group):
+    return reduce_scatter_slices(out, fwd)
 
 
 def _exit(stage: Stage, variant: BatchVariant, finalize_ok: bool) -> ExitPath:
@@ -321,22 +322,14 @@ def _exit(stage: Stage, variant: BatchVariant, finalize_ok: bool) -> ExitPath:
     # FFN
     scatter_ok = transform is None or transform.before_reduce_scatter
     if slices:
-        return ExitPath.of(
-            stage,
-            output_rows=RowLayout.ATTN_TP_SLICE,
-            output_move=take_slice,
-            output_move_name="this rank's slice",
-            scatter=_slice_scatter_route(scatter_ok and policy.allows_rs, scatter_ok and policy.allows_rsv),
-        )
+        scatter = _scatter_route(scatter_ok and policy.allows_rs, scatter_ok and policy.allows_rsv, dp=False)
+        return ExitPath.of(stage, output_rows=RowLayout.ATTN_TP_SLICE, output_move=take_slice, output_move_name="this rank's slice",
+                           scatter=scatter)
     if topo.attn_dp > 1:
         dp_rs = scatter_ok and topo.attn_cp == 1
-        return ExitPath.of(
-            stage,
-            compute_rows=RowLayout.DP_GATHERED,
-            output_move=dp_scatter,
-            output_move_name="this DP rank's rows",
-            scatter=_dp_scatter_route(dp_rs and policy.allows_rs, dp_rs and policy.allows_rsv),
-        )
+        scatter = _scatter_route(dp_rs and policy.allows_rs, dp_rs and policy.allows_rsv, dp=True)
+        return ExitPath.of(stage, compute_rows=RowLayout.DP_GATHERED, output_move=dp_scatter, output_move_name="this DP rank's rows",
+                           scatter=scatter)
     scoped = decl.reduction is ProducerReduction.SCOPED
     group = stage.group(stage.output_sum)
     return ExitPath.of(
@@ -399,21 +392,9 @@ def _plan(stage: Stage, registry) -> StagePlan:
             paths[BatchVariant.CONTEXT_PARALLEL] = path
         else:
             unsupported[BatchVariant.CONTEXT_PARALLEL] = reason
-    return StagePlan(
-        stage.declaration,
-        stage.norm,
-        stage.options,
-        stage.parallel,
-        stage.policy,
-        stage.label,
-        providers=providers,
-        finalize_providers=finalize,
-        all_reduce_providers=all_reduce,
-        paths=paths,
-        unsupported=unsupported,
-        row_publishers=publishers,
-        fused_consumer_only=fused_only,
-    )
+    facts = (stage.declaration, stage.norm, stage.options, stage.parallel, stage.policy, stage.label)
+    return StagePlan(*facts, providers=providers, finalize_providers=finalize, all_reduce_providers=all_reduce, paths=paths,
+                     unsupported=unsupported, row_publishers=publishers, fused_consumer_only=fused_only)
 
 
 def plan_stages(items, *, parallel, policy: ReductionPolicy, label: str, registry) -> tuple[StagePlan, ...]:

@@ -7,7 +7,6 @@ import torch
 
 from layer_boundary import (
     BatchFactsError,
-    CollectiveCounter,
     CountingCollectives,
     Forward,
     FusedMlpInput,

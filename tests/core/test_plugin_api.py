@@ -12,8 +12,6 @@ import layer_boundary
 from layer_boundary import (
     Adapter,
     BatchVariant,
-    FusedMlpInput,
-    Parallel,
     RMSNorm,
     Topology,
     declare_attn,
@@ -29,7 +27,6 @@ from layer_boundary.plugin import (
     FusionProvider,
     PluginError,
     PluginLoadError,
-    Priority,
     defers_to_next_input,
     env_flag,
     get_registry,

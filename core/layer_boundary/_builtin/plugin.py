@@ -6,7 +6,7 @@ import functools
 
 from .._contracts import FusedMlpInput
 from ..plugin._hookspecs import hookimpl
-from ..plugin._records import FusionProvider, Priority, ResidualKind
+from ..plugin._records import Benchmark, FusionProvider, Priority, ResidualKind
 from .._residual.add_norm import PLAIN_ADD, PLAIN_RESIDUAL
 
 
@@ -53,4 +53,28 @@ def layer_boundary_residual_kinds():
         factory=lambda: PLAIN_RESIDUAL,
         priority=Priority.BUILTIN,
         description="residual + output, then the stage's RMSNorm",
+    )
+
+
+def _host(options):
+    from ..bench.host import main
+
+    return main(options)
+
+
+def _decode(options):
+    from ..bench.decode import main
+
+    return main(options)
+
+
+@hookimpl
+def layer_boundary_benchmarks():
+    yield Benchmark(
+        name="core.host", command="host", factory=_host, priority=Priority.BUILTIN,
+        description="host overhead of a 32-layer stack through the boundaries against the same torch ops by hand",
+    )
+    yield Benchmark(
+        name="core.decode", command="decode", factory=_decode, priority=Priority.BUILTIN,
+        description="decode step time of a Qwen3 through the boundaries, eager against CUDA-graph replay (GPU)",
     )

@@ -1,37 +1,36 @@
-"""`layer-boundary bench NAME [options]`: run a benchmark; results go to benchmarks/results/."""
+"""`layer-boundary bench NAME [options]`: run a benchmark the core or a plugin registers
+(`layer_boundary_benchmarks`); results go to benchmarks/results/."""
 
 from __future__ import annotations
 
-import importlib
-
 from .main import UsageError
-
-#: bench name -> (module, distribution that ships it)
-BENCHES = {
-    "host": ("layer_boundary.bench.host", "layer-boundary"),
-    "decode": ("layer_boundary.bench.decode", "layer-boundary"),
-    "cutedsl": ("layer_boundary_cutedsl.bench", "layer-boundary-cutedsl"),
-    "fusion": ("layer_boundary_flashinfer.bench", "layer-boundary-flashinfer"),
-}
 
 
 def add_parser(sub) -> None:
-    p = sub.add_parser("bench", help="run a benchmark (host, decode, cutedsl, fusion); JSON + PNG under benchmarks/results/")
-    p.add_argument("name", choices=sorted(BENCHES))
+    p = sub.add_parser(
+        "bench", help="run a benchmark (host, decode; cutedsl and fusion with their plugins); JSON + PNG under benchmarks/results/"
+    )
+    p.add_argument("name", help="the benchmark's command (`layer-boundary plugins` lists them)")
     p.add_argument("options", nargs="*", help="options passed to the benchmark (after --)")
     p.set_defaults(handler=run)
 
 
 def run(args) -> int:
-    module, dist = BENCHES[args.name]
+    from ..plugin._manager import get_registry
+
+    benches: dict = {}
+    for item in get_registry().benchmarks:
+        other = benches.setdefault(item.record.command, item)
+        if other is not item:
+            raise UsageError(f"two plugins register the benchmark {item.record.command!r}: {other.name} and {item.name}")
+    item = benches.get(args.name)
+    if item is None:
+        raise UsageError(
+            f"no installed plugin registers the benchmark {args.name!r} (installed: {', '.join(sorted(benches))}); "
+            "install the plugin that ships it (the fusion plugins ship theirs)"
+        )
     try:
-        bench = importlib.import_module(module)
-    except ModuleNotFoundError as exc:
-        if exc.name and module.startswith(exc.name):
-            raise UsageError(f"bench {args.name} comes with {dist}: pip install {dist}") from None
-        raise
-    try:
-        bench.main(args.options)
+        item.record.factory(list(args.options))
     except SystemExit as exc:
         if exc.code not in (None, 0):
             raise UsageError(str(exc.code)) from None

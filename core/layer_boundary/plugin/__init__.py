@@ -13,6 +13,7 @@ Registration (one hook per extension point; `docs/plugins.md` walks through them
 | `layer_boundary_overlaps` | `OverlapProvider` | `OverlapRequest` | an `Overlap` |
 | `layer_boundary_branches` | `BranchProvider` | `BranchRequest` | a `BranchTransport` |
 | `layer_boundary_row_publishers` | `RowPublisher` | `RowPublisherRequest` | a `PublishesRows` |
+| `layer_boundary_benchmarks` | `Benchmark` | the option strings of `layer-boundary bench` | (runs it) |
 
 Life cycle (verbs, called on every rank): `layer_boundary_prepare_model(request:
 PrepareRequest)` before the first forward and any CUDA-graph capture, and
@@ -54,6 +55,7 @@ from ._manager import (
 )
 from ._records import (
     Adapter,
+    Benchmark,
     BranchProvider,
     CpPathProvider,
     FusionProvider,
@@ -96,6 +98,7 @@ __all__ = [
     "OverlapProvider",
     "BranchProvider",
     "RowPublisher",
+    "Benchmark",
     "Adapter",
     "Registered",
     # requests

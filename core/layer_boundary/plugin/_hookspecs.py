@@ -15,6 +15,7 @@ import pluggy
 if TYPE_CHECKING:  # keep the spec import light
     from ._records import (
         Adapter,
+        Benchmark,
         BranchProvider,
         CpPathProvider,
         FusionProvider,
@@ -103,6 +104,12 @@ class LayerBoundarySpecs:
         binds the first whose `factory(request)` (a `RowPublisherRequest`) returns an object
         (`PublishesRows`); after every `prepare()` the stage publishes each bound publisher's
         per-row facts on the compute input's rows (`get_compute_rows()`)."""
+        yield from ()
+
+    @hookspec
+    def layer_boundary_benchmarks(self) -> "Iterable[Benchmark]":
+        """Yield `Benchmark` records: `layer-boundary bench COMMAND [options]` runs the record
+        whose `command` it names, `factory(options)`."""
         yield from ()
 
     @hookspec

@@ -32,6 +32,7 @@ from ._hookspecs import PROJECT, LayerBoundarySpecs
 from ._legacy import translate_adapters
 from ._records import (
     Adapter,
+    Benchmark,
     BranchProvider,
     CpPathProvider,
     FusionProvider,
@@ -59,6 +60,7 @@ HOOKS = {
     "overlaps": ("layer_boundary_overlaps", OverlapProvider),
     "branches": ("layer_boundary_branches", BranchProvider),
     "row_publishers": ("layer_boundary_row_publishers", RowPublisher),
+    "benchmarks": ("layer_boundary_benchmarks", Benchmark),
 }
 LEGACY_HOOK = "layer_boundary_adapters"
 LIFECYCLE_HOOKS = ("layer_boundary_prepare_model", "layer_boundary_release_model")
@@ -100,6 +102,7 @@ class Registry:
     overlaps: tuple[Registered, ...]
     branches: tuple[Registered, ...]
     row_publishers: tuple[Registered, ...]
+    benchmarks: tuple[Registered, ...]
     #: deprecated `Adapter` records as yielded (each is also mapped onto its extension point)
     adapters: tuple[Registered, ...]
     #: (plugin, `call(request)`) of the life-cycle hooks, in the order they run

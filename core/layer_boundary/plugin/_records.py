@@ -14,19 +14,6 @@ from typing import Any, Callable, Generic, Optional, TypeVar
 
 import attrs
 
-__all__ = [
-    "Priority",
-    "FusionProvider",
-    "ResidualKind",
-    "CpPathProvider",
-    "TokenMappingProvider",
-    "OverlapProvider",
-    "BranchProvider",
-    "RowPublisher",
-    "Adapter",
-    "Registered",
-    "selection_key",
-]
 
 _NAME = re.compile(r"^[a-z][a-z0-9_]*(\.[a-z][a-z0-9_]*)+$")
 _KIND = re.compile(r"^[a-z][a-z0-9_]*$")
@@ -125,6 +112,15 @@ class RowPublisher(_Record):
     compute input, what that stage's compute needs to know (LoRA: each row's adapter)."""
 
     kind: str = attrs.field(validator=_valid_kind)
+
+
+@attrs.frozen(kw_only=True)
+class Benchmark(_Record):
+    """Hook `layer_boundary_benchmarks`: `layer-boundary bench COMMAND [options]` calls
+    `factory(options)` (the option strings); a benchmark prints a table and writes its results
+    (JSON + PNG under benchmarks/results/). Import the benchmark's code inside the factory."""
+
+    command: str = attrs.field(validator=_valid_kind)
 
 
 @attrs.frozen(kw_only=True)

@@ -18,23 +18,6 @@ if TYPE_CHECKING:  # annotations only: importing this module stays cheap
     from .._planning import Stage, StagePath
     from .._stage import StageBoundary
 
-__all__ = [
-    "CpPathRequest",
-    "TokenMappingRequest",
-    "OverlapRequest",
-    "BranchRequest",
-    "RowPublisherRequest",
-    "PrepareRequest",
-    "ReleaseRequest",
-    "AttentionInputFusion",
-    "FfnInputFusion",
-    "DefersFinalize",
-    "DefersAllReduce",
-    "CpTokenMapping",
-    "Overlap",
-    "BranchTransport",
-    "PublishesRows",
-]
 
 
 # requests --------------------------------------------------------------------------------------

@@ -91,28 +91,16 @@ def build_stage_path(request) -> StagePath:
         rows, move, name, back, back_name = RowLayout.DP_LOCAL, gather_input, GATHER_NAME, take_local, TAKE_NAME
     else:
         rows, move, name, back, back_name = CP_ROWS, None, "", None, ""
-    entry = attrs.evolve(
-        ordinary,
-        residual_rows=CP_ROWS,
-        compute_rows=rows,
-        input_move=move,
-        input_move_name=name,
-        capture_allocates=True,
-        precheck=check_mapping,
-    )
+    entry = attrs.evolve(ordinary, residual_rows=CP_ROWS, compute_rows=rows, input_move=move, input_move_name=name,
+                         capture_allocates=True, precheck=check_mapping)
     transform = decl.output_transform
     scatter_ok = decl.kind is StageKind.FFN and not over_dp and (transform is None or transform.before_reduce_scatter)
     following = decl.following
-    exit_path = ExitPath.of(
-        stage,
-        output_rows=CP_ROWS,
-        compute_rows=rows,
-        output_move=back,
-        output_move_name=back_name,
-        # a mixer before an FFN always leaves its attention-TP sum to the FFN's input
-        leaves_declared=decl.kind is StageKind.MIXER and following is not None and following.kind is StageKind.FFN,
-        scatter=_scatter(scatter_ok and stage.policy.allows_rs, scatter_ok and stage.policy.allows_rsv),
-    )
+    # a mixer before an FFN always leaves its attention-TP sum to the FFN's input
+    leaves = decl.kind is StageKind.MIXER and following is not None and following.kind is StageKind.FFN
+    scatter = _scatter(scatter_ok and stage.policy.allows_rs, scatter_ok and stage.policy.allows_rsv)
+    exit_path = ExitPath.of(stage, output_rows=CP_ROWS, compute_rows=rows, output_move=back, output_move_name=back_name,
+                            leaves_declared=leaves, scatter=scatter)
     return StagePath(BatchVariant.CONTEXT_PARALLEL, entry, exit_path)
 
 

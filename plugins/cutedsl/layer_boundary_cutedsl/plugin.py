@@ -7,7 +7,7 @@ installs the model's service (`install_cutedsl_fusion`) and prepares it, and
 `layer_boundary.release_model(model)` releases it: the same life cycle as every fusion plugin.
 """
 
-from layer_boundary.plugin import FusionProvider, Priority, env_flag, hookimpl
+from layer_boundary.plugin import Benchmark, FusionProvider, Priority, env_flag, hookimpl
 
 ENABLE_ENV = "LAYER_BOUNDARY_CUTEDSL"
 
@@ -46,3 +46,17 @@ def layer_boundary_release_model(request):
     from .service import release_cutedsl_fusion
 
     release_cutedsl_fusion(request.model)
+
+
+def _bench(options):
+    from .bench import main
+
+    return main(options)
+
+
+@hookimpl
+def layer_boundary_benchmarks():
+    yield Benchmark(
+        name="cutedsl.kernels", command="cutedsl", factory=_bench, priority=Priority.ARCH_SPECIFIC,
+        description="the CuTe DSL kernels checked, then timed against the copy bandwidth and unfused torch (one GPU)",
+    )

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import torch
 
-from layer_boundary.plugin import FusionProvider, Priority, hookimpl
+from layer_boundary.plugin import Benchmark, FusionProvider, Priority, hookimpl
 
 from .eligibility import ENABLE_ENV, finalize_stage_reason, flashinfer_installed, settings, stage_reason
 
@@ -66,3 +66,17 @@ def layer_boundary_release_model(request):
     from .service import shutdown_flashinfer_fusion
 
     shutdown_flashinfer_fusion()
+
+
+def _bench(options):
+    from .bench import main
+
+    return main(options)
+
+
+@hookimpl
+def layer_boundary_benchmarks():
+    yield Benchmark(
+        name="flashinfer.fusion", command="fusion", factory=_bench, priority=Priority.VENDOR,
+        description="the fused all-reduce + add + RMSNorm against the unfused path and raw FlashInfer (2 GPUs)",
+    )

@@ -21,7 +21,6 @@ from layer_boundary import (
     residual_batch,
 )
 from layer_boundary.plugin import CpPathProvider, reset_registry
-from layer_boundary.testing.threaded import run_threaded
 from layer_boundary_cp import TokenMapping
 from layer_boundary_cp.stage import check_mapping
 

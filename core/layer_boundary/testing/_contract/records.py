@@ -3,35 +3,16 @@
 from __future__ import annotations
 
 import inspect
+import re
 from typing import Any, Optional
 
 from ...plugin._manager import HOOKS, get_registry
-from ...plugin._records import (
-    Adapter,
-    BranchProvider,
-    CpPathProvider,
-    FusionProvider,
-    OverlapProvider,
-    Priority,
-    Registered,
-    ResidualKind,
-    RowPublisher,
-    TokenMappingProvider,
-)
+from ...plugin._records import Adapter, FusionProvider, Priority, Registered, ResidualKind
 from .report import ContractReport
 
-#: what each record type is called in reports; records other than fusion providers and
-#: residual kinds get the record rules only
-KINDS = {
-    FusionProvider: "fusion provider",
-    ResidualKind: "residual kind",
-    CpPathProvider: "CP path provider",
-    TokenMappingProvider: "token mapping provider",
-    OverlapProvider: "overlap provider",
-    BranchProvider: "branch provider",
-    RowPublisher: "row publisher",
-    Adapter: "adapter",
-}
+#: what each record type is called in reports (by registry field); records other than fusion
+#: providers and residual kinds get the record rules only
+KINDS = {t: re.sub(r"(?<!^)(?=[A-Z])", " ", t.__name__).lower() for t in [t for _, t in HOOKS.values()] + [Adapter]}
 
 
 def registered_entries(registry) -> tuple[Registered, ...]:
