@@ -61,15 +61,19 @@ def record_complete(plan, value, rows, fwd):
     return stream.record(Contribution(value, update, rows=rows))
 
 
+_DP_LOCAL = RowLayout.DP_LOCAL
+
+
 def compute_rows(ex, fwd) -> int:
     """The rows compute returns on this rank for exit `ex`."""
     layout = ex.compute_rows
-    return fwd.num_tokens if layout is RowLayout.DP_LOCAL else layout.rows(fwd)
+    return fwd.num_tokens if layout is _DP_LOCAL else layout.rows(fwd)
 
 
 def record_attention(plan, out, fwd, ex):
     """A PARTIAL attention output: its attention-TP sum is always left to the next input."""
-    check_rows(plan, out, compute_rows(ex, fwd), fwd, "attention output")
+    layout = ex.compute_rows  # inlined compute_rows(): the common case reads one attribute
+    check_rows(plan, out, fwd.num_tokens if layout is _DP_LOCAL else layout.rows(fwd), fwd, "attention output")
     return _leave_sum(plan, ex, out, fwd, declared=True)
 
 
@@ -177,7 +181,8 @@ class FfnExit(_ExitScope):
         self._begin_finish()
         plan, path, fwd, decision = self.plan, self.path, self.fwd, self.decision
         if type(out) is torch.Tensor:
-            check_rows(plan, out, compute_rows(path.exit, fwd), fwd, "FFN output")
+            layout = path.exit.compute_rows
+            check_rows(plan, out, fwd.num_tokens if layout is _DP_LOCAL else layout.rows(fwd), fwd, "FFN output")
             if decision is COMPLETE_NOW:
                 return complete_reduced(plan, path, out, fwd)
         stream = _stream(fwd)
@@ -237,7 +242,8 @@ class MixerExit(_ExitScope):
         plan, path, fwd, decision = self.plan, self.path, self.fwd, self.decision
         if not isinstance(out, torch.Tensor):
             raise TypeError(f"stage {plan.label}: a mixer returns a tensor, got {type(out).__name__}")
-        check_rows(plan, out, compute_rows(path.exit, fwd), fwd, "mixer output")
+        layout = path.exit.compute_rows
+        check_rows(plan, out, fwd.num_tokens if layout is _DP_LOCAL else layout.rows(fwd), fwd, "mixer output")
         if decision.declared or decision.defer_sum:
             return _leave_sum(plan, path.exit, out, fwd, declared=decision.declared)
         return complete_reduced(plan, path, out, fwd)
