@@ -130,15 +130,14 @@ group() {
       return $rc ;;
     # why qwen3_moe hangs with the fused kernels in the shared world (issue 20): one variant each
     probe-moe)
-      local fi="python3 -m layer_boundary_flashinfer.gpu_check --ranks 2 --watchdog 45 --only models --models qwen3_moe"
-      LAYER_BOUNDARY_CHECK_TRACE=1 run_check moe_default 75 $fi --out "$OUT/moe_default"
-      run_check moe_dense 70 $fi --out "$OUT/moe_dense" --dense-moe
-      LAYER_BOUNDARY_FLASHINFER_FINALIZE=0 run_check moe_nofinalize 70 $fi --out "$OUT/moe_nofinalize"
-      LAYER_BOUNDARY_FLASHINFER_PDL=0 run_check moe_nopdl 70 $fi --out "$OUT/moe_nopdl"
-      run_check moe_preset 70 $fi --out "$OUT/moe_preset" --model-sizes preset
-      local cli="python3 -m layer_boundary run --model qwen3_moe --tp 2 --device cuda --check single --decode-steps 2"
-      LAYER_BOUNDARY_DISABLE_PLUGINS=flashinfer run_check cli_moe_unfused 60 $cli
-      run_check cli_moe_fused 60 $cli
+      local fi="python3 -m layer_boundary_flashinfer.gpu_check --ranks 2 --watchdog 30 --only models"
+      LAYER_BOUNDARY_CHECK_TRACE=1 run_check moe_control_qwen3 50 $fi --models qwen3 --out "$OUT/moe_control_qwen3"
+      LAYER_BOUNDARY_CHECK_TRACE=1 run_check moe_default 50 $fi --models qwen3_moe --out "$OUT/moe_default"
+      run_check moe_dense 50 $fi --models qwen3_moe --out "$OUT/moe_dense" --dense-moe
+      LAYER_BOUNDARY_FLASHINFER_FINALIZE=0 run_check moe_nofinalize 50 $fi --models qwen3_moe --out "$OUT/moe_nofinalize"
+      LAYER_BOUNDARY_FLASHINFER_PDL=0 run_check moe_nopdl 50 $fi --models qwen3_moe --out "$OUT/moe_nopdl"
+      LAYER_BOUNDARY_DISABLE_PLUGINS=flashinfer run_check cli_moe_unfused 45 \
+        python3 -m layer_boundary run --model qwen3_moe --tp 2 --device cuda --check single --decode-steps 2
       return 0 ;;
     contract) run_pytest contract 560 tests/plugins/test_contract_plugins.py tests/plugins/test_contract_suite.py tests/test_example_provider.py ;;
     *) log "unknown group $1 (core cutedsl flashinfer flashinfer4 contract all)"; return 2 ;;

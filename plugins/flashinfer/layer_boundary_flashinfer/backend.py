@@ -220,10 +220,12 @@ class FlashInferBackend:
         eps, bias = float(eps), float(weight_bias)
         empty_like = torch.empty_like
         op = get_trtllm_comm_module().trtllm_allreduce_fusion
+        order = slot.order
         if _params(op) == ALL_REDUCE_OP_PARAMS:
             self.fast_path["all_reduce"] = True
 
             def launch(x, residual, tokens):
+                order()
                 norm_out = empty_like(residual)
                 residual_out = empty_like(residual)
                 op(x, world, rank, tokens, hidden, ptrs, pdl, table[tokens], True, acc, pattern,
@@ -237,6 +239,7 @@ class FlashInferBackend:
         self.fast_path["all_reduce"] = False
 
         def launch_public(x, residual, tokens):
+            order()
             norm_out = empty_like(residual)
             residual_out = empty_like(residual)
             allreduce_fusion(
@@ -285,7 +288,10 @@ class FlashInferBackend:
         static_view = scale.reshape(()) if scale is not None else None
         empty, empty_like = torch.empty, torch.empty_like
 
+        order = slot.order
+
         def launch(x, residual, tokens):
+            order()
             quant = empty((tokens, hidden), dtype=FP8_DTYPE, device=device)
             residual_out = empty_like(residual)
             scale_out = scale_out_of(tokens) if scale_out_of is not None else None
@@ -314,7 +320,10 @@ class FlashInferBackend:
         if not fast:
             from flashinfer.comm import allreduce_fusion
 
+        order = slot.order
+
         def launch(rows):
+            order()
             tokens, width = rows.shape
             oneshot = choices.get((tokens, width))
             if oneshot is None:
@@ -355,7 +364,10 @@ class FlashInferBackend:
 
             pattern = int(AllReduceFusionPattern.kMoEFinalizeARResidualRMSNorm)
 
+        order = slot.order
+
         def launch(rows, scales, shared, residual):
+            order()
             tokens, k = rows.shape[0], rows.shape[1]
             index = maps.get((tokens, k))
             if index is None:

@@ -509,7 +509,7 @@ def _trace_stages(model, rank):
                                               file=sys.stderr, flush=True))
 
 
-def _watch_lamport_flags(rank, after_s: float = 40.0):
+def _watch_lamport_flags(rank, after_s: float = 15.0):
     """Once `after_s` seconds pass, print every workspace's five control flags (Lamport counter,
     two-shot flag, Lamport buffer index, buffer size, clear size), read through a non-blocking
     stream so that a kernel stuck on the GPU does not block the read. Ranks whose buffer index
