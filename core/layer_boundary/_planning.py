@@ -27,7 +27,7 @@ from ._ops import dp_gather, dp_reduce_scatter, dp_scatter, gather_slices, reduc
 from ._paths import EntryMode, EntryPath, ExitPath, Owed, ReduceScatter, StagePath, defers_to_next_input
 from ._residual.add_norm import GemmaRMSNorm, NormRead, is_rms_norm
 from ._row_publishers import bind_row_publishers, rows_in_scope
-from .plugin._requests import AttentionInputFusion, CpPathRequest, DefersAllReduce, DefersFinalize  # noqa: F401
+from .plugin._requests import CpPathRequest, DefersAllReduce, DefersFinalize
 
 __all__ = ["Stage", "StagePlan", "plan_stages", "arriving_sum", "output_sum_group"]
 
