@@ -83,9 +83,9 @@ class OneShotKernels:
     #: (dtype, hidden, world, weight_offsets, moe_shapes [(top_k, shared)], device) -> None:
     #: compile and load ahead of time
     prepare: Callable
-    #: (workspace, partial, residual, gamma, eps, *, weight_offset) -> (normed, new_residual)
+    #: (workspace, partial, residual, gamma, eps, *, weight_offset, out, residual_out) -> (normed, new_residual)
     all_reduce_add_rmsnorm: Callable
-    #: (workspace, rows [T, k, H], weights fp32 [T, k], residual, gamma, eps, *, shared, weight_offset)
+    #: (workspace, rows [T, k, H], weights [T, k], residual, gamma, eps, *, shared, weight_offset, out, residual_out)
     moe_finalize_all_reduce_add_rmsnorm: Callable
     dtypes: tuple = SUPPORTED_DTYPES
     world_sizes: tuple = WORLD_SIZES
@@ -203,20 +203,29 @@ class OneShotWorkspace:
         return not self.released and 0 < tokens <= self.capacity
 
     # launches (every rank of the group, same rows) -------------------------------------------
-    def all_reduce_add_rmsnorm(self, partial, residual, gamma, eps: float, weight_offset: float = 0.0):
+    def all_reduce_add_rmsnorm(self, partial, residual, gamma, eps: float, weight_offset: float = 0.0, *, out=None, residual_out=None):
+        """(normed, new_residual) of sum over the group of each rank's `partial`, + `residual`, the
+        RMSNorm with `gamma + weight_offset`. `out` / `residual_out`: rows to write (readable
+        as they are), default new tensors."""
         self._check_open()
         partial, residual, gamma = (_readable(t, self.dtype) for t in (partial, residual, gamma))
         self.launches += 1
-        return self.kernels.all_reduce_add_rmsnorm(self, partial, residual, gamma, eps, weight_offset=weight_offset)
+        return self.kernels.all_reduce_add_rmsnorm(
+            self, partial, residual, gamma, eps, weight_offset=weight_offset, out=out, residual_out=residual_out
+        )
 
-    def moe_finalize_all_reduce_add_rmsnorm(self, rows, weights, shared, residual, gamma, eps: float, weight_offset: float = 0.0):
+    def moe_finalize_all_reduce_add_rmsnorm(
+        self, rows, weights, shared, residual, gamma, eps: float, weight_offset: float = 0.0, *, out=None, residual_out=None
+    ):
+        """The same with this rank's partial = its MoE finalize: dense `rows` [T, top_k, H],
+        `weights` [T, top_k], optional `shared` [T, H]."""
         self._check_open()
         rows, residual, gamma = (_readable(t, self.dtype) for t in (rows, residual, gamma))
         shared = None if shared is None else _readable(shared, self.dtype)
         weights = _readable(weights, weights.dtype)  # the kernels take the dtype they need
         self.launches += 1
         return self.kernels.moe_finalize_all_reduce_add_rmsnorm(
-            self, rows, weights, residual, gamma, eps, shared=shared, weight_offset=weight_offset
+            self, rows, weights, residual, gamma, eps, shared=shared, weight_offset=weight_offset, out=out, residual_out=residual_out
         )
 
     def _check_open(self) -> None:

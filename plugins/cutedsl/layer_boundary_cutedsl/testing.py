@@ -131,6 +131,10 @@ class FakePeerMemory(PeerMemory):
         words = torch.zeros(count, dtype=torch.int64)
         return HostWords(count, words.data_ptr(), words.tolist, None)
 
+    def free_bytes(self, device):
+        """A pretend 1 TiB device: what the live buffers of this process leave."""
+        return (1 << 40) - sum(t.numel() for _, t in self._by_address.values())
+
     @classmethod
     def view(cls, address) -> torch.Tensor:
         return cls._by_address[address][1]
@@ -186,22 +190,22 @@ def reference_oneshot(calls: Optional[list] = None, *, memory: Optional[Callable
         if calls is not None:
             calls.append(entry)
 
-    def norm(total, residual, gamma, eps, weight_offset):
+    def norm(total, residual, gamma, eps, weight_offset, out, residual_out):
         normed, new_residual = add_rmsnorm_reference(total, residual, gamma, eps, weight_offset=weight_offset)
-        return normed.to(residual.dtype), new_residual
+        return _into(normed.to(residual.dtype), out), _into(new_residual, residual_out)
 
-    def all_reduce_add_rmsnorm(ws, partial, residual, gamma, eps, *, weight_offset=0.0):
+    def all_reduce_add_rmsnorm(ws, partial, residual, gamma, eps, *, weight_offset=0.0, out=None, residual_out=None):
         record("oneshot_all_reduce_add_rmsnorm", residual.shape[0], {"eps": eps, "weight_offset": weight_offset, "world": ws.world})
-        return norm(_exchange(ws, partial.to(ws.dtype)), residual, gamma, eps, weight_offset)
+        return norm(_exchange(ws, partial.to(ws.dtype)), residual, gamma, eps, weight_offset, out, residual_out)
 
-    def moe_finalize_all_reduce_add_rmsnorm(ws, rows, weights, residual, gamma, eps, *, shared=None, weight_offset=0.0):
+    def moe_finalize_all_reduce_add_rmsnorm(ws, rows, weights, residual, gamma, eps, *, shared=None, weight_offset=0.0, out=None, residual_out=None):
         record(
             "oneshot_moe_finalize_all_reduce_add_rmsnorm",
             residual.shape[0],
             {"eps": eps, "weight_offset": weight_offset, "world": ws.world, "top_k": rows.shape[1], "shared": shared is not None},
         )
         partial = moe_finalize_reference(rows, None, weights, shared)
-        return norm(_exchange(ws, partial), residual, gamma, eps, weight_offset)
+        return norm(_exchange(ws, partial), residual, gamma, eps, weight_offset, out, residual_out)
 
     def prepare(dtype, hidden, world, weight_offsets, moe_shapes, device):
         record("oneshot_prepare", 0, {"dtype": dtype, "hidden": hidden, "world": world, "offsets": weight_offsets, "moe": moe_shapes})

@@ -455,3 +455,89 @@ def test_gloo_world_falls_back_together_when_mapping_fails(gloo_world):
         assert not held and why
         assert names.count("moe_finalize") == 2 and torch.allclose(out, _want(), rtol=1e-12, atol=1e-12)
     assert "mapping a peer's buffer failed: KeyError" in results[0][3] or "mapping a peer's buffer failed: KeyError" in results[1][3]
+
+
+# ------------------------------------------------------------------------------ the GPU checks, dry
+
+
+@pytest.fixture
+def dry_checks(monkeypatch):
+    """allreduce_checks on CPU ranks: the reference protocol over fake peer memory, the float64
+    references as the unfused kernels, an eager "graph". Catches mistakes in the checks (and their
+    bounds) before they cost GPU time."""
+    from layer_boundary_cutedsl import allreduce_checks as checks
+
+    ref = reference_kernels()
+    monkeypatch.setattr(checks, "KERNELS", reference_oneshot())
+    monkeypatch.setattr(checks, "use_rank_device", lambda parallel: torch.device("cpu"))
+    monkeypatch.setattr(checks, "rank_device", lambda rank: None)
+    monkeypatch.setattr(checks, "_sync", lambda device: None)
+    monkeypatch.setattr(checks, "_capture", lambda step: step)
+    monkeypatch.setattr(checks, "_unfused", lambda: (ref.fused_add_rmsnorm, ref.moe_finalize))
+    return checks
+
+
+def _dry(checks, fn, tp, *args, **kwargs):
+    rows = [row for rank_rows in run_threaded(getattr(checks, fn), Topology(tp=tp), *args, **kwargs) for row in rank_rows]
+    assert rows and all(r["ok"] for r in rows), [r for r in rows if not r["ok"]]
+    for case in {r["case"] for r in rows}:
+        assert len({r["digest"] for r in rows if r["case"] == case}) == 1, case
+    return rows
+
+
+@pytest.mark.parametrize("tp", [2, 4])
+def test_gpu_checks_pass_dry(dry_checks, tp):
+    rows = _dry(dry_checks, "check_boundary", tp, "bf16", 256, 0.0, (1, 7, 40))
+    assert len(rows) == 3 * tp and max(r["vs_unfused"] for r in rows) < 1
+    _dry(dry_checks, "check_boundary", tp, "fp16", 128, 1.0, (5,), max_ctas=[3] * tp)
+    _dry(dry_checks, "check_moe", tp, 128, 4, True, (3, 9))
+    _dry(dry_checks, "check_moe", tp, 128, 2, False, (3,), 1.0)
+    rows = _dry(dry_checks, "check_graph", tp, 128, 4, 2)
+    assert len(rows) == 2 * 2 * tp and all(r["detail"] == "replay == eager" for r in rows)
+    _dry(dry_checks, "check_delayed", tp, tp - 1, 0.05, 128, 3)
+    rows = _dry(dry_checks, "check_release", tp, 128, 64)
+    assert all(f"{tp} buffer(s)" in r["detail"] for r in rows)
+
+
+def test_the_checks_see_a_wrong_result(dry_checks, monkeypatch):
+    """A kernel that forgets one rank's partial fails the bound (the checks can fail)."""
+    ref = reference_oneshot()
+
+    def wrong(ws, partial, residual, gamma, eps, *, weight_offset=0.0, out=None, residual_out=None):
+        normed, res = ref.all_reduce_add_rmsnorm(ws, partial, residual, gamma, eps, weight_offset=weight_offset)
+        return normed, (res.double() - partial.double() * (ws.rank == 0)).to(res.dtype)
+
+    monkeypatch.setattr(dry_checks, "KERNELS", replace(ref, all_reduce_add_rmsnorm=wrong))
+    rows = [r for rank_rows in run_threaded(dry_checks.check_boundary, Topology(tp=2), "bf16", 128, 0.0, (4,)) for r in rank_rows]
+    assert [r["ok"] for r in rows] == [False, True] and rows[0]["err_residual"] > 1
+
+
+def test_smoke_script_dry(dry_checks, monkeypatch, capsys):
+    """The smoke script's flow (cases, lines, summary, exit status) with the dry checks."""
+    from layer_boundary.testing.threaded import ThreadWorld
+    from layer_boundary_cutedsl import allreduce_smoke, gpu_world
+
+    class World:
+        def __init__(self, ranks, **kw):
+            self.inner = ThreadWorld(ranks)
+
+        def start(self):
+            return self
+
+        def run(self, fn, topology, *args, timeout=None):
+            return self.inner.run(fn, topology, *args)
+
+        def close(self):
+            pass
+
+    small = [
+        ("boundary bf16 T=1", dry_checks.check_boundary, ("bf16", 128, 0.0, (1,))),
+        ("moe finalize k4 + shared T=3", dry_checks.check_moe, (128, 4, True, (3,))),
+        ("graph", dry_checks.check_graph, (128, 4, 1)),
+    ]
+    monkeypatch.setattr(allreduce_smoke, "_cases", lambda ranks: small)
+    monkeypatch.setattr(gpu_world, "gpu_world", World)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    assert allreduce_smoke.main(["--ranks", "2", "--no-timeout-case"]) == 0
+    out = capsys.readouterr().out
+    assert out.count("PASS  ") == 3 and "3/3 cases passed" in out and "outputs same on all ranks" in out, out

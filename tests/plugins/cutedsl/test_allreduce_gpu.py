@@ -1,0 +1,139 @@
+"""The one-shot all-reduce kernels on the GPU, 2 and 4 ranks, against float64.
+
+    python -m pytest -q -m gpu tests/plugins/cutedsl/test_allreduce_gpu.py
+
+Ranks are processes (layer_boundary_cutedsl.gpu_world): one GPU each when there are enough, else
+sharing the GPUs (gloo, CUDA IPC within a device; the kernels of two processes time-slice, so
+every check is kept to a few launches). The checks themselves live in
+`layer_boundary_cutedsl.allreduce_checks` (shared with the smoke script); each returns one row
+per rank and launch, asserted here and printed as a table at the end of the session.
+"""
+
+import importlib.util
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from layer_boundary.parallel import Topology
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (torch.cuda.is_available() is False)"),
+    pytest.mark.skipif(importlib.util.find_spec("cutlass") is None, reason="nvidia-cutlass-dsl is not importable"),
+]
+
+#: rows of every check, printed by conftest.py's terminal summary
+RESULTS: list = []
+CASE_TIMEOUT = 150.0
+
+
+@pytest.fixture(scope="module")
+def worlds():
+    from layer_boundary_cutedsl.gpu_world import gpu_world
+
+    made = {}
+
+    def get(ranks):
+        if ranks not in made:
+            made[ranks] = gpu_world(ranks, timeout=CASE_TIMEOUT, env={"LAYER_BOUNDARY_CUTEDSL_ONESHOT_TIMEOUT_S": "30"})
+        return made[ranks]
+
+    yield get
+    for world in made.values():
+        world.close()
+
+
+def _run(worlds, ranks, fn, *args, **kwargs):
+    from layer_boundary_cutedsl.gpu_world import world_note
+
+    per_rank = worlds(ranks).run(fn, Topology(tp=ranks), *args, timeout=CASE_TIMEOUT, **kwargs)
+    rows = [dict(row, ranks=ranks, world=world_note(ranks)) for rank_rows in per_rank for row in rank_rows]
+    RESULTS.extend(rows)
+    bad = [r for r in rows if not r["ok"]]
+    assert not bad, "\n".join(
+        f"{r['case']} rank {r['rank']}: err/bound normed {r['err_normed']}, residual {r['err_residual']}, vs unfused {r['vs_unfused']} {r['detail']}"
+        for r in bad
+    )
+    by_case = {}
+    for r in rows:
+        by_case.setdefault(r["case"], set()).add(r["digest"])
+    differ = {case: d for case, d in by_case.items() if len(d) > 1}
+    assert not differ, f"ranks computed different outputs: {differ}"
+    return rows
+
+
+@pytest.mark.parametrize("ranks", [2, 4])
+def test_boundary_token_counts(worlds, ranks):
+    """Tokens 1, 7, 128 and one above a wave (133 rows on 132 SMs: a CTA does two rows), against
+    float64 and the unfused path; all ranks bit-identical."""
+    from layer_boundary_cutedsl.allreduce_checks import check_boundary
+
+    _run(worlds, ranks, check_boundary, "bf16", 4096, 0.0, (1, 7, 128, 133))
+
+
+@pytest.mark.parametrize("dtype, hidden, tokens", [("bf16", 2880, (1, 133)), ("fp16", 4096, (7,))])
+def test_boundary_gemma(worlds, dtype, hidden, tokens):
+    """The Gemma (1 + w) multiplier; a width that needs bounds checks; fp16."""
+    from layer_boundary_cutedsl.allreduce_checks import check_boundary
+
+    _run(worlds, 2, check_boundary, dtype, hidden, 1.0, tokens)
+
+
+@pytest.mark.parametrize("ranks", [2, 4])
+def test_ranks_with_different_grids(worlds, ranks):
+    """Each rank caps its grid differently (3, 5, 7, 9 CTAs looping over 133 rows): rows still
+    meet row by row, whatever CTA holds them on each rank."""
+    from layer_boundary_cutedsl.allreduce_checks import check_boundary
+
+    _run(worlds, ranks, check_boundary, "bf16", 1024, 0.0, (133,), unfused=False, max_ctas=[3 + 2 * r for r in range(ranks)])
+
+
+@pytest.mark.parametrize("ranks, shared, tokens", [(2, True, (7, 133)), (2, False, (7,)), (4, True, (7,))])
+def test_moe_finalize(worlds, ranks, shared, tokens):
+    """finalize top-k rows (+ shared expert) locally, then the same exchange + add + norm."""
+    from layer_boundary_cutedsl.allreduce_checks import check_moe
+
+    _run(worlds, ranks, check_moe, 2048, 8, shared, tokens)
+
+
+@pytest.mark.parametrize("ranks, replays", [(2, 3), (4, 2)])
+def test_graph_replay_equals_eager(worlds, ranks, replays):
+    """Two launches captured in one graph, replayed with new inputs, alternating with eager
+    launches: the epoch counter lives on the device, so each replay takes the next parity."""
+    from layer_boundary_cutedsl.allreduce_checks import check_graph
+
+    _run(worlds, ranks, check_graph, 4096, 16, replays)
+
+
+@pytest.mark.parametrize("ranks, delayed", [(2, 0), (2, 1), (4, 3)])
+def test_a_late_rank(worlds, ranks, delayed):
+    from layer_boundary_cutedsl.allreduce_checks import check_delayed
+
+    _run(worlds, ranks, check_delayed, delayed, 1.0)
+
+
+def test_release_gives_the_memory_back(worlds):
+    from layer_boundary_cutedsl.allreduce_checks import check_release
+
+    _run(worlds, 2, check_release, 8192, 2048)
+
+
+def test_a_missing_peer_traps_instead_of_hanging():
+    """One launch whose peer never publishes: the kernel reports to host memory and traps after
+    its 2 s timeout (in a process of its own: the trap ends that process's CUDA context)."""
+    code = (
+        "import json; from layer_boundary_cutedsl.allreduce_checks import check_timeout_single_process as f; "
+        "print('RESULT ' + json.dumps(f(2.0)), flush=True)"
+    )
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in sys.path if p))
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, env=env)
+    lines = [line for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
+    assert lines, f"no result (exit {proc.returncode}): {proc.stderr[-2000:]}"
+    import json
+
+    row = json.loads(lines[0][7:])
+    RESULTS.append(dict(row, ranks=1, world="1 process"))
+    assert row["ok"], row["detail"]
