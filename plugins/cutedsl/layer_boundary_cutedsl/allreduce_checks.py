@@ -312,6 +312,7 @@ def check_release(parallel, hidden=8192, capacity=2048):
     group = _group(parallel)
     memory = KERNELS.memory()
     torch.zeros(1, device=device)  # torch's own context and pool exist before the first reading
+    KERNELS.prepare(torch.bfloat16, hidden, group.size, (0.0,), (), device)  # and the kernel is loaded
     sharing = sum(1 for r in group.ranks if rank_device(r) == device.index)
     group.agree(True)
     free0 = memory.free_bytes(device)

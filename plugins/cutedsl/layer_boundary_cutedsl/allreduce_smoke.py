@@ -121,7 +121,7 @@ def main(argv=None) -> int:
         name = "kernel timeout traps (own process)"
         print(_line("PASS" if ok else "FAIL", name, [row] if row else [], time.perf_counter() - t0, problem), flush=True)
         results.append(row or {"case": name, "ok": False, "error": problem})
-    print(f"{passed}/{total} cases passed in {time.perf_counter() - start:.0f}s ({world_note(args.ranks)})", flush=True)
+    print(f"{passed}/{total} checks passed in {time.perf_counter() - start:.0f}s ({world_note(args.ranks)})", flush=True)
     if args.json:
         with open(args.json, "w") as f:
             json.dump(results, f, indent=1)

@@ -1,11 +1,9 @@
-"""Where GPU ranks run: the one place that decides each rank's device and the process group's
-backend for the plugin's multi-rank GPU tests and smoke checks.
+"""Where the plugin's multi-rank GPU checks run: the one place that asks the core for a world.
 
-With at least as many GPUs as ranks: NCCL, one GPU a rank (rank r on GPU r). With fewer, ranks
-share GPUs round-robin (rank r on GPU r % count) and the process group is gloo (NCCL refuses two
-ranks on one device): the one-shot kernels then exchange through CUDA IPC within the device,
-and two processes' kernels time-slice. That world checks correctness only; its timings are not
-representative.
+`layer_boundary.launch.ProcessWorld(n, device="cuda")` places the ranks (`placement.py`): NCCL
+with one GPU a rank, or round-robin on fewer GPUs with a gloo process group (NCCL refuses two
+ranks on one device). The one-shot kernels then exchange through CUDA IPC within the device and
+two processes' kernels time-slice: that world checks correctness only.
 """
 
 from __future__ import annotations
@@ -14,49 +12,43 @@ from typing import Optional
 
 import torch
 
-__all__ = ["NO_MULTICAST_ENV", "rank_device", "use_rank_device", "world_backend", "world_note", "gpu_world"]
-
-#: no NVLink multicast anywhere (not allowed on the lent machines, and not needed)
-NO_MULTICAST_ENV = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
+__all__ = ["rank_device", "use_rank_device", "world_note", "gpu_world"]
 
 
-def _gpus() -> int:
-    return max(1, torch.cuda.device_count())
+def _placement(ranks: Optional[int] = None):
+    from layer_boundary.placement import current_placement, place_ranks
+
+    placement = current_placement()
+    if placement is not None and placement.on_gpu:
+        return placement
+    return place_ranks(ranks or 1, "cuda")
 
 
 def rank_device(rank: int) -> int:
-    """The GPU of global rank `rank` (round-robin over the visible GPUs)."""
-    return rank % _gpus()
+    """The GPU index of (local) rank `rank` in this world's placement."""
+    return _placement(rank + 1).device_of(rank)
 
 
 def use_rank_device(rank) -> torch.device:
-    """In a rank's process: make its GPU current and return it. `rank`: an int or a Parallel."""
-    rank = getattr(rank, "rank", rank)
-    device = torch.device("cuda", rank_device(int(rank)))
+    """In a rank's process: its GPU, made current (the launcher has normally done so already).
+    `rank`: an int or a Parallel."""
+    rank = int(getattr(rank, "rank", rank))
+    device = torch.device("cuda", rank_device(rank))
     torch.cuda.set_device(device)
     return device
 
 
-def world_backend(ranks: int) -> str:
-    return "nccl" if torch.cuda.device_count() >= ranks else "gloo"
-
-
 def world_note(ranks: int) -> str:
-    gpus = torch.cuda.device_count()
-    if gpus >= ranks:
-        return f"{ranks} ranks on {ranks} GPUs (NCCL)"
-    return f"{ranks} ranks on {gpus} GPU{'s' if gpus != 1 else ''}: correctness only; timings are not representative"
+    from layer_boundary.placement import place_ranks
+
+    return place_ranks(ranks, "cuda").describe()
 
 
 def gpu_world(ranks: int, *, timeout: float = 180.0, collective_timeout: float = 120.0, env: Optional[dict] = None):
-    """A `layer_boundary.launch.ProcessWorld` of `ranks` GPU ranks; each rank function starts
-    with `use_rank_device(parallel)`."""
+    """A `ProcessWorld` of `ranks` GPU ranks (placed by the core; NVLink multicast off)."""
     from layer_boundary.launch import ProcessWorld
+    from layer_boundary.placement import NO_MULTICAST_ENV
 
     return ProcessWorld(
-        ranks,
-        backend=world_backend(ranks),
-        timeout=timeout,
-        collective_timeout=collective_timeout,
-        env={**NO_MULTICAST_ENV, "PYTHONUNBUFFERED": "1", **(env or {})},
+        ranks, device="cuda", timeout=timeout, collective_timeout=collective_timeout, env={**NO_MULTICAST_ENV, **(env or {})}
     )

@@ -44,7 +44,7 @@ from layer_boundary.residual.add_norm import is_rms_norm
 
 from .kernels.allreduce_layout import DIAG_WORDS, STATE_WORDS, WORLD_SIZES, AllReduceVariant, buffer_layout
 from .kernels.tiling import MAX_HIDDEN, MAX_TOP_K, SUPPORTED_DTYPES
-from .peer_memory import HANDLE_BYTES, CudaIpcMemory, PeerMemory
+from .peer_memory import HANDLE_BYTES, CudaIpcMemory, HostWords, PeerMemory
 
 __all__ = [
     "OneShotKernels",
@@ -339,9 +339,10 @@ def create_workspace(
             layout = buffer_layout(world, capacity, hidden, dtype)
             buffer = memory.allocate(layout.nbytes, device)
             handle = memory.export(buffer)
-            diag = memory.host_words(DIAG_WORDS, device)
+            diag = _report_words(memory, device)
             state = torch.zeros(STATE_WORDS, dtype=torch.int64, device=device)
             state[2] = int(settings["timeout_s"] * 1e9)
+            kernels.quiesce(device)  # the state is in memory before any launch, on any stream
         except Exception as exc:  # noqa: BLE001 - voted on below
             reason = f"allocating the peer buffer failed: {type(exc).__name__}: {exc}"
     # one table for the group: what each rank has and wants (identical on every rank afterwards)
@@ -374,6 +375,18 @@ def create_workspace(
     if diag is not None:
         _safe(diag.free)
     return None, why
+
+
+def _report_words(memory, device) -> HostWords:
+    """Host words for a timed-out kernel's report; device words (no report, the trap stays)
+    where host memory cannot be mapped."""
+    try:
+        return memory.host_words(DIAG_WORDS, device)
+    except Exception:  # noqa: BLE001 - the report is a convenience, the trap is the guarantee
+        words = torch.zeros(DIAG_WORDS, dtype=torch.int64, device=device)
+        fallback = HostWords(DIAG_WORDS, words.data_ptr(), lambda: [], None)
+        fallback.keep = words  # alive as long as the workspace
+        return fallback
 
 
 def _table_problem(table) -> Optional[str]:

@@ -112,6 +112,9 @@ _SIGNATURES = {
     "cuGetErrorName": [ctypes.c_int, _P(ctypes.c_char_p)],
 }
 
+#: older names with the same C signature, tried when a symbol is missing
+_FALLBACKS = {"cuIpcOpenMemHandle_v2": ("cuIpcOpenMemHandle",)}
+
 _driver_lock = threading.Lock()
 _driver = None
 
@@ -122,9 +125,16 @@ def _load_driver():
         if _driver is None:
             lib = ctypes.CDLL("libcuda.so.1")
             for name, argtypes in _SIGNATURES.items():
-                fn = getattr(lib, name)
+                fn = None
+                for symbol in (name, *_FALLBACKS.get(name, ())):
+                    fn = getattr(lib, symbol, None)
+                    if fn is not None:
+                        break
+                if fn is None:
+                    raise CudaError(f"libcuda.so.1 exports no {name}")
                 fn.argtypes = argtypes
                 fn.restype = ctypes.c_int
+                setattr(lib, name, fn)
             _driver = lib
     return _driver
 

@@ -537,7 +537,35 @@ def test_smoke_script_dry(dry_checks, monkeypatch, capsys):
     ]
     monkeypatch.setattr(allreduce_smoke, "_cases", lambda ranks: small)
     monkeypatch.setattr(gpu_world, "gpu_world", World)
+    monkeypatch.setattr(gpu_world, "world_note", lambda ranks: f"{ranks} ranks on 1 GPU: correctness only; timings are not representative")
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     assert allreduce_smoke.main(["--ranks", "2", "--no-timeout-case"]) == 0
     out = capsys.readouterr().out
-    assert out.count("PASS  ") == 3 and "3/3 cases passed" in out and "outputs same on all ranks" in out, out
+    assert out.count("PASS  ") == 3 and "3/3 checks passed" in out and "outputs same on all ranks" in out, out
+
+
+def test_libcuda_symbols_are_bound_with_their_signatures(monkeypatch):
+    """Every driver function gets its C signature; a missing cuIpcOpenMemHandle_v2 falls back
+    to the older name, any other missing symbol is an error (then the group falls back)."""
+    from layer_boundary_cutedsl import peer_memory
+
+    class Fn:
+        argtypes = restype = None
+
+    class Lib:
+        def __init__(self, missing):
+            for name in peer_memory._SIGNATURES:
+                if name not in missing:
+                    setattr(self, name, Fn())
+            self.cuIpcOpenMemHandle = Fn()
+
+    monkeypatch.setattr(peer_memory, "_driver", None)
+    monkeypatch.setattr(peer_memory.ctypes, "CDLL", lambda name: Lib({"cuIpcOpenMemHandle_v2"}))
+    lib = peer_memory._load_driver()
+    assert lib.cuIpcOpenMemHandle_v2 is lib.cuIpcOpenMemHandle
+    assert lib.cuIpcOpenMemHandle_v2.argtypes == peer_memory._SIGNATURES["cuIpcOpenMemHandle_v2"]
+    assert all(getattr(lib, n).restype is ctypes.c_int for n in peer_memory._SIGNATURES)
+    monkeypatch.setattr(peer_memory, "_driver", None)
+    monkeypatch.setattr(peer_memory.ctypes, "CDLL", lambda name: Lib({"cuMemAlloc_v2"}))
+    with pytest.raises(peer_memory.CudaError, match="exports no cuMemAlloc_v2"):
+        peer_memory._load_driver()

@@ -6,8 +6,8 @@ against the same model in float64 (plugin off), and the plugin must stay within 
 bf16 bar (3e-2 relative logit error, as `layer-boundary run` uses against HF).
 
 TP=2 runs two processes: one GPU each (NCCL) when there are two, else both on one GPU (a gloo
-process group; the one-shot all-reduce maps its peer buffers by CUDA IPC within the device), see
-layer_boundary_cutedsl.gpu_world. Either way every TP boundary and the terminal finalize run the
+process group; the one-shot all-reduce maps its peer buffers by CUDA IPC within the device), the
+core's `gpu_world` fixture. Either way every TP boundary and the terminal finalize run the
 one-shot kernel.
 """
 
@@ -136,15 +136,13 @@ def _tp_rank(parallel, state, prompts, decode, plugin):
     return logits, counts, reason
 
 
-def test_plugin_on_vs_off_tp2(setup):
+def test_plugin_on_vs_off_tp2(setup, gpu_world):
     """The one-shot all-reduce kernel at every TP boundary and at the terminal finalize (into the
     Gemma final norm): logits within the bf16 bar of float64, as the plugin-off run is."""
-    from layer_boundary_cutedsl.gpu_world import gpu_world
-
     config, state, prompts, decode, exact = setup
-    with gpu_world(2, timeout=300) as world:
-        off = world.run(_tp_rank, Topology(tp=2), state, prompts, decode, False)
-        on = world.run(_tp_rank, Topology(tp=2), state, prompts, decode, True)
+    world = gpu_world(2)
+    off = world.run(_tp_rank, Topology(tp=2), state, prompts, decode, False)
+    on = world.run(_tp_rank, Topology(tp=2), state, prompts, decode, True)
     steps = 1 + len(decode)
     for (rank_off, _, _), (rank_on, counts, reason) in zip(off, on):
         err_off, err_on = max_rel_diff(rank_off, exact), max_rel_diff(rank_on, exact)
