@@ -25,6 +25,7 @@ Bounds against the exact float64 value `ref` (u = 2^-8 bf16, 2^-11 fp16, u32 = 2
 from __future__ import annotations
 
 import hashlib
+import os
 import time
 from types import SimpleNamespace
 from typing import Optional
@@ -34,7 +35,7 @@ import torch
 from .gpu_world import rank_device, use_rank_device
 from .kernels.allreduce_layout import DIAG_WORDS, STATE_WORDS, buffer_layout
 from .kernels.reference import moe_finalize_reference, moe_terms_abs_sum
-from .oneshot import CUDA_ONESHOT, create_workspace
+from .oneshot import CUDA_ONESHOT, ENV_MAX_TOKENS, create_workspace
 
 __all__ = [
     "check_boundary",
@@ -317,7 +318,15 @@ def check_release(parallel, hidden=8192, capacity=2048):
     group.agree(True)
     free0 = memory.free_bytes(device)
     group.agree(True)
-    ws = _workspace(group, device, torch.bfloat16, hidden, capacity, offsets=(0.0,))
+    saved = os.environ.get(ENV_MAX_TOKENS)
+    os.environ[ENV_MAX_TOKENS] = str(capacity)  # every rank alike: a buffer large enough to see
+    try:
+        ws = _workspace(group, device, torch.bfloat16, hidden, capacity, offsets=(0.0,))
+    finally:
+        if saved is None:
+            os.environ.pop(ENV_MAX_TOKENS, None)
+        else:
+            os.environ[ENV_MAX_TOKENS] = saved
     nbytes = ws.nbytes
     group.agree(True)
     free1 = memory.free_bytes(device)
