@@ -569,3 +569,37 @@ def test_libcuda_symbols_are_bound_with_their_signatures(monkeypatch):
     monkeypatch.setattr(peer_memory.ctypes, "CDLL", lambda name: Lib({"cuMemAlloc_v2"}))
     with pytest.raises(peer_memory.CudaError, match="exports no cuMemAlloc_v2"):
         peer_memory._load_driver()
+
+
+# ------------------------------------------------------------------------------ the model, TP=2
+
+
+def test_the_model_runs_every_tp_boundary_one_shot():
+    """qwen3_moe (a dense layer, a shared expert, a Gemma final norm) at TP=2 on CPU ranks with
+    the reference one-shot: what test_model_gpu.py's TP=2 test expects of the real kernels."""
+    from layer_boundary.models import family, model_config
+
+    from .decoder_driver import MOE_CONFIG, max_rel_diff, requests, run_decoder
+
+    config = model_config("qwen3_moe", MOE_CONFIG)
+    state = family("qwen3_moe").random_weights(config, torch.float64, seed=5)
+    prompts, decode = requests(config)
+    off, _, _ = run_decoder(Parallel.single(), MOE_CONFIG, state, prompts, decode, dtype=torch.float64)
+    calls = {}
+
+    def rank(parallel):
+        mine = calls.setdefault(parallel.rank, [])
+        kernels = reference_kernels(mine, oneshot=reference_oneshot(mine))
+        logits, service, _ = run_decoder(parallel, MOE_CONFIG, state, prompts, decode, dtype=torch.float64, cutedsl={"kernels": kernels})
+        held = service.oneshot is not None
+        service.release()
+        return logits, held
+
+    for logits, held in run_threaded(rank, Topology(tp=2)):
+        assert held and max_rel_diff(logits, off) < 1e-5
+    names = [[c[0] for c in calls[r] if not c[0].endswith("prepare")] for r in sorted(calls)]
+    assert names[0] == names[1]
+    steps, sparse = 1 + len(decode), len(config.sparse_layers)
+    assert names[0].count("oneshot_moe_finalize_all_reduce_add_rmsnorm") == sparse * steps  # the terminal one included
+    assert names[0].count("oneshot_all_reduce_add_rmsnorm") == (config.num_layers + config.num_layers - sparse) * steps
+    assert "moe_finalize" not in names[0] and "fused_add_rmsnorm" not in names[0]
