@@ -459,34 +459,23 @@ def finalize_add_norm(ws, owed, residual, gamma, offset: float, eps: float):
     return ws.all_reduce_add_rmsnorm(partial, residual, gamma, eps, offset)
 
 
-def _norm_args(service, norm):
-    if not is_rms_norm(norm) or getattr(norm, "compute_dtype", torch.float32) not in service.kernels.norm_compute_dtypes:
+def _candidate(path, service, norm, owed, residual):
+    """`path` with the multiplier, offset and epsilon of a core RMSNorm computing as the kernels
+    do, over the service's workspace; None (untouched) when there is none or the norm differs."""
+    ws = getattr(service, "oneshot", None)
+    if ws is None or not is_rms_norm(norm) or getattr(norm, "compute_dtype", torch.float32) not in service.kernels.norm_compute_dtypes:
         return None
-    return norm.weight.detach(), float(getattr(type(norm), "offset", 0.0)), float(norm.eps)
+    return path(ws, owed, residual, norm.weight.detach(), float(getattr(type(norm), "offset", 0.0)), float(norm.eps))
 
 
 def finalize_candidate(service, norm, owed, residual):
     """The provider's MoE-handoff candidate, one-shot: None unless the service's workspace takes it."""
-    ws = getattr(service, "oneshot", None)
-    if ws is None:
-        return None
-    args = _norm_args(service, norm)
-    if args is None:
-        return None
-    gamma, offset, eps = args
-    return finalize_add_norm(ws, owed, residual, gamma, offset, eps)
+    return _candidate(finalize_add_norm, service, norm, owed, residual)
 
 
 def all_reduce_candidate(service, norm, owed, residual):
     """The provider's partial-sum candidate, one-shot: None unless the service's workspace takes it."""
-    ws = getattr(service, "oneshot", None)
-    if ws is None:
-        return None
-    args = _norm_args(service, norm)
-    if args is None:
-        return None
-    gamma, offset, eps = args
-    return all_reduce_add_norm(ws, owed, residual, gamma, offset, eps)
+    return _candidate(all_reduce_add_norm, service, norm, owed, residual)
 
 
 def create_for_service(service, max_tokens: int):
