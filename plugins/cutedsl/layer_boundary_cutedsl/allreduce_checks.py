@@ -44,6 +44,7 @@ __all__ = [
     "check_delayed",
     "check_release",
     "check_timeout_single_process",
+    "check_timeout_in_subprocess",
 ]
 
 U = {torch.bfloat16: 2.0**-8, torch.float16: 2.0**-11}
@@ -379,3 +380,26 @@ def check_timeout_single_process(timeout_s=2.0, hidden=1024, tokens=3, device_in
         "vs_unfused": None, "digest": "",
         "detail": f"error after {elapsed:.1f}s: {error}; report words {words[:7]}",
     }
+
+
+def check_timeout_in_subprocess(timeout_s: float = 2.0, limit: float = 120.0) -> tuple:
+    """`check_timeout_single_process` in a fresh interpreter: (its row, "") or (None, what went
+    wrong: no answer within `limit` s means the kernel hung instead of trapping)."""
+    import json
+    import subprocess
+    import sys
+
+    code = (
+        "import json, os; from layer_boundary_cutedsl.allreduce_checks import check_timeout_single_process as f; "
+        f"print('RESULT ' + json.dumps(f({float(timeout_s)!r})), flush=True); os._exit(0)"
+    )
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in sys.path if p))
+    try:
+        proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=limit, env=env)
+    except subprocess.TimeoutExpired:
+        return None, f"no answer within {limit:.0f}s: the kernel hung instead of trapping"
+    for line in proc.stdout.splitlines():
+        if line.startswith("RESULT "):
+            return json.loads(line[7:]), ""
+    tail = (proc.stderr or proc.stdout).strip().splitlines()[-3:]
+    return None, f"exit {proc.returncode}: {' | '.join(tail)}"

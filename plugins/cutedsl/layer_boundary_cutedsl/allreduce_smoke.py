@@ -13,8 +13,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import subprocess
 import sys
 import time
 
@@ -49,23 +47,6 @@ def _line(status: str, name: str, rows: list, seconds: float, note: str = "") ->
     if details:
         text += f"  [{details}]"
     return text + (f"  {note}" if note else "")
-
-
-def _timeout_case(timeout_s: float, limit: float) -> tuple:
-    code = (
-        "import json; from layer_boundary_cutedsl.allreduce_checks import check_timeout_single_process as f; "
-        f"print('RESULT ' + json.dumps(f({timeout_s!r})), flush=True)"
-    )
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in sys.path if p))
-    try:
-        proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=limit, env=env)
-    except subprocess.TimeoutExpired:
-        return None, f"no answer within {limit:.0f}s: the kernel hung instead of trapping"
-    for line in proc.stdout.splitlines():
-        if line.startswith("RESULT "):
-            return json.loads(line[7:]), ""
-    tail = (proc.stderr or proc.stdout).strip().splitlines()[-3:]
-    return None, f"exit {proc.returncode}: {' | '.join(tail)}"
 
 
 def main(argv=None) -> int:
@@ -115,7 +96,9 @@ def main(argv=None) -> int:
     if not args.no_timeout_case:
         total += 1
         t0 = time.perf_counter()
-        row, problem = _timeout_case(2.0, limit=120.0)
+        from .allreduce_checks import check_timeout_in_subprocess
+
+        row, problem = check_timeout_in_subprocess(2.0, limit=120.0)
         ok = row is not None and row["ok"]
         passed += ok
         name = "kernel timeout traps (own process)"

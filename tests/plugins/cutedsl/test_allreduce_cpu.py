@@ -603,3 +603,13 @@ def test_the_model_runs_every_tp_boundary_one_shot():
     assert names[0].count("oneshot_moe_finalize_all_reduce_add_rmsnorm") == sparse * steps  # the terminal one included
     assert names[0].count("oneshot_all_reduce_add_rmsnorm") == (config.num_layers + config.num_layers - sparse) * steps
     assert "moe_finalize" not in names[0] and "fused_add_rmsnorm" not in names[0]
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the no-GPU answer of the subprocess plumbing")
+def test_timeout_check_subprocess_plumbing():
+    """The trap check's subprocess imports the plugin and runs the check; without a GPU it fails
+    at the first CUDA call, and that comes back as a message (not a hang, not a parse error)."""
+    from layer_boundary_cutedsl.allreduce_checks import check_timeout_in_subprocess
+
+    row, problem = check_timeout_in_subprocess(2.0, limit=120.0)
+    assert row is None and problem.startswith("exit 1:") and "SyntaxError" not in problem and "ModuleNotFoundError" not in problem, problem
