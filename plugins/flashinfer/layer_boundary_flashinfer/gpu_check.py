@@ -488,11 +488,32 @@ class _plugin_disabled:
                 reset_registry()
 
 
+def _sizes(name):
+    """The check's model sizes, or the embedded preset's (hidden 64) with --model-sizes preset."""
+    return {} if MODEL_SIZES_CHOICE == "preset" else MODEL_SIZES[name]
+
+
+#: "check" (MODEL_SIZES) or "preset" (the models' embedded tiny configs, as `layer-boundary run` uses)
+MODEL_SIZES_CHOICE = "check"
+
+
+def _trace_stages(model, rank):
+    """Print (host side, as each stage's compute is enqueued) where the forward is: a hang shows
+    at which stage the ranks stop. On with LAYER_BOUNDARY_CHECK_TRACE=1."""
+    if os.environ.get("LAYER_BOUNDARY_CHECK_TRACE") != "1":
+        return
+    for name, module in model.named_modules():
+        if name.endswith((".self_attn", ".mlp", ".moe", ".feed_forward")) or type(module).__name__ in ("TPMoE",):
+            module.register_forward_pre_hook(
+                lambda m, a, name=name: print(f"    [rank {rank}] enter {name} rows {getattr(a[0], 'shape', ['?'])[0]}",
+                                              file=sys.stderr, flush=True))
+
+
 def _build(name, parallel, dtype, state):
     from layer_boundary.models import build_model, family, model_config
     from layer_boundary.models.weights import StateDictSource
 
-    config = model_config(name, dict(family(name).preset, **MODEL_SIZES[name]))
+    config = model_config(name, dict(family(name).preset, **_sizes(name)))
     model = build_model(config, parallel, dtype=dtype, device=_device())
     family(name).load_weights(model, StateDictSource(state))
     return config, model.eval()
@@ -519,7 +540,7 @@ def check_model(checks, parallel, rank, name, args):
 
     from .service import prepare_flashinfer_fusion
 
-    config = model_config(name, dict(family(name).preset, **MODEL_SIZES[name]))
+    config = model_config(name, dict(family(name).preset, **_sizes(name)))
     state = family(name).random_weights(config, torch.float32, seed=11)
     gen = torch.Generator().manual_seed(5)
     prompts = [torch.randint(0, config.vocab_size, (n,), generator=gen) for n in (17, 9, 33)]
@@ -538,6 +559,7 @@ def check_model(checks, parallel, rank, name, args):
         if mode == "on":
             report = prepare_flashinfer_fusion(model, max_tokens=args.max_tokens)
             checks.add(f"{name}: workspace agreed and candidates bound", report.available, report=str(report))
+            _trace_stages(model, rank)
         counter.reset()
         logits[mode] = _logits(model, counted, prompts, decode)
         counters[mode] = counter.snapshot()
@@ -594,7 +616,7 @@ def _graph_decode(checks, parallel, rank, args, name):
     from .collectives import flashinfer_collectives, wrapped_flashinfer_collectives
     from .service import prepare_flashinfer_fusion
 
-    config = model_config(name, dict(family(name).preset, **MODEL_SIZES[name]))
+    config = model_config(name, dict(family(name).preset, **_sizes(name)))
     state = family(name).random_weights(config, torch.float32, seed=11)
     fi_parallel = flashinfer_collectives(parallel)
     _, model = _build(name, fi_parallel, torch.bfloat16, state)
@@ -658,6 +680,12 @@ def _rank(rank: int, world: int, args) -> None:
     from .ranks import world_placement
     from .service import default_manager
 
+    global MODEL_SIZES_CHOICE
+    MODEL_SIZES_CHOICE = args.model_sizes
+    if args.dense_moe:
+        from layer_boundary.models.moe import TPMoE
+
+        TPMoE.DENSE_DISPATCH_TOKENS = 1 << 30
     parallel = Parallel.from_torch(Topology(tp=world))
     checks = Checks(rank)
     started = time.perf_counter()
@@ -709,7 +737,12 @@ def main(argv=None) -> None:
     ap.add_argument("--ranks", "--gpus", dest="ranks", type=int, default=2,
                     help="ranks (placed on the visible GPUs; several share a GPU where there are fewer GPUs)")
     ap.add_argument("--watchdog", type=float, default=240.0, help="dump every rank's stack after this many seconds in one step")
+    ap.add_argument("--model-sizes", choices=["check", "preset"], default="check",
+                    help="the models' sizes: this check's (hidden 2048) or the embedded presets' (hidden 64)")
+    ap.add_argument("--dense-moe", action="store_true", help="MoE layers run every expert on every token (no host sync)")
     args = ap.parse_args(argv)
+    global MODEL_SIZES_CHOICE
+    MODEL_SIZES_CHOICE = args.model_sizes
     if not torch.cuda.is_available():
         raise SystemExit("the flashinfer GPU check needs a CUDA GPU (Hopper or Blackwell) and flashinfer-python")
     from .ranks import run_ranks

@@ -41,7 +41,7 @@ def _steps(parallel, args):
 
 
 def test_the_gpu_checks_steps_pass_on_the_reference_backend(on_cpu):
-    args = types.SimpleNamespace(hidden=64, max_tokens=256, models=["qwen3", "qwen3_moe"], graph_models=[])
+    args = types.SimpleNamespace(hidden=64, max_tokens=256, models=["qwen3", "qwen3_moe"], graph_models=[], model_sizes="check", dense_moe=False)
     results = run_threaded(_steps, Topology(tp=2), args, timeout=240)
     for items in results:
         failed = [c for c in items if not c["ok"]]
