@@ -86,20 +86,10 @@ def test_fast_launch_packs_what_the_dsl_marshals():
     from layer_boundary_cutedsl.kernels.compiler import compile_variant
 
     variant = AllReduceVariant(torch.bfloat16, 4096, 4, top_k=8, shared=True)
+    from .test_compile_cpu import recording_executor
+
     compiled = compile_variant(variant, "sm_90a")
-    result = ctypes.c_int32(0)
-    seen = []
-
-    class FakeExecutor:
-        _has_cuda_result = True
-        _cuda_result_addr = ctypes.addressof(result)
-        _kernel_ptrs = None
-        cuda_result = result
-
-        @staticmethod
-        def capi_func(packed):
-            seen.append([packed[i] for i in range(len(ENTRY_KINDS) + 1)])
-
+    FakeExecutor, seen, result = recording_executor(len(ENTRY_KINDS) + 1)
     launcher = FastCall(FakeExecutor, ENTRY_KINDS)
     probe = (*range(0x7F0000001000, 0x7F0000001000 + 16 * N_ADDRESSES, 16), 4097, 3, 300, 1e-5, 132, 0xABC0)
     assert launcher.matches(compiled.execution_args, probe)
