@@ -89,6 +89,16 @@ def _workspace(group, device, dtype, hidden, capacity, offsets=(0.0, 1.0), moe_s
     return ws
 
 
+def _with_report(ws, exc: Exception) -> Exception:
+    """`exc`, with the report a timed-out kernel of this rank left in host memory, if any."""
+    report = ws.report()
+    if report is None:
+        return exc
+    error = RuntimeError(f"{type(exc).__name__}: {exc}\n{report}")
+    error.__cause__ = exc
+    return error
+
+
 def _gen(seed: int, device) -> torch.Generator:
     return torch.Generator(device=device).manual_seed(seed)
 
@@ -194,6 +204,8 @@ def check_boundary(parallel, dtype_name="bf16", hidden=4096, offset=0.0, token_c
             name = f"boundary {dtype_name} h{hidden}{' gemma' if offset else ''} T={tokens}" + (f" ctas={max_ctas}" if max_ctas else "")
             out.append(_result(name, group.rank, normed, res, ref, vs))
         ws.check()
+    except Exception as exc:  # a trapped kernel: say what it waited for
+        raise _with_report(ws, exc)
     finally:
         ws.release()
     return out
@@ -230,6 +242,8 @@ def check_moe(parallel, hidden=2048, top_k=8, shared=True, token_counts=(7, 133)
             name = f"moe k{top_k}{' shared' if shared else ''} h{hidden}{' gemma' if offset else ''} T={tokens}"
             out.append(_result(name, r, normed, res, ref, vs))
         ws.check()
+    except Exception as exc:  # a trapped kernel: say what it waited for
+        raise _with_report(ws, exc)
     finally:
         ws.release()
     return out
@@ -279,6 +293,8 @@ def check_graph(parallel, hidden=4096, tokens=16, replays=3, *, seed=2):
                 res["detail"] = "replay == eager" if same else "replay differs from eager"
                 out.append(res)
         ws.check()
+    except Exception as exc:  # a trapped kernel: say what it waited for
+        raise _with_report(ws, exc)
     finally:
         ws.release()
     return out
@@ -303,6 +319,8 @@ def check_delayed(parallel, delayed_rank, delay_s=1.0, hidden=4096, tokens=7, *,
         return [
             _result(f"rank {delayed_rank} delayed {delay_s:.1f}s T={tokens}", group.rank, normed, res, ref, detail=f"launch to result {waited:.2f}s")
         ]
+    except Exception as exc:  # a trapped kernel: say what it waited for
+        raise _with_report(ws, exc)
     finally:
         ws.release()
 

@@ -603,3 +603,17 @@ def test_timeout_check_subprocess_plumbing():
 
     row, problem = check_timeout_in_subprocess(2.0, limit=120.0)
     assert row is None and problem.startswith("exit 1:") and "SyntaxError" not in problem and "ModuleNotFoundError" not in problem, problem
+
+
+def test_a_trapped_check_says_what_the_kernel_waited_for():
+    from layer_boundary_cutedsl.allreduce_checks import _with_report
+
+    class Ws:
+        def __init__(self, report):
+            self.report = lambda: report
+
+    plain = RuntimeError("CUDA error: unspecified launch failure")
+    assert _with_report(Ws(None), plain) is plain
+    wrapped = _with_report(Ws("one-shot all-reduce on rank 1 of (0, 1): waited 30.0 s for rank 0's row 3"), plain)
+    assert "unspecified launch failure" in str(wrapped) and "waited 30.0 s for rank 0's row 3" in str(wrapped)
+    assert wrapped.__cause__ is plain
