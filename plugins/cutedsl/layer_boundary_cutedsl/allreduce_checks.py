@@ -24,6 +24,7 @@ Bounds against the exact float64 value `ref` (u = 2^-8 bf16, 2^-11 fp16, u32 = 2
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import os
 import time
@@ -97,6 +98,19 @@ def _with_report(ws, exc: Exception) -> Exception:
     error = RuntimeError(f"{type(exc).__name__}: {exc}\n{report}")
     error.__cause__ = exc
     return error
+
+
+@contextlib.contextmanager
+def _held(ws):
+    """`ws` for the block; then `ws.check()`; a failure carries a timed-out kernel's report; the
+    workspace is released either way (every rank passes here, so its barriers meet)."""
+    try:
+        yield ws
+        ws.check()
+    except Exception as exc:
+        raise _with_report(ws, exc)
+    finally:
+        ws.release()
 
 
 def _gen(seed: int, device) -> torch.Generator:
@@ -190,11 +204,10 @@ def check_boundary(parallel, dtype_name="bf16", hidden=4096, offset=0.0, token_c
     run different grids) to make CTAs loop over rows."""
     device = use_rank_device(parallel)
     group, dtype = _group(parallel), DTYPES[dtype_name]
-    ws = _workspace(group, device, dtype, hidden, max(token_counts), offsets=(offset,))
-    if max_ctas is not None:
-        ws.max_ctas = max_ctas[group.rank]
     out = []
-    try:
+    with _held(_workspace(group, device, dtype, hidden, max(token_counts), offsets=(offset,))) as ws:
+        if max_ctas is not None:
+            ws.max_ctas = max_ctas[group.rank]
         for i, tokens in enumerate(token_counts):
             parts, residual, gamma = _plain_inputs(seed * 1000 + i, group.size, tokens, hidden, dtype, offset, device)
             normed, res = ws.all_reduce_add_rmsnorm(parts[group.rank], residual, gamma, EPS, offset)
@@ -203,11 +216,6 @@ def check_boundary(parallel, dtype_name="bf16", hidden=4096, offset=0.0, token_c
             vs = _vs_unfused(group, parts[group.rank], residual, gamma, offset, normed, res, ref) if unfused else None
             name = f"boundary {dtype_name} h{hidden}{' gemma' if offset else ''} T={tokens}" + (f" ctas={max_ctas}" if max_ctas else "")
             out.append(_result(name, group.rank, normed, res, ref, vs))
-        ws.check()
-    except Exception as exc:  # a trapped kernel: say what it waited for
-        raise _with_report(ws, exc)
-    finally:
-        ws.release()
     return out
 
 
@@ -216,10 +224,9 @@ def check_moe(parallel, hidden=2048, top_k=8, shared=True, token_counts=(7, 133)
     shared-expert partial) + exchange + add + norm, one launch per token count."""
     device = use_rank_device(parallel)
     group, dtype = _group(parallel), torch.bfloat16
-    ws = _workspace(group, device, dtype, hidden, max(token_counts), offsets=(offset,), moe_shapes=[(top_k, shared)])
     world = group.size
     out = []
-    try:
+    with _held(_workspace(group, device, dtype, hidden, max(token_counts), offsets=(offset,), moe_shapes=[(top_k, shared)])) as ws:
         for i, tokens in enumerate(token_counts):
             gen = _gen(seed * 1000 + i, device)
             rows = [torch.randn(tokens, top_k, hidden, generator=gen, device=device).to(dtype) for _ in range(world)]
@@ -241,11 +248,6 @@ def check_moe(parallel, hidden=2048, top_k=8, shared=True, token_counts=(7, 133)
             vs = _vs_unfused(group, partial, residual, gamma, offset, normed, res, ref)
             name = f"moe k{top_k}{' shared' if shared else ''} h{hidden}{' gemma' if offset else ''} T={tokens}"
             out.append(_result(name, r, normed, res, ref, vs))
-        ws.check()
-    except Exception as exc:  # a trapped kernel: say what it waited for
-        raise _with_report(ws, exc)
-    finally:
-        ws.release()
     return out
 
 
@@ -255,20 +257,19 @@ def check_graph(parallel, hidden=4096, tokens=16, replays=3, *, seed=2):
     reference. Replays and eager launches alternate, so epochs of both parities are exercised."""
     device = use_rank_device(parallel)
     group, dtype = _group(parallel), torch.bfloat16
-    ws = _workspace(group, device, dtype, hidden, tokens, offsets=(0.0,))
     world, r = group.size, group.rank
     static = [_plain_inputs(seed, world, tokens, hidden, dtype, 0.0, device) for _ in range(2)]
     x = [s[0][r].clone() for s in static]
     res_in = [s[1].clone() for s in static]
     gamma = static[0][2]
     outs = [(torch.empty_like(res_in[k]), torch.empty_like(res_in[k])) for k in range(2)]
-
-    def step():
-        for k in range(2):
-            ws.all_reduce_add_rmsnorm(x[k], res_in[k], gamma, EPS, out=outs[k][0], residual_out=outs[k][1])
-
     out = []
-    try:
+    with _held(_workspace(group, device, dtype, hidden, tokens, offsets=(0.0,))) as ws:
+
+        def step():
+            for k in range(2):
+                ws.all_reduce_add_rmsnorm(x[k], res_in[k], gamma, EPS, out=outs[k][0], residual_out=outs[k][1])
+
         step()  # eager first (loads the kernel)
         _sync(device)
         replay = _capture(step)
@@ -292,11 +293,6 @@ def check_graph(parallel, hidden=4096, tokens=16, replays=3, *, seed=2):
                 res["ok"] = res["ok"] and same
                 res["detail"] = "replay == eager" if same else "replay differs from eager"
                 out.append(res)
-        ws.check()
-    except Exception as exc:  # a trapped kernel: say what it waited for
-        raise _with_report(ws, exc)
-    finally:
-        ws.release()
     return out
 
 
@@ -304,8 +300,7 @@ def check_delayed(parallel, delayed_rank, delay_s=1.0, hidden=4096, tokens=7, *,
     """One rank sleeps before its launch; the others launch at once and wait on the GPU."""
     device = use_rank_device(parallel)
     group, dtype = _group(parallel), torch.bfloat16
-    ws = _workspace(group, device, dtype, hidden, tokens, offsets=(0.0,))
-    try:
+    with _held(_workspace(group, device, dtype, hidden, tokens, offsets=(0.0,))) as ws:
         parts, residual, gamma = _plain_inputs(seed, group.size, tokens, hidden, dtype, 0.0, device)
         group.agree(True)  # start together, then delay one
         if group.rank == delayed_rank:
@@ -315,14 +310,7 @@ def check_delayed(parallel, delayed_rank, delay_s=1.0, hidden=4096, tokens=7, *,
         _sync(device)
         waited = time.perf_counter() - start
         ref = _plain_reference(parts, residual, gamma, 0.0)
-        ws.check()
-        return [
-            _result(f"rank {delayed_rank} delayed {delay_s:.1f}s T={tokens}", group.rank, normed, res, ref, detail=f"launch to result {waited:.2f}s")
-        ]
-    except Exception as exc:  # a trapped kernel: say what it waited for
-        raise _with_report(ws, exc)
-    finally:
-        ws.release()
+    return [_result(f"rank {delayed_rank} delayed {delay_s:.1f}s T={tokens}", group.rank, normed, res, ref, detail=f"launch to result {waited:.2f}s")]
 
 
 def check_release(parallel, hidden=8192, capacity=2048):
