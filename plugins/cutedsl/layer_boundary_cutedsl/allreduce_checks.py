@@ -59,7 +59,8 @@ KERNELS = CUDA_ONESHOT
 
 
 def _sync(device) -> None:
-    _sync(device)
+    if torch.device(device).type == "cuda":
+        torch.cuda.synchronize(device)
 
 
 def _capture(step):

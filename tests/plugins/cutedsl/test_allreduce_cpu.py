@@ -461,7 +461,6 @@ def dry_checks(monkeypatch):
     monkeypatch.setattr(checks, "KERNELS", reference_oneshot())
     monkeypatch.setattr(checks, "use_rank_device", lambda parallel: torch.device("cpu"))
     monkeypatch.setattr(checks, "rank_device", lambda rank: None)
-    monkeypatch.setattr(checks, "_sync", lambda device: None)
     monkeypatch.setattr(checks, "_capture", lambda step: step)
     monkeypatch.setattr(checks, "_unfused", lambda: (ref.fused_add_rmsnorm, ref.moe_finalize))
     return checks
