@@ -37,8 +37,13 @@ def _line(status: str, name: str, rows: list, seconds: float, note: str = "") ->
         values = [r[key] for r in rows if r.get(key) is not None]
         return f"{max(values):.3f}" if values else "-"
 
-    digests = {r["digest"] for r in rows if r.get("digest")}
-    same = "-" if not digests else ("same on all ranks" if len(digests) == 1 else f"DIFFER ({len(digests)})")
+    # one output per (case, launch): every rank must hold the same one
+    per_output: dict = {}
+    for r in rows:
+        if r.get("digest"):
+            per_output.setdefault(r["case"], set()).add(r["digest"])
+    differing = [case for case, digests in per_output.items() if len(digests) > 1]
+    same = "-" if not per_output else ("same on all ranks" if not differing else f"DIFFER ({len(differing)})")
     details = "; ".join(sorted({r["detail"] for r in rows if r.get("detail")}))
     text = (
         f"{status:4}  {name:42} err/bound normed {worst('err_normed'):>6} residual {worst('err_residual'):>6} "
