@@ -139,6 +139,24 @@ group() {
       LAYER_BOUNDARY_DISABLE_PLUGINS=flashinfer run_check cli_moe_unfused 45 \
         python3 -m layer_boundary run --model qwen3_moe --tp 2 --device cuda --check single --decode-steps 2
       return 0 ;;
+    # one short session's worth: the flashinfer steps not yet run, the qwen3_moe probe's core, a graph decode
+    probe)
+      local fi="python3 -m layer_boundary_flashinfer.gpu_check --ranks 2 --watchdog 30" rc=0
+      run_check fi_rest 120 $fi --out "$OUT/fi_rest" --only twoshot fallback defects fp8 || rc=1
+      LAYER_BOUNDARY_CHECK_TRACE=1 run_check moe_control_qwen3 55 $fi --only models --models qwen3 --out "$OUT/moe_control_qwen3"
+      LAYER_BOUNDARY_CHECK_TRACE=1 run_check moe_default 50 $fi --only models --models qwen3_moe --out "$OUT/moe_default"
+      run_check moe_dense 50 $fi --only models --models qwen3_moe --out "$OUT/moe_dense" --dense-moe
+      run_check fi_graph_qwen3 70 $fi --out "$OUT/fi_graph_qwen3" --only "graph decode" --graph-models qwen3 || rc=1
+      return $rc ;;
+    # the last short session: qwen3_moe with the finalize race fixed, its graph decode, FP8, the CuTe DSL one-shot
+    final)
+      local fi="python3 -m layer_boundary_flashinfer.gpu_check --ranks 2 --watchdog 30" rc=0
+      run_check fi_moe 60 $fi --out "$OUT/fi_moe" --only models --models qwen3_moe || rc=1
+      run_check fi_graph_moe 60 $fi --out "$OUT/fi_graph_moe" --only finalize "graph decode" --graph-models qwen3_moe || rc=1
+      run_check fi_fp8 50 $fi --out "$OUT/fi_fp8" --only fp8 || rc=1
+      run_check cutedsl_smoke 150 python3 -m layer_boundary_cutedsl.allreduce_smoke --ranks 2 --json "$OUT/cutedsl_smoke.json" || rc=1
+      return $rc ;;
+    smoke-cutedsl) run_check cutedsl_smoke "${SMOKE_TIMEOUT:-240}" python3 -m layer_boundary_cutedsl.allreduce_smoke --ranks 2 --json "$OUT/cutedsl_smoke.json" ;;
     contract) run_pytest contract 560 tests/plugins/test_contract_plugins.py tests/plugins/test_contract_suite.py tests/test_example_provider.py ;;
     *) log "unknown group $1 (core cutedsl flashinfer flashinfer4 contract all)"; return 2 ;;
   esac

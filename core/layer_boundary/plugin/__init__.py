@@ -35,7 +35,7 @@ from .._ops import align_rows, dp_gather, dp_scatter, gather_slices, move_residu
 from .._paths import EntryMode, EntryPath, ExitPath, ExitRole, Owed, ReduceScatter, StagePath, defers_to_next_input
 from .._planning import Stage, StagePlan
 from .._residual.add_norm import add_rms_norm, is_rms_norm
-from .._residual.quant import FP8_DTYPE, Fp8Input, fp8_residual, quantize_fp8
+from .._residual.quant import FP8_DTYPE, Fp8Input, fp8_residual, norm_fp32, quantize_fp8
 from ._hookspecs import PROJECT, hookimpl, hookspec
 from ._manager import (
     DISABLE_ENV,
@@ -142,6 +142,7 @@ __all__ = [
     "Fp8Input",
     "FP8_DTYPE",
     "quantize_fp8",
+    "norm_fp32",
     "fp8_residual",
     # registry and loading
     "Registry",

@@ -22,7 +22,7 @@ from typing import Callable, Optional
 
 import torch
 
-from .eligibility import device_reason, finalize_kernel_reason, kernel_width_reason, settings
+from .eligibility import device_reason, finalize_kernel_reason, finalize_kernel_version_reason, kernel_width_reason, settings
 from .workspace import WorkspaceSpec
 
 __all__ = [
@@ -62,6 +62,16 @@ _ONESHOT_MIB = {2: 512, 4: 64, 8: 42}
 ALLOCATION_GRANULARITY = 2 << 20
 #: FlashInfer's symmetric device memory appends a signal pad to every buffer (kSIGNAL_PAD_SIZE)
 SIGNAL_PAD_BYTES = 2048
+
+
+def installed_version() -> Optional[str]:
+    """flashinfer-python's version, from its metadata (no import)."""
+    try:
+        from importlib.metadata import version
+
+        return version("flashinfer-python")
+    except Exception:  # noqa: BLE001 - not installed, or installed without metadata
+        return None
 
 
 def _elem(dtype: torch.dtype) -> int:
@@ -150,7 +160,7 @@ class FlashInferBackend:
         return kernel_width_reason(hidden, dtype)
 
     def finalize_reason(self, hidden: int, dtype) -> Optional[str]:
-        return finalize_kernel_reason(hidden, dtype)
+        return finalize_kernel_version_reason(installed_version()) or finalize_kernel_reason(hidden, dtype)
 
     def required_bytes(self, spec: WorkspaceSpec, world: int) -> int:
         return workspace_bytes(spec, world)

@@ -49,6 +49,8 @@ import torch
 BF16_TOL = 2e-2
 #: bf16 logits: max |difference| / max |reference|, the tolerance `layer-boundary run` checks with
 BF16_LOGITS_TOL = 3e-2
+#: float32 logits, the same measure (`layer-boundary run`'s float32 tolerance)
+FP32_LOGITS_TOL = 1e-4
 #: memory CUDA may report beyond the workspace formula per rank (pointer tables, allocator blocks)
 MEMORY_SLACK = 8 << 20
 
@@ -291,12 +293,17 @@ def check_finalize(checks, parallel, rank, args):
     group = _tp(parallel)
     pair = _pairs(parallel, args.hidden, sparse=True)
     report = prepare_flashinfer_fusion(list(pair.boundaries), max_tokens=args.max_tokens)
-    checks.add("finalize: the MoE FFN hands its finalize off", report.available and len(report.finalize) == 1, report=str(report))
+    handoff = bool(report.finalize)
+    checks.add("finalize: workspace agreed, the MoE FFN's stage prepared", report.available and len(report.finalize) + len(report.finalize_declined) == 1,
+               report=str(report))
+    if DEVICE == "cuda":  # FlashInfer 0.7.2's finalize kernel reads its peers' buffers (a race): declined
+        checks.add("finalize: FlashInfer's finalize kernel is not used; the MoE's sum takes the fused all-reduce",
+                   not handoff and any("peers' Lamport buffers" in why for _, why in report.finalize_declined))
     if not report.available:
         return
     for tokens in (1, 5, 128, 129, min(300, args.max_tokens)):
         for with_shared in (False, True):
-            _finalize_case(checks, pair, group, tokens, with_shared, rank, 8, "finalize")
+            _finalize_case(checks, pair, group, tokens, with_shared, rank, 8, "finalize", expect_handoff=handoff)
 
 
 # memory and fallback ------------------------------------------------------------------------------
@@ -589,15 +596,23 @@ def check_model(checks, parallel, rank, name, args):
     decode = [torch.randint(0, config.vocab_size, (len(prompts),), generator=gen) for _ in range(2)]
     counters = {}
     logits = {}
-    for mode in ("on", "off", "fp32"):
+    moe = bool(config.sparse_layers)
+    # a MoE's routing is discontinuous: in bf16 a near-tie between two experts can flip between any
+    # two roundings (fused or not), so its fused path is judged in float32 (plugin on vs off)
+    modes = ("on", "off", "fp32") + (("on_fp32",) if moe else ())
+    for mode in modes:
         t0 = time.perf_counter()
         counter = CollectiveCounter()
         counted = parallel.with_groups(lambda g: CountingCollectives(g, counter))
-        dtype = torch.float32 if mode == "fp32" else torch.bfloat16
+        dtype = torch.float32 if mode in ("fp32", "on_fp32") else torch.bfloat16
+        plugin_on = mode in ("on", "on_fp32")
         _tp(parallel).agree(True)  # every rank builds with the same registry (ranks may share a process)
-        with (_plugin_disabled() if mode != "on" else contextlib.nullcontext()):
+        with (_plugin_disabled() if not plugin_on else contextlib.nullcontext()):
             _, model = _build(name, counted, dtype, state)
         _tp(parallel).agree(True)
+        if mode == "on_fp32":
+            report = prepare_flashinfer_fusion(model, max_tokens=args.max_tokens)
+            checks.add(f"{name}: float32 workspace agreed and candidates bound", report.available, report=str(report))
         if mode == "on":
             report = prepare_flashinfer_fusion(model, max_tokens=args.max_tokens)
             checks.add(f"{name}: workspace agreed and candidates bound", report.available, report=str(report))
@@ -614,11 +629,26 @@ def check_model(checks, parallel, rank, name, args):
     on_ref = [_rel(a, b) for a, b in zip(logits["on"], logits["fp32"])]
     off_ref = [_rel(a, b) for a, b in zip(logits["off"], logits["fp32"])]
     top1 = [float((a.argmax(-1) == b.argmax(-1)).float().mean()) for a, b in zip(logits["on"], logits["off"])]
-    # equal within bf16 (as `layer-boundary run` checks logits), and no further from float32 than unfused bf16 is
-    ok = max(on_off) <= BF16_LOGITS_TOL and all(a <= 1.25 * b + 1e-3 for a, b in zip(on_ref, off_ref))
     same = all(_same_on_all_ranks(t.to(_device()), _tp(parallel)) for t in logits["on"])
-    checks.add(f"{name}: TP={parallel.topology.tp} bf16 logits equal with the plugin on and off", ok and same, err_on_vs_off=on_off,
-               err_on_vs_fp32=on_ref, err_off_vs_fp32=off_ref, top1_agreement=top1, ranks_identical=same)
+    facts = dict(err_on_vs_off=on_off, err_on_vs_fp32=on_ref, err_off_vs_fp32=off_ref, top1_agreement=top1, ranks_identical=same)
+    if not moe:
+        # equal within bf16 (as `layer-boundary run` checks logits), and no further from float32 than unfused bf16 is
+        ok = max(on_off) <= BF16_LOGITS_TOL and all(a <= 1.25 * b + 1e-3 for a, b in zip(on_ref, off_ref))
+        checks.add(f"{name}: TP={parallel.topology.tp} bf16 logits equal with the plugin on and off", ok and same, **facts)
+        return _count_check(checks, name, counters)
+    # bf16: reported (how many tokens a routing flip moved), not judged token by token
+    tokens_off = [float(((a - b).abs().amax(-1) > BF16_LOGITS_TOL * b.abs().amax()).float().mean())
+                  for a, b in zip(logits["on"], logits["off"])]
+    checks.add(f"{name}: TP={parallel.topology.tp} bf16 logits with the plugin on and off (routing flips reported)", same,
+               share_of_tokens_beyond_bf16_tolerance=tokens_off, **facts)
+    fp32_on_off = [_max_rel(a, b) for a, b in zip(logits["on_fp32"], logits["fp32"])]
+    same32 = all(_same_on_all_ranks(t.to(_device()), _tp(parallel)) for t in logits["on_fp32"])
+    checks.add(f"{name}: TP={parallel.topology.tp} float32 logits equal with the plugin on and off",
+               max(fp32_on_off) <= FP32_LOGITS_TOL and same32, err_on_vs_off=fp32_on_off, ranks_identical=same32)
+    _count_check(checks, name, counters)
+
+
+def _count_check(checks, name, counters):
     ar_on = sum(n for k, n in counters["on"].items() if k.startswith("all_reduce"))
     ar_off = sum(n for k, n in counters["off"].items() if k.startswith("all_reduce"))
     checks.add(f"{name}: the fusion replaced the boundary all-reduces", ar_on < ar_off, collectives_on=counters["on"],
