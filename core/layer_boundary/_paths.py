@@ -39,9 +39,6 @@ class EntryMode(enum.Enum):
     SCATTER = "scatter"  #: reduce-scatter onto attention-TP slices, update and read on the slice
     BRANCH = "branch"  #: a prepared branch, entered through `branch_input` only
 
-    def __repr__(self) -> str:
-        return self.name
-
 
 class ExitRole(enum.Enum):
     """How a stage's output leaves it."""
@@ -53,9 +50,6 @@ class ExitRole(enum.Enum):
     #: an FFN: defers its sum to the next input, reduce-scatters it, or lets compute reduce, per batch
     FFN = "ffn"
 
-    def __repr__(self) -> str:
-        return self.name
-
 
 class Owed(enum.Enum):
     """What an output arriving at a stage's input may still owe."""
@@ -63,9 +57,6 @@ class Owed(enum.Enum):
     NOTHING = "nothing"
     DECLARED = "declared"  #: the sum the producer's contract always leaves (attention, a mixer before an FFN)
     DYNAMIC = "dynamic"  #: a sum or a finalize the producer's exit may defer, per batch
-
-    def __repr__(self) -> str:
-        return self.name
 
 
 @attrs.frozen(kw_only=True)

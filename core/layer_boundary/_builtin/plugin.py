@@ -56,25 +56,13 @@ def layer_boundary_residual_kinds():
     )
 
 
-def _host(options):
-    from ..bench.host import main
-
-    return main(options)
-
-
-def _decode(options):
-    from ..bench.decode import main
-
-    return main(options)
-
-
 @hookimpl
 def layer_boundary_benchmarks():
-    yield Benchmark(
-        name="core.host", command="host", factory=_host, priority=Priority.BUILTIN,
+    yield Benchmark.of_module(
+        "layer_boundary.bench.host", name="core.host", command="host", priority=Priority.BUILTIN,
         description="host overhead of a 32-layer stack through the boundaries against the same torch ops by hand",
     )
-    yield Benchmark(
-        name="core.decode", command="decode", factory=_decode, priority=Priority.BUILTIN,
+    yield Benchmark.of_module(
+        "layer_boundary.bench.decode", name="core.decode", command="decode", priority=Priority.BUILTIN,
         description="decode step time of a Qwen3 through the boundaries, eager against CUDA-graph replay (GPU)",
     )

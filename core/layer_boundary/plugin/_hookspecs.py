@@ -13,18 +13,8 @@ from typing import TYPE_CHECKING, Iterable
 import pluggy
 
 if TYPE_CHECKING:  # keep the spec import light
-    from ._records import (
-        Adapter,
-        Benchmark,
-        BranchProvider,
-        CpPathProvider,
-        FusionProvider,
-        OverlapProvider,
-        ResidualKind,
-        RowPublisher,
-        TokenMappingProvider,
-    )
-    from ._requests import PrepareRequest, ReleaseRequest
+    from . import _records as records
+    from . import _requests as requests
 
 PROJECT = "layer_boundary"
 hookspec = pluggy.HookspecMarker(PROJECT)
@@ -35,7 +25,7 @@ class LayerBoundarySpecs:
     # ---- registration hooks: records -------------------------------------------------------
 
     @hookspec
-    def layer_boundary_fusion_providers(self) -> "Iterable[FusionProvider]":
+    def layer_boundary_fusion_providers(self) -> "Iterable[records.FusionProvider]":
         """Yield `FusionProvider` records: fused completion of what a stage's input owes.
 
         `factory(stage)` receives a frozen `StageDescription` at model construction and
@@ -56,7 +46,7 @@ class LayerBoundarySpecs:
         yield from ()
 
     @hookspec
-    def layer_boundary_residual_kinds(self) -> "Iterable[ResidualKind]":
+    def layer_boundary_residual_kinds(self) -> "Iterable[records.ResidualKind]":
         """Yield `ResidualKind` records: named residual semantics (update + read pairs).
 
         Model code asks for one by its `kind`, with the options its factory takes; the
@@ -68,7 +58,7 @@ class LayerBoundarySpecs:
         yield from ()
 
     @hookspec
-    def layer_boundary_cp_paths(self) -> "Iterable[CpPathProvider]":
+    def layer_boundary_cp_paths(self) -> "Iterable[records.CpPathProvider]":
         """Yield `CpPathProvider` records: the context-parallel path of a stage.
 
         Asked for every stage when the topology has attention CP > 1: `factory(request)`
@@ -80,26 +70,26 @@ class LayerBoundarySpecs:
         yield from ()
 
     @hookspec
-    def layer_boundary_token_mappings(self) -> "Iterable[TokenMappingProvider]":
+    def layer_boundary_token_mappings(self) -> "Iterable[records.TokenMappingProvider]":
         """Yield `TokenMappingProvider` records: `factory(request)` receives a
         `TokenMappingRequest` and returns the token mapping of a CP batch (`Forward(cp=...)`)."""
         yield from ()
 
     @hookspec
-    def layer_boundary_overlaps(self) -> "Iterable[OverlapProvider]":
+    def layer_boundary_overlaps(self) -> "Iterable[records.OverlapProvider]":
         """Yield `OverlapProvider` records: `factory(request)` receives an `OverlapRequest` and
         returns what `two_batch_overlap(forward)` gives the model (an `Overlap`), or None."""
         yield from ()
 
     @hookspec
-    def layer_boundary_branches(self) -> "Iterable[BranchProvider]":
+    def layer_boundary_branches(self) -> "Iterable[records.BranchProvider]":
         """Yield `BranchProvider` records: `factory(request)` receives a `BranchRequest` and
         returns what `branch_input`, `branch_output` and `merge_branch` run on (a
         `BranchTransport`), or None."""
         yield from ()
 
     @hookspec
-    def layer_boundary_row_publishers(self) -> "Iterable[RowPublisher]":
+    def layer_boundary_row_publishers(self) -> "Iterable[records.RowPublisher]":
         """Yield `RowPublisher` records of a `kind`: a stage built with `publish_rows=(kind,)`
         binds the first whose `factory(request)` (a `RowPublisherRequest`) returns an object
         (`PublishesRows`); after every `prepare()` the stage publishes each bound publisher's
@@ -107,13 +97,13 @@ class LayerBoundarySpecs:
         yield from ()
 
     @hookspec
-    def layer_boundary_benchmarks(self) -> "Iterable[Benchmark]":
+    def layer_boundary_benchmarks(self) -> "Iterable[records.Benchmark]":
         """Yield `Benchmark` records: `layer-boundary bench COMMAND [options]` runs the record
         whose `command` it names, `factory(options)`."""
         yield from ()
 
     @hookspec
-    def layer_boundary_adapters(self) -> "Iterable[Adapter]":
+    def layer_boundary_adapters(self) -> "Iterable[records.Adapter]":
         """Deprecated: yield `Adapter` records. Each is mapped onto the extension point of its
         kind (see `Adapter`), with a `DeprecationWarning` naming the replacement."""
         yield from ()
@@ -121,13 +111,13 @@ class LayerBoundarySpecs:
     # ---- life-cycle hooks: verbs ----------------------------------------------------------
 
     @hookspec
-    def layer_boundary_prepare_model(self, request: "PrepareRequest") -> None:
+    def layer_boundary_prepare_model(self, request: "requests.PrepareRequest") -> None:
         """Prepare a model before its first forward and before any CUDA-graph capture:
         workspaces, compiled kernels, agreements across ranks (`request.model`,
         `request.max_tokens`). Called on every rank, in plugin-name order, by
         `layer_boundary.prepare_model()`; a collective here must run on every rank."""
 
     @hookspec
-    def layer_boundary_release_model(self, request: "ReleaseRequest") -> None:
+    def layer_boundary_release_model(self, request: "requests.ReleaseRequest") -> None:
         """Release what `layer_boundary_prepare_model` created. Called on every rank, in reverse
         plugin-name order, by `layer_boundary.release_model()`, before the process groups go."""

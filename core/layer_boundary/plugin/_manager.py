@@ -30,19 +30,8 @@ import pluggy
 from .._env import env_flag, env_names
 from ._hookspecs import PROJECT, LayerBoundarySpecs
 from ._legacy import translate_adapters
-from ._records import (
-    Adapter,
-    Benchmark,
-    BranchProvider,
-    CpPathProvider,
-    FusionProvider,
-    OverlapProvider,
-    Registered,
-    ResidualKind,
-    RowPublisher,
-    TokenMappingProvider,
-    selection_key,
-)
+from . import _records as rec
+from ._records import Adapter, Registered, selection_key
 
 log = logging.getLogger("layer_boundary.plugins")
 
@@ -53,14 +42,14 @@ DISABLE_ENV = "LAYER_BOUNDARY_DISABLE_PLUGINS"
 
 #: registry field -> (hook, record type), in the order `layer-boundary plugins` lists them
 HOOKS = {
-    "fusion_providers": ("layer_boundary_fusion_providers", FusionProvider),
-    "residual_kinds": ("layer_boundary_residual_kinds", ResidualKind),
-    "cp_paths": ("layer_boundary_cp_paths", CpPathProvider),
-    "token_mappings": ("layer_boundary_token_mappings", TokenMappingProvider),
-    "overlaps": ("layer_boundary_overlaps", OverlapProvider),
-    "branches": ("layer_boundary_branches", BranchProvider),
-    "row_publishers": ("layer_boundary_row_publishers", RowPublisher),
-    "benchmarks": ("layer_boundary_benchmarks", Benchmark),
+    "fusion_providers": ("layer_boundary_fusion_providers", rec.FusionProvider),
+    "residual_kinds": ("layer_boundary_residual_kinds", rec.ResidualKind),
+    "cp_paths": ("layer_boundary_cp_paths", rec.CpPathProvider),
+    "token_mappings": ("layer_boundary_token_mappings", rec.TokenMappingProvider),
+    "overlaps": ("layer_boundary_overlaps", rec.OverlapProvider),
+    "branches": ("layer_boundary_branches", rec.BranchProvider),
+    "row_publishers": ("layer_boundary_row_publishers", rec.RowPublisher),
+    "benchmarks": ("layer_boundary_benchmarks", rec.Benchmark),
 }
 LEGACY_HOOK = "layer_boundary_adapters"
 LIFECYCLE_HOOKS = ("layer_boundary_prepare_model", "layer_boundary_release_model")

@@ -122,6 +122,23 @@ class Benchmark(_Record):
 
     command: str = attrs.field(validator=_valid_kind)
 
+    @classmethod
+    def of_module(cls, module: str, **fields) -> "Benchmark":
+        """The benchmark whose code is `module`'s `main(argv)`, imported only when it runs."""
+        return cls(factory=_ModuleMain(module), **fields)
+
+
+@attrs.frozen
+class _ModuleMain:
+    """`main(argv)` of a module, imported on the first call (a benchmark's heavy imports)."""
+
+    module: str
+
+    def __call__(self, argv):
+        import importlib
+
+        return importlib.import_module(self.module).main(argv)
+
 
 @attrs.frozen(kw_only=True)
 class Adapter(_Record):

@@ -48,15 +48,9 @@ def layer_boundary_release_model(request):
     release_cutedsl_fusion(request.model)
 
 
-def _bench(options):
-    from .bench import main
-
-    return main(options)
-
-
 @hookimpl
 def layer_boundary_benchmarks():
-    yield Benchmark(
-        name="cutedsl.kernels", command="cutedsl", factory=_bench, priority=Priority.ARCH_SPECIFIC,
+    yield Benchmark.of_module(
+        "layer_boundary_cutedsl.bench", name="cutedsl.kernels", command="cutedsl", priority=Priority.ARCH_SPECIFIC,
         description="the CuTe DSL kernels checked, then timed against the copy bandwidth and unfused torch (one GPU)",
     )

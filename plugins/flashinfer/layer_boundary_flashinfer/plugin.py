@@ -68,15 +68,9 @@ def layer_boundary_release_model(request):
     shutdown_flashinfer_fusion()
 
 
-def _bench(options):
-    from .bench import main
-
-    return main(options)
-
-
 @hookimpl
 def layer_boundary_benchmarks():
-    yield Benchmark(
-        name="flashinfer.fusion", command="fusion", factory=_bench, priority=Priority.VENDOR,
+    yield Benchmark.of_module(
+        "layer_boundary_flashinfer.bench", name="flashinfer.fusion", command="fusion", priority=Priority.VENDOR,
         description="the fused all-reduce + add + RMSNorm against the unfused path and raw FlashInfer (2 GPUs)",
     )
