@@ -13,6 +13,7 @@ import torch
 from ._checks import check_rows
 from ._errors import Messages
 from ._forward import _FLAGS, ComputeFlags, RowLayout
+from ._ops import align_rows
 from ._output import HandoffOutput, UnreducedOutput
 from ._residual.stream import Contribution
 
@@ -50,15 +51,18 @@ def _stream(fwd):
     return stream
 
 
-def record_complete(plan, value, rows, fwd):
-    """Record a complete contribution; an update applied at the producer writes the stream now."""
+def record_complete(plan, ex, value, fwd):
+    """Record a complete contribution on the exit's output rows; an update that runs at the
+    exit (`ex.writes_at_exit`) writes the stream now, on the residual's rows."""
     stream = _stream(fwd)
     update = plan.declaration.update
-    if update.at_producer:
-        new_residual = update.apply(value, stream.residual)
-        stream.write(new_residual, rows, handle=new_residual)
+    if ex.writes_at_exit:
+        residual = stream.residual
+        value = align_rows(value, ex.output_rows, stream.rows, fwd)
+        new_residual = value if residual is None else update.apply(value, residual)
+        stream.write(new_residual, stream.rows, handle=new_residual)
         return new_residual
-    return stream.record(Contribution(value, update, rows=rows))
+    return stream.record(Contribution(value, update, rows=ex.output_rows))
 
 
 _DP_LOCAL = RowLayout.DP_LOCAL
@@ -74,6 +78,8 @@ def record_attention(plan, out, fwd, ex):
     """A PARTIAL attention output: its attention-TP sum is always left to the next input."""
     layout = ex.compute_rows  # inlined compute_rows(): the common case reads one attribute
     check_rows(plan, out, fwd.num_tokens if layout is _DP_LOCAL else layout.rows(fwd), fwd, "attention output")
+    if ex.writes_at_exit:  # the update runs here: complete the sum now instead of leaving it
+        return complete_reduced(plan, ex, out if ex.group.size == 1 else ex.group.all_reduce(out), fwd)
     return _leave_sum(plan, ex, out, fwd, declared=True)
 
 
@@ -92,16 +98,15 @@ def _leave_sum(plan, ex, out, fwd, *, declared: bool):
     return stream.record(Contribution(None, decl.update, owed=owed, transform=decl.output_transform, rows=ex.output_rows))
 
 
-def complete_reduced(plan, path, out, fwd):
-    """Output that compute already reduced: transform, move to the output rows, record."""
+def complete_reduced(plan, ex, out, fwd):
+    """Output that compute already reduced: transform, move to the exit's output rows, record."""
     transform = plan.declaration.output_transform
     if transform is not None:
         out = transform(out)
-    ex = path.exit
     move = ex.output_move
     if move is not None:
         out = move(out, fwd)
-    return record_complete(plan, out, ex.output_rows, fwd)
+    return record_complete(plan, ex, out, fwd)
 
 
 class _ExitScope:
@@ -184,7 +189,7 @@ class FfnExit(_ExitScope):
             layout = path.exit.compute_rows
             check_rows(plan, out, fwd.num_tokens if layout is _DP_LOCAL else layout.rows(fwd), fwd, "FFN output")
             if decision is COMPLETE_NOW:
-                return complete_reduced(plan, path, out, fwd)
+                return complete_reduced(plan, path.exit, out, fwd)
         stream = _stream(fwd)
         decl = plan.declaration
         if isinstance(out, HandoffOutput):
@@ -204,8 +209,8 @@ class FfnExit(_ExitScope):
             if transform is not None:
                 out = transform(out)  # allowed only when declared before_reduce_scatter
             ex = path.exit
-            return record_complete(plan, ex.scatter.run(out, fwd, ex.group), ex.output_rows, fwd)
-        return complete_reduced(plan, path, out, fwd)
+            return record_complete(plan, ex, ex.scatter.run(out, fwd, ex.group), fwd)
+        return complete_reduced(plan, path.exit, out, fwd)
 
 
 def _scatter_decision(fwd, rs: bool) -> ExitDecision:
@@ -246,5 +251,5 @@ class MixerExit(_ExitScope):
         check_rows(plan, out, fwd.num_tokens if layout is _DP_LOCAL else layout.rows(fwd), fwd, "mixer output")
         if decision.declared or decision.defer_sum:
             return _leave_sum(plan, path.exit, out, fwd, declared=decision.declared)
-        return complete_reduced(plan, path, out, fwd)
+        return complete_reduced(plan, path.exit, out, fwd)
 

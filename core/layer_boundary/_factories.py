@@ -35,7 +35,17 @@ __all__ = [
 ]
 
 ATTENTION_OPTIONS = frozenset({"qkv_latent_func", "fusions", "publish_rows"})
+#: the guide's FFN options are `fusions` only; `publish_rows` is this library's one addition (`_WHY_MORE`)
 FFN_OPTIONS = frozenset({"fusions", "publish_rows"})
+_OPTIONS_NOTE = {
+    "attention": "an attention stage takes qkv_latent_func and fusions (the guide's options) and publish_rows",
+    "mixer": "a mixer stage takes qkv_latent_func and fusions (the guide's options) and publish_rows",
+    "ffn": "an FFN stage takes fusions (the guide's only FFN option) and publish_rows",
+}
+_WHY_MORE = (
+    "; publish_rows=(kind, ...) is this library's addition: row publishers such as layer-boundary-lora's are told which "
+    "rows the compute input holds, which the guide's adapters read from engine globals"
+)
 
 
 @attrs.frozen(kw_only=True, eq=False)
@@ -276,11 +286,15 @@ def _split_item(item) -> tuple[StageDeclaration, Any, dict]:
         raise ValueError("a declaration passed to make_stages takes terminal from make_stages (terminal=)")
     if decl.following is not None:
         raise ValueError("a declaration passed to make_stages takes following from make_stages (following=)")
-    allowed = ATTENTION_OPTIONS if decl.is_attention_like else FFN_OPTIONS
-    unknown = sorted(set(options) - allowed)
-    if unknown:
-        raise TypeError(f"unsupported {decl.kind.value} stage options: {unknown}")
+    _check_options(decl, options)
     return decl, norm, options
+
+
+def _check_options(decl: StageDeclaration, options) -> None:
+    allowed = ATTENTION_OPTIONS if decl.is_attention_like else FFN_OPTIONS
+    unknown = sorted(set(options or ()) - allowed)
+    if unknown:
+        raise TypeError(f"unsupported {decl.kind.value} stage options: {unknown}; {_OPTIONS_NOTE[decl.kind.value]}{_WHY_MORE}")
 
 
 def make_stages(
@@ -369,9 +383,7 @@ def make_attn_stage(declaration: StageDeclaration, norm, options: Optional[dict]
     source (`previous`/`prepared_from`), `following` and `terminal`."""
     if not declaration.is_attention_like:
         raise TypeError("make_attn_stage needs an attention declaration (declare_attn)")
-    unknown = sorted(set(options or {}) - ATTENTION_OPTIONS)
-    if unknown:
-        raise TypeError(f"unsupported attention stage options: {unknown}")
+    _check_options(declaration, options)
     return _single(declaration, norm, options, parallel, reduction, label)
 
 
@@ -379,8 +391,6 @@ def make_ffn_stage(declaration: StageDeclaration, norm, options: Optional[dict] 
     """One independently constructed FFN stage (see `make_attn_stage`)."""
     if declaration.kind is not StageKind.FFN:
         raise TypeError("make_ffn_stage needs an FFN declaration (declare_ffn)")
-    unknown = sorted(set(options or {}) - FFN_OPTIONS)
-    if unknown:
-        raise TypeError(f"unsupported ffn stage options: {unknown}")
+    _check_options(declaration, options)
     return _single(declaration, norm, options, parallel, reduction, label)
 

@@ -17,7 +17,9 @@ from ._exit import COMPLETE_NOW
 from ._forward import BatchVariant, RowLayout
 from ._layout import SumGroup
 
-__all__ = ["EntryMode", "ExitRole", "Owed", "ReduceScatter", "EntryPath", "ExitPath", "StagePath", "defers_to_next_input"]
+__all__ = [
+    "EntryMode", "ExitRole", "Owed", "ReduceScatter", "EntryPath", "ExitPath", "StagePath", "defers_to_next_input", "writes_at_exit",
+]
 
 
 def defers_to_next_input(topology, variant: BatchVariant) -> bool:
@@ -26,6 +28,15 @@ def defers_to_next_input(topology, variant: BatchVariant) -> bool:
     move at the boundary, and the exit completes the output on its way). Producer exits and
     consumer entries both decide with it, so a sum never runs twice or never."""
     return variant is BatchVariant.ORDINARY and topology.attn_dp == 1 and topology.attn_cp == 1
+
+
+def writes_at_exit(update) -> bool:
+    """The producer-update rule, written once: an update that asks to run at the producer
+    (`at_producer`), or whose parameters and state are not guaranteed to outlive the producer's
+    layer (`outlives_layer=False`), runs at the producer's exit. The exit completes the output
+    there (its sum, transform and rows) and writes the stream; nothing is left for the next
+    input, which the consumer's entry derives from the same declaration (`previous=`)."""
+    return bool(update.at_producer or not update.outlives_layer)
 
 
 class EntryMode(enum.Enum):
@@ -130,6 +141,9 @@ class ExitPath:
     handoff_ok: bool = False
     #: the optional reduce-scatter onto the output rows
     scatter: Optional[ReduceScatter] = None
+    #: the producer's update runs at this exit (`writes_at_exit`): the output completes here and
+    #: the stream is written; nothing is deferred or left declared
+    writes_at_exit: bool = False
     #: the decision of an FFN exit that no batch fact can change (exits then share it)
     static_decision: Any = attrs.field(init=False)
 
@@ -143,6 +157,7 @@ class ExitPath:
         stage's kind unless given."""
         sum_group = fields.pop("sum_group", stage.output_sum)
         role = fields.pop("role", _ROLES[stage.kind.value])
+        fields.setdefault("writes_at_exit", writes_at_exit(stage.declaration.update))
         return cls(role=role, sum_group=sum_group, group=stage.group(sum_group), **fields)
 
 

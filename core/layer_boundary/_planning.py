@@ -24,7 +24,7 @@ from ._forward import BatchVariant, DpPadding, RowLayout
 from ._fusions import build_providers, consumer_candidates, read_format
 from ._layout import SumGroup
 from ._ops import dp_gather, dp_reduce_scatter, dp_scatter, gather_slices, reduce_scatter_slices, take_slice
-from ._paths import EntryMode, EntryPath, ExitPath, Owed, ReduceScatter, StagePath, defers_to_next_input
+from ._paths import EntryMode, EntryPath, ExitPath, Owed, ReduceScatter, StagePath, defers_to_next_input, writes_at_exit
 from ._residual.add_norm import GemmaRMSNorm, NormRead, is_rms_norm
 from ._row_publishers import bind_row_publishers, rows_in_scope
 from .plugin._requests import CpPathRequest, DefersAllReduce, DefersFinalize
@@ -43,7 +43,7 @@ def output_sum_group(decl) -> SumGroup:
 def arriving_sum(decl) -> tuple[Owed, Optional[SumGroup]]:
     """What the output arriving at `decl`'s input may owe, and over which group."""
     prev = decl.previous
-    if prev is None:
+    if prev is None or writes_at_exit(prev.update):  # a producer-written stream owes nothing
         return Owed.NOTHING, None
     if prev.kind is StageKind.ATTENTION:
         return Owed.DECLARED, SumGroup.ATTN_TP
@@ -174,10 +174,11 @@ class StagePlan(Stage):
             raise NotImplementedError(self.missing_variant(fwd.variant)) from None
 
     def missing_variant(self, variant: BatchVariant) -> str:
-        """The guide's error for an absent variant, with this stage's reason when one is known."""
+        """The guide's error for an absent variant, verbatim on its first line; this stage's
+        reason, when one is known, on a second line (so the first line matches the error table)."""
         message = Messages.NO_VARIANT.format(variant=variant.name)
         reason = self.unsupported.get(variant)
-        return f"{message} (stage {self.label}: {reason})" if reason else message
+        return f"{message}\nstage {self.label}: {reason}" if reason else message
 
     def describe(self) -> dict:
         return _describe.plan(self)
@@ -188,19 +189,27 @@ class StagePlan(Stage):
 # ---------------------------------------------------------------------------------------------
 
 
-def _supports_slices(stage: Stage) -> bool:
+#: why a prepared branch has no path for a variant other than ordinary rows (the guide's rule)
+BRANCH_ROWS = "prepared branch transport requires ordinary token rows"
+
+
+def _slice_refusal(stage: Stage) -> Optional[str]:
+    """Why this stage has no sequence-parallel / input-scattered path where its topology could
+    carry such a batch ("" where no batch of the topology can be one; None: it has them)."""
     topo = stage.parallel.topology
     decl = stage.declaration
-    if topo.attn_dp > 1 or topo.attn_cp > 1 or topo.attn_tp < 2 or stage.is_branch:
-        return False
+    if topo.attn_dp > 1 or topo.attn_cp > 1 or topo.attn_tp < 2:
+        return ""
+    if stage.is_branch:
+        return BRANCH_ROWS
     if decl.residual_ops is not None and not decl.residual_ops.supports_slices:
-        return False
+        return f"residual kind {decl.residual!r} cannot run on attention-TP slices"
     if decl.is_attention_like and not decl.gathers_tp_input:
-        return False
+        return "its compute cannot take input gathered over attention TP (gathers_tp_input=False)"
     prev = decl.previous
     if prev is not None and prev.is_attention_like and not prev.gathers_tp_input:
-        return False
-    return True
+        return "the previous stage's compute cannot take input gathered over attention TP (gathers_tp_input=False)"
+    return None
 
 
 def _entry(stage: Stage, variant: BatchVariant, candidates, publishers) -> EntryPath:
@@ -211,6 +220,8 @@ def _entry(stage: Stage, variant: BatchVariant, candidates, publishers) -> Entry
     owed, _ = arriving_sum(decl)
     source = decl.previous
     arrives_plain = None if source is None else bool(source.update.plain_add)
+    # on attention-TP slices a mixer leaves its sum declared too (see the mixer exit)
+    declared_on_slices = source is not None and source.is_attention_like and owed is not Owed.NOTHING
     if owed is Owed.DYNAMIC and not defers_to_next_input(topo, variant):
         owed = Owed.NOTHING  # producers defer only where the rule lets them (and they use the same rule)
     if variant in SLICE_VARIANTS:
@@ -219,14 +230,13 @@ def _entry(stage: Stage, variant: BatchVariant, candidates, publishers) -> Entry
             move, name = _LatentMove(latent, stage.label, publishers), "qkv_latent_func on the slice, then all_gatherv@attn_tp of the latent"
         else:
             move, name = gather_slices, "all_gatherv@attn_tp of the input slices"
-        # an SP/IS mixer before a mixer leaves its sum declared too (see the mixer exit)
         return EntryPath(
             mode=EntryMode.ENTER if source is None else EntryMode.SCATTER,
             residual_rows=RowLayout.ATTN_TP_SLICE,
             input_move=move,
             input_move_name=name,
             arrives_plain=arrives_plain,
-            owed=Owed.DECLARED if source is not None and source.is_attention_like else owed,
+            owed=Owed.DECLARED if declared_on_slices else owed,
             capture_allocates=True,
         )
     needs_full = decl.kind is StageKind.FFN and topo.attn_dp > 1
@@ -309,12 +319,13 @@ def _exit(stage: Stage, variant: BatchVariant, finalize_ok: bool) -> ExitPath:
     update = decl.update
     slices = variant in SLICE_VARIANTS
     defers = defers_to_next_input(topo, variant)
-    deferrable_update = update.outlives_layer and not update.at_producer and transform is None
+    at_exit = writes_at_exit(update)  # ExitPath.of records it; such an output never leaves its sum
+    deferrable_update = not at_exit and transform is None
     if decl.kind is StageKind.ATTENTION:
         return ExitPath.of(stage)
     if decl.kind is StageKind.MIXER:
         following = decl.following
-        leaves = slices or (following is not None and following.kind is StageKind.FFN)
+        leaves = not at_exit and (slices or (following is not None and following.kind is StageKind.FFN))
         may_defer = (
             defers and not leaves and not decl.terminal and following is not None and topo.attn_tp > 1 and deferrable_update
         )
@@ -335,7 +346,7 @@ def _exit(stage: Stage, variant: BatchVariant, finalize_ok: bool) -> ExitPath:
     return ExitPath.of(
         stage,
         may_defer=defers and not decl.terminal and scoped and deferrable_update and group.size > 1,
-        handoff_ok=defers and finalize_ok and scoped,
+        handoff_ok=defers and finalize_ok and scoped and not at_exit,
     )
 
 
@@ -343,7 +354,7 @@ def stage_paths(stage: Stage, candidates, *, finalize_ok: bool, publishers: tupl
     """The ordinary path of `stage`, and its sequence-parallel and input-scattered paths where
     the topology supports them."""
     variants = [BatchVariant.ORDINARY]
-    if _supports_slices(stage):
+    if _slice_refusal(stage) is None:
         variants += list(SLICE_VARIANTS)
     return {v: StagePath(v, _entry(stage, v, candidates, publishers), _exit(stage, v, finalize_ok)) for v in variants}
 
@@ -358,7 +369,7 @@ def _context_parallel(stage: Stage, ordinary: StagePath, registry) -> tuple[Opti
     variant = BatchVariant.CONTEXT_PARALLEL
     if stage.is_branch:
         # the guide: construction rejects CP (and SP/IS) for branch transport
-        raise NotImplementedError("prepared branch transport requires ordinary token rows")
+        raise NotImplementedError(BRANCH_ROWS)
     providers = registry.cp_paths
     if not providers:
         raise missing_feature(f"context parallel (attn_cp={stage.parallel.topology.attn_cp})", "cp")
@@ -385,7 +396,8 @@ def _plan(stage: Stage, registry) -> StagePlan:
     candidates = consumer_candidates(stage, providers)
     publishers, fused_only = bind_row_publishers(stage, registry)
     paths = stage_paths(stage, candidates, finalize_ok=bool(finalize), publishers=publishers)
-    unsupported = {}
+    refusal = _slice_refusal(stage)
+    unsupported = dict.fromkeys(SLICE_VARIANTS, refusal) if refusal else {}
     if stage.parallel.topology.attn_cp > 1:
         path, reason = _context_parallel(stage, paths[BatchVariant.ORDINARY], registry)
         if path is not None:

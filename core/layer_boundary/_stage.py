@@ -85,7 +85,7 @@ class StageBoundary:
             raise RuntimeError("postprocess() is for FFN and mixer stages; attention publishes with finish()")
         path = self.plan.path_for(forward)
         check_rows(self.plan, output, compute_rows(path.exit, forward), forward, "output")
-        return complete_reduced(self.plan, path, output, forward)
+        return complete_reduced(self.plan, path.exit, output, forward)
 
     # capture and pipeline ---------------------------------------------------------------------
     def capture_output(self, hidden_states, forward):

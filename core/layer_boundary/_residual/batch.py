@@ -145,9 +145,8 @@ def norm(
                 normed = layernorm(new_residual)
     if stream.rows != ATTENTION_ROWS:  # a share of the rows (slice or CP partition): gather them
         normed = align_rows(normed, stream.rows, ATTENTION_ROWS, forward)
-        if capture_output is not None:
-            _call(capture_output, align_rows(new_residual, stream.rows, ATTENTION_ROWS, forward), True)
-    elif capture_output is not None:
+        new_residual = align_rows(new_residual, stream.rows, ATTENTION_ROWS, forward) if capture_output is not None else None
+    if capture_output is not None:  # the guide: the final norm's capture is always borrowed
         _call(capture_output, new_residual, False)
     forward.residual_stream = None
     return normed

@@ -131,7 +131,8 @@ def _preflight(config, topology, policy, lora=None) -> None:
 
         for boundary in boundaries_of(model):
             if BatchVariant.CONTEXT_PARALLEL not in boundary.plan.paths:
-                raise UsageError(f"--attn-cp {topology.attn_cp}: {boundary.plan.missing_variant(BatchVariant.CONTEXT_PARALLEL)}")
+                message, _, reason = boundary.plan.missing_variant(BatchVariant.CONTEXT_PARALLEL).partition("\n")
+                raise UsageError(f"--attn-cp {topology.attn_cp}: {message}" + (f" ({reason})" if reason else ""))
 
 
 def _reference(args, config, job, dtype):

@@ -126,7 +126,7 @@ def test_adapters_are_asked_in_priority_order_and_every_reason_is_kept(inline_pl
         "cp.stage_paths: residual kind 'test.whole' cannot read and update a share of the rows"
     )
     assert ffn.plan.unsupported[BatchVariant.CONTEXT_PARALLEL].startswith("test.refusing does not apply; cp.stage_paths: ")
-    assert attn.plan.missing_variant(BatchVariant.CONTEXT_PARALLEL).startswith(NO_CP + " (stage ")
+    assert attn.plan.missing_variant(BatchVariant.CONTEXT_PARALLEL).startswith(NO_CP + "\nstage ")
 
 
 def test_an_adapter_that_returns_something_else_is_an_error(inline_plugin):

@@ -1,0 +1,167 @@
+"""The guide's remaining rules (issue 23): producer updates, the integration checklist enforced at
+construction, and the stream's less travelled paths. Each test failed before its rule existed."""
+
+import attrs
+import pytest
+import torch
+
+from layer_boundary import (
+    Forward,
+    Messages,
+    OwedOutput,
+    Parallel,
+    ProducerReduction,
+    RMSNorm,
+    StreamState,
+    Topology,
+    declare_attn,
+    declare_ffn,
+    layer_stack,
+    make_attn_stage,
+    make_ffn_stage,
+    make_stages,
+    residual_batch,
+)
+from layer_boundary.testing.threaded import run_threaded
+
+H = 4
+MIXER = declare_attn(reduction=ProducerReduction.SCOPED, gathers_tp_input=False)
+
+
+def _norm():
+    return RMSNorm(H, dtype=torch.float64)
+
+
+def _x(n=3):
+    return torch.arange(n * H, dtype=torch.float64).reshape(n, H) / 8
+
+
+class AddAtProducer:
+    """A plain add that asks to run at the producer's exit."""
+
+    plain_add = True
+    at_producer = True
+    outlives_layer = True
+
+    def apply(self, contribution, residual):
+        return contribution + residual
+
+
+class ShortLivedAdd:
+    """A plain add whose parameters are not guaranteed to outlive the producer's layer."""
+
+    plain_add = True
+    at_producer = False
+    outlives_layer = False
+
+    def apply(self, contribution, residual):
+        return contribution + residual
+
+
+# --- producer updates ---------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("update", [AddAtProducer(), ShortLivedAdd()], ids=["at_producer", "not_outliving"])
+@pytest.mark.parametrize("topology", [Topology(tp=2), Topology(tp=4, attn_dp=2), Topology(tp=1)], ids=["tp2", "dp2xtp2", "tp1"])
+def test_an_attention_update_at_the_producer_runs_at_finish(update, topology):
+    """The attention's sum completes at finish() and its update is applied there: the stream is
+    written, nothing is left for the FFN's input to complete or apply."""
+
+    def fn(parallel):
+        attn, ffn = make_stages((declare_attn(update=update), _norm()), (declare_ffn(), _norm()), terminal=True, parallel=parallel)
+        fwd = Forward(parallel, 3, dp_counts=(3,) * parallel.attn_dp)
+        residual_batch.start(fwd)
+        x = _x()
+        attn.prepare(x, fwd)
+        share = x / parallel.attn_tp  # each attention-TP rank's partial: the sum is x
+        h = attn.finish(share, fwd)
+        state = fwd.residual_stream.state
+        assert not isinstance(h, OwedOutput)
+        y = ffn.prepare(h, fwd)  # under attention DP: every DP rank's rows (all alike here)
+        return state, h, y
+
+    for state, h, y in run_threaded(fn, topology):
+        assert state is StreamState.WRITTEN
+        assert torch.equal(h, _x() + _x())
+        assert torch.equal(y, torch.cat([_norm()(_x() + _x())] * topology.attn_dp))
+
+
+def test_a_mixer_before_an_ffn_with_an_update_at_the_producer_reduces_and_writes():
+    def fn(parallel):
+        mixer, ffn = make_stages((attrs.evolve(MIXER, update=AddAtProducer()), _norm()), (declare_ffn(), _norm()), terminal=True,
+                                 parallel=parallel)
+        fwd = Forward(parallel, 3)
+        residual_batch.start(fwd)
+        x = _x()
+        mixer.prepare(x, fwd)
+        with mixer.exit(fwd) as out:
+            skips = out.skips_reduction
+            y = x / 2 if skips else parallel.groups["attn_tp"].all_reduce(x / 2)
+        h = out.finish(y)
+        return skips, fwd.residual_stream.state, h
+
+    for skips, state, h in run_threaded(fn, Topology(tp=2)):
+        assert skips is False  # compute reduces: the sum is not left to the FFN
+        assert state is StreamState.WRITTEN and torch.equal(h, _x() + _x())
+
+
+def test_an_update_at_the_producer_is_never_deferred_and_its_consumer_expects_nothing():
+    from layer_boundary.plugin import Owed
+
+    parallel = Parallel.create(Topology(tp=2), 0, _planning_groups)
+    attn, ffn = make_stages((declare_attn(update=ShortLivedAdd()), _norm()), (declare_ffn(update=ShortLivedAdd()), _norm()),
+                            following=declare_attn(), parallel=parallel)
+    (nxt,) = make_stages((declare_attn(), _norm()), previous=declare_ffn(update=ShortLivedAdd()), terminal=True, parallel=parallel)
+    for boundary in (attn, ffn):
+        assert all(p.exit.writes_at_exit and not p.exit.may_defer for p in boundary.plan.paths.values())
+    assert all(p.entry.owed is Owed.NOTHING for p in list(ffn.plan.paths.values()) + list(nxt.plan.paths.values()))
+
+
+def _planning_groups(name, ranks):
+    from layer_boundary.cli.plan_cmd import PlanningCollectives
+
+    return PlanningCollectives(name, ranks, 0)
+
+
+# --- messages -----------------------------------------------------------------------------------
+
+
+def test_the_variant_error_keeps_its_text_with_the_reason_on_a_second_line():
+    def fn(parallel):
+        (mixer,) = make_stages((MIXER, _norm()), terminal=True, parallel=parallel)
+        fwd = Forward(parallel, 4, sequence_parallel=True)
+        residual_batch.start(fwd)
+        with pytest.raises(NotImplementedError) as info:
+            mixer.prepare(torch.ones(4, H, dtype=torch.float64), fwd)
+        return str(info.value)
+
+    for message in run_threaded(fn, Topology(tp=2)):
+        first, second = message.split("\n")
+        assert first == Messages.NO_VARIANT.format(variant="SEQUENCE_PARALLEL")
+        assert second.startswith("stage stages: ") and "gathers_tp_input=False" in second
+
+
+def test_an_ffn_stage_takes_only_fusions_and_says_why_publish_rows_is_allowed():
+    with pytest.raises(TypeError) as info:
+        make_stages((declare_ffn(), _norm(), {"qkv_latent_func": None}), parallel=Parallel.single())
+    message = str(info.value)
+    assert message.startswith("unsupported ffn stage options: ['qkv_latent_func']; an FFN stage takes fusions (the guide's only")
+    assert "publish_rows=(kind, ...) is this library's addition" in message
+    with pytest.raises(TypeError, match="unsupported ffn stage options: \\['producer'\\]"):
+        make_ffn_stage(declare_ffn(), _norm(), {"producer": None}, parallel=Parallel.single())
+
+
+def test_the_final_norm_capture_is_always_borrowed():
+    """On attention-TP slices the final norm gathers the residual for its capture; the guide still
+    has it pass owned=False (the collector copies what it keeps)."""
+
+    def fn(parallel):
+        (attn,) = make_stages((declare_attn(), _norm()), terminal=True, parallel=parallel)
+        fwd = Forward(parallel, 4, sequence_parallel=True)
+        residual_batch.start(fwd)
+        h = attn.finish(attn.prepare(_x(4), fwd) * 0.0, fwd)
+        seen = []
+        residual_batch.norm(h, fwd, _norm(), capture_output=lambda value, *, owned: seen.append((value.shape[0], owned)))
+        return seen
+
+    assert run_threaded(fn, Topology(tp=2)) == [[(4, False)]] * 2
