@@ -74,6 +74,9 @@ class StageDeclaration:
     prepared_from: Optional["StageDeclaration"] = None
     following: Optional["StageDeclaration"] = None
     terminal: bool = False
+    #: the label of the stage built from this declaration (set by planning; None for a
+    #: declaration no stage was built from), so `prepared_from=` can name a real stage
+    built_as: Optional[str] = None
 
     def __attrs_post_init__(self):
         check_capabilities(self.read, READ_FLAGS, "StageRead")
@@ -106,6 +109,8 @@ class StageDeclaration:
         extras = []
         if self.kind is StageKind.FFN and self.sparse:
             extras.append("sparse")
+        if self.kind is StageKind.FFN and self.next_sparse:
+            extras.append("next_sparse")
         if self.reduction is ProducerReduction.LOCAL_TAIL:
             extras.append("local_tail")
         if self.residual != "core.plain":
@@ -200,15 +205,18 @@ class LayerStack:
     `following` (when given) must describe this call's first stage.
     """
 
-    def __init__(self, parallel, reduction):
+    def __init__(self, parallel, reduction, two_batch_overlap: bool = False):
         from ._policy import require_resolved
 
         self.parallel = parallel
         self.reduction = require_resolved(reduction)
+        self.two_batch_overlap = bool(two_batch_overlap)
         self.last: Optional[StageDeclaration] = None
         self.last_following: Optional[StageDeclaration] = None
         self.ended = False
         self.count = 0
+        #: the declarations of every stage built in this stack (branches included)
+        self.built: list[StageDeclaration] = []
 
     def admit(self, first: StageDeclaration, previous, last: StageDeclaration, following, terminal: bool) -> None:
         label = f"stage call {self.count}"
@@ -216,6 +224,12 @@ class LayerStack:
             raise ValueError(
                 f"{label} starts a new stack (previous=None) but the stack before it did not end; pass "
                 "previous= the declaration of the stage before, or mark the last stage terminal=True"
+            )
+        if previous is not None and self.ended:
+            raise ValueError(
+                f"{label} declares previous={previous.describe()} right after a terminal stage: terminal=True marks the end "
+                "of the model's stack, so set it only on the last layer (a pipeline rank with layers downstream is not "
+                "terminal); a NextN/MTP module is its own stack and enters with previous=None"
             )
         if previous is not None and self.last is not None:
             if previous.facts() != self.last.facts():
@@ -233,18 +247,29 @@ class LayerStack:
         self.ended = terminal
         self.count += 1
 
+    def check_source(self, prepared_from: StageDeclaration) -> None:
+        """A branch's `prepared_from` must be a stage built in this stack."""
+        if not any(d is prepared_from for d in self.built):
+            raise ValueError(
+                f"prepared_from= names stage {prepared_from.built_as}, which was not built in this layer stack; a branch "
+                "reuses the input its source stage prepared in the same forward, so the source belongs to the same stack"
+            )
+
 
 _STACK: contextvars.ContextVar[Optional[LayerStack]] = contextvars.ContextVar("layer_boundary_stack", default=None)
 
 
 @contextlib.contextmanager
-def layer_stack(parallel, *, reduction="ar") -> Iterator[LayerStack]:
+def layer_stack(parallel, *, reduction="ar", two_batch_overlap: bool = False) -> Iterator[LayerStack]:
     """Build a model's stages inside this block: they share `parallel` and the reduction policy.
 
     `reduction` must already be resolved (`resolve_reduction("auto", config)` gives the
-    per-architecture default).
+    per-architecture default). `two_batch_overlap=True` says the engine runs this model with
+    two-batch overlap, which may split a batch where a dense layer meets a sparse one: the FFN
+    declared `declare_ffn(sparse=False, next_sparse=True)` then hands on a complete output on
+    attention rows, the rows the split cuts (see `tbo_split_point`).
     """
-    stack = LayerStack(parallel, reduction)
+    stack = LayerStack(parallel, reduction, two_batch_overlap)
     token = _STACK.set(stack)
     try:
         yield stack
@@ -306,16 +331,17 @@ def make_stages(
     parallel=None,
     reduction=None,
     label: Optional[str] = None,
+    two_batch_overlap: Optional[bool] = None,
 ):
     """Connect local stages in order and return one `StageBoundary` per item.
 
     Each item is `(declaration, norm)` or `(declaration, norm, options)`. `previous` describes
     the real producer before the first item (None only where the stack starts); `following`
     the consumer after the last; `terminal=True` when the last item ends the model's stack.
-    `prepared_from` starts a branch from another stage's already-read input.
+    `prepared_from` starts a branch from another stage's already-read input: the declaration of
+    that stage's boundary (`boundary.declaration`), built in the same stack.
+    `two_batch_overlap` defaults to the enclosing `layer_stack`'s.
     """
-    from ._stage import build_boundaries
-
     if not items:
         raise ValueError("make_stages needs at least one stage")
     if previous is not None and prepared_from is not None:
@@ -341,19 +367,44 @@ def make_stages(
         )
     if terminal and following is not None:
         raise ValueError("a terminal stage has no following stage; drop following= or terminal=True")
-    _check_edges(resolved[0], resolved[-1])
+    return _assemble([(d, norm, opts) for d, (_, norm, opts) in zip(resolved, split)], parallel, reduction, label,
+                     two_batch_overlap, default_label=None)
+
+
+def _assemble(items, parallel, reduction, label, two_batch_overlap, *, default_label):
+    """Check a call's resolved `(declaration, norm, options)` items against their neighbours and
+    the enclosing stack, and build their boundaries. The checks of the integration checklist
+    live here, so `make_stages` and the single-stage factories enforce the same rules."""
+    from ._stage import build_boundaries
+
+    first, last = items[0][0], items[-1][0]
+    _check_edges(first, last)
     parallel, policy, stack = _context(parallel, reduction)
-    if stack is not None and prepared_from is None:  # a branch is a side line, not the stack's chain
-        stack.admit(resolved[0], previous, resolved[-1], following, terminal)
-    label = label or (f"call{stack.count - 1}" if stack is not None else "stages")
-    return build_boundaries(
-        [(d, norm, opts) for d, (_, norm, opts) in zip(resolved, split)], parallel=parallel, policy=policy, label=label
-    )
+    source = first.prepared_from
+    if source is not None:  # a branch is a side line, not the stack's chain
+        if source.built_as is None:
+            raise ValueError(
+                f"prepared_from={source.describe()} is a new declaration, not a built stage's: pass the declaration of the "
+                "boundary whose prepared input the branch reuses (for example prepared_from=moe_boundary.declaration)"
+            )
+        if stack is not None:
+            stack.check_source(source)
+    elif stack is not None:
+        stack.admit(first, first.previous, last, last.following, last.terminal)
+    if two_batch_overlap is None:
+        two_batch_overlap = stack.two_batch_overlap if stack is not None else False
+    if label is None:
+        label = default_label or (f"call{stack.count - 1}" if stack is not None else "stages")
+    boundaries = build_boundaries(items, parallel=parallel, policy=policy, label=label, two_batch_overlap=bool(two_batch_overlap))
+    if stack is not None:
+        stack.built.extend(b.declaration for b in boundaries)
+    return boundaries
 
 
 def _check_edges(first: StageDeclaration, last: StageDeclaration) -> None:
     """A neighbour declaration that itself names its neighbour must name the local stage: both
-    sides of an edge (even on two pipeline ranks) describe it the same way."""
+    sides of an edge (even on two pipeline ranks) describe it the same way. A terminal stage
+    ends the stack: nothing names it as its previous."""
     following, previous = last.following, first.previous
     if following is not None and following.previous is not None and following.previous.facts() != last.facts():
         raise ValueError(
@@ -365,32 +416,42 @@ def _check_edges(first: StageDeclaration, last: StageDeclaration) -> None:
             f"previous={previous.describe()} names a following stage ({previous.following.describe()}) that is not "
             f"this {first.describe()} stage"
         )
+    if previous is not None and previous.terminal:
+        raise ValueError(
+            f"previous={previous.describe()} is a terminal stage: terminal=True marks the end of the model's stack, so no "
+            "stage follows it; set terminal only on the last layer, and enter a NextN/MTP module (its own stack) with "
+            "previous=None"
+        )
 
 
-def _single(declaration: StageDeclaration, norm, options, parallel, reduction, label):
-    from ._stage import build_boundaries
-
-    _check_edges(declaration, declaration)
-    parallel, policy, stack = _context(parallel, reduction)
-    if stack is not None and declaration.prepared_from is None:
-        stack.admit(declaration, declaration.previous, declaration, declaration.following, declaration.terminal)
-    (boundary,) = build_boundaries([(declaration, norm, dict(options or {}))], parallel=parallel, policy=policy, label=label or "stage")
+def _single(declaration: StageDeclaration, norm, options, parallel, reduction, label, two_batch_overlap):
+    following = declaration.following
+    if following is not None and following.previous is None:
+        raise ValueError(
+            f"following={following.describe()} must name this {declaration.describe()} stage in its previous= field: a "
+            "single stage's following declaration describes the local consumer, which names its producer "
+            "(attrs.evolve(following, previous=declaration) or the consumer's own declaration)"
+        )
+    (boundary,) = _assemble([(declaration, norm, dict(options or {}))], parallel, reduction, label, two_batch_overlap,
+                            default_label="stage")
     return boundary
 
 
-def make_attn_stage(declaration: StageDeclaration, norm, options: Optional[dict] = None, *, parallel=None, reduction=None, label=None):
+def make_attn_stage(declaration: StageDeclaration, norm, options: Optional[dict] = None, *, parallel=None, reduction=None, label=None,
+                    two_batch_overlap: Optional[bool] = None):
     """One independently constructed attention or mixer stage; the declaration carries its
-    source (`previous`/`prepared_from`), `following` and `terminal`."""
+    source (`previous`/`prepared_from`), `following` (whose own `previous` names this stage)
+    and `terminal`."""
     if not declaration.is_attention_like:
         raise TypeError("make_attn_stage needs an attention declaration (declare_attn)")
     _check_options(declaration, options)
-    return _single(declaration, norm, options, parallel, reduction, label)
+    return _single(declaration, norm, options, parallel, reduction, label, two_batch_overlap)
 
 
-def make_ffn_stage(declaration: StageDeclaration, norm, options: Optional[dict] = None, *, parallel=None, reduction=None, label=None):
+def make_ffn_stage(declaration: StageDeclaration, norm, options: Optional[dict] = None, *, parallel=None, reduction=None, label=None,
+                   two_batch_overlap: Optional[bool] = None):
     """One independently constructed FFN stage (see `make_attn_stage`)."""
     if declaration.kind is not StageKind.FFN:
         raise TypeError("make_ffn_stage needs an FFN declaration (declare_ffn)")
     _check_options(declaration, options)
-    return _single(declaration, norm, options, parallel, reduction, label)
-
+    return _single(declaration, norm, options, parallel, reduction, label, two_batch_overlap)

@@ -76,6 +76,8 @@ class Stage:
     parallel: Any
     policy: ReductionPolicy
     label: str
+    #: the engine runs the model with two-batch overlap (`layer_stack(..., two_batch_overlap=True)`)
+    two_batch_overlap: bool = False
     kind: StageKind = attrs.field(init=False)
     read: Any = attrs.field(init=False)
     terminal: bool = attrs.field(init=False)
@@ -404,20 +406,22 @@ def _plan(stage: Stage, registry) -> StagePlan:
             paths[BatchVariant.CONTEXT_PARALLEL] = path
         else:
             unsupported[BatchVariant.CONTEXT_PARALLEL] = reason
-    facts = (stage.declaration, stage.norm, stage.options, stage.parallel, stage.policy, stage.label)
+    facts = (stage.declaration, stage.norm, stage.options, stage.parallel, stage.policy, stage.label, stage.two_batch_overlap)
     return StagePlan(*facts, providers=providers, finalize_providers=finalize, all_reduce_providers=all_reduce, paths=paths,
                      unsupported=unsupported, row_publishers=publishers, fused_consumer_only=fused_only)
 
 
-def plan_stages(items, *, parallel, policy: ReductionPolicy, label: str, registry) -> tuple[StagePlan, ...]:
+def plan_stages(items, *, parallel, policy: ReductionPolicy, label: str, registry, two_batch_overlap: bool = False) -> tuple[StagePlan, ...]:
     """The plans of locally connected stages (`(declaration, norm, options)` items in order).
 
-    The capture certificate flows producer-ward: a stage may hand a capture of the residual it
-    reads without a copy when the next local stage's input path never writes it in place.
+    Each plan's declaration records the stage's label (`built_as`). The capture certificate
+    flows producer-ward: a stage may hand a capture of the residual it reads without a copy
+    when the next local stage's input path never writes it in place.
     """
+    labels = [label if len(items) == 1 else f"{label}.{i}:{decl.kind.value}" for i, (decl, _, _) in enumerate(items)]
     stages = [
-        Stage(decl, norm, options, parallel, policy, label if len(items) == 1 else f"{label}.{i}:{decl.kind.value}")
-        for i, (decl, norm, options) in enumerate(items)
+        Stage(attrs.evolve(decl, built_as=name), norm, options, parallel, policy, name, two_batch_overlap)
+        for name, (decl, norm, options) in zip(labels, items)
     ]
     plans = [_plan(stage, registry) for stage in stages]
     _check_mixer_neighbours(plans[-1])

@@ -184,10 +184,10 @@ class PublishingStageBoundary(StageBoundary):
         return inp
 
 
-def build_boundaries(items, *, parallel, policy, label: str, registry=None) -> tuple[StageBoundary, ...]:
+def build_boundaries(items, *, parallel, policy, label: str, registry=None, two_batch_overlap: bool = False) -> tuple[StageBoundary, ...]:
     """The boundaries of locally connected stages, from their plans (`plan_stages`)."""
     registry = registry if registry is not None else get_registry()
-    plans = plan_stages(items, parallel=parallel, policy=policy, label=label, registry=registry)
+    plans = plan_stages(items, parallel=parallel, policy=policy, label=label, registry=registry, two_batch_overlap=two_batch_overlap)
     return tuple((PublishingStageBoundary if p.row_publishers else StageBoundary)(p) for p in plans)
 
 

@@ -165,3 +165,41 @@ def test_the_final_norm_capture_is_always_borrowed():
         return seen
 
     assert run_threaded(fn, Topology(tp=2)) == [[(4, False)]] * 2
+
+
+# --- the integration checklist, enforced at construction ---------------------------------------
+
+
+def test_nothing_follows_a_terminal_stage_in_its_stack_but_a_nextn_module_is_its_own_stack():
+    p = Parallel.single()
+    with layer_stack(p, reduction="ar"):
+        make_stages((declare_attn(), _norm()), (declare_ffn(), _norm()), terminal=True)
+        with pytest.raises(ValueError, match=r"declares previous=ffn right after a terminal stage"):
+            make_stages((declare_attn(), _norm()), (declare_ffn(), _norm()), previous=declare_ffn(), terminal=True)
+        make_stages((declare_attn(), _norm()), (declare_ffn(), _norm()), terminal=True)  # NextN: previous=None
+    # outside a stack: a stage built one by one that names a terminal stage as its previous
+    last = make_ffn_stage(attrs.evolve(declare_ffn(), terminal=True), _norm(), parallel=p)
+    with pytest.raises(ValueError, match=r"previous=ffn is a terminal stage: terminal=True marks the end"):
+        make_attn_stage(attrs.evolve(declare_attn(), previous=last.declaration, terminal=True), _norm(), parallel=p)
+
+
+def test_a_single_stage_s_following_must_name_it_as_previous():
+    p = Parallel.single()
+    with pytest.raises(ValueError, match=r"following=ffn must name this attention stage in its previous= field"):
+        make_attn_stage(attrs.evolve(declare_attn(), following=declare_ffn()), _norm(), parallel=p)
+    with pytest.raises(ValueError, match=r"following=mixer must name this ffn stage in its previous= field"):
+        make_ffn_stage(attrs.evolve(declare_ffn(), following=MIXER), _norm(), parallel=p)
+    make_attn_stage(attrs.evolve(declare_attn(), following=attrs.evolve(declare_ffn(), previous=declare_attn())), _norm(), parallel=p)
+
+
+def test_stages_built_one_by_one_in_a_stack_are_checked_against_each_other():
+    p = Parallel.single()
+    attn = declare_attn()
+    with layer_stack(p, reduction="ar"):
+        make_attn_stage(attrs.evolve(attn, following=attrs.evolve(declare_ffn(sparse=True), previous=attn)), _norm())
+        with pytest.raises(ValueError, match=r"declared following=ffn\[sparse\], but this call starts with ffn"):
+            make_ffn_stage(attrs.evolve(declare_ffn(), previous=attn, terminal=True), _norm())
+    with layer_stack(p, reduction="ar"):
+        make_ffn_stage(declare_ffn(sparse=True, next_sparse=True), _norm())
+        with pytest.raises(ValueError, match=r"previous=ffn\[sparse\] does not describe the stage built before it \(ffn\[sparse,next_sparse\]\)"):
+            make_attn_stage(attrs.evolve(attn, previous=declare_ffn(sparse=True), terminal=True), _norm())  # next_sparse differs

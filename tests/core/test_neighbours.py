@@ -101,6 +101,7 @@ def test_every_stage_output_is_summed_exactly_once(topo, expected):
 
 def _mixer_then(parallel, following, n, *, terminal=False):
     """A mixer followed by `following`: what its exit decided and what it recorded."""
+    following = attrs.evolve(following, previous=MIXER) if following is not None else None  # the consumer names its producer
     mixer = make_attn_stage(attrs.evolve(MIXER, following=following, terminal=terminal), _norm(), parallel=parallel, reduction="ar")
     counts = (n,) * parallel.attn_dp
     fwd = Forward(parallel, n, dp_counts=counts)

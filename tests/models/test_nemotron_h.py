@@ -198,7 +198,9 @@ def test_plan_shows_each_layer_with_its_neighbours():
     assert out.returncode == 0, out.stderr
     data = json.loads(out.stdout)
     rows = [(b["label"], b["producer"], b["consumer"]) for b in data["boundaries"]]
-    assert rows[:3] == [("layer0:M", "stack input", "ffn"), ("layer1:-", "mixer", "mixer"), ("layer2:M", "ffn", "ffn[sparse]")]
+    # an FFN before a sparse one says so (next_sparse: where a two-batch-overlap split may start)
+    assert rows[:3] == [("layer0:M", "stack input", "ffn[next_sparse]"), ("layer1:-", "mixer", "mixer"),
+                        ("layer2:M", "ffn[next_sparse]", "ffn[sparse,next_sparse]")]
     assert rows[-1] == ("layer10:M", "ffn", "final norm")
     mixer_to_mixer = data["boundaries"][5]["variants"]["ordinary"]["exit"]
     assert any("defer the ATTN_TP all-reduce" in step for step in mixer_to_mixer)

@@ -14,6 +14,7 @@ from layer_boundary import (
     branch_input,
     branch_output,
     declare_ffn,
+    layer_stack,
     make_stages,
     merge_branch,
     residual_batch,
@@ -85,9 +86,23 @@ def test_prepare_on_a_prepared_branch_is_rejected():
 
 def test_branch_transport_with_context_parallel_is_rejected_at_construction():
     parallel = ThreadWorld(4).parallel(Topology(tp=4, attn_cp=2), 0)
+    (moe,) = make_stages((declare_ffn(sparse=True), RMSNorm(4)), terminal=True, parallel=parallel)
     with pytest.raises(NotImplementedError) as info:
-        make_stages((declare_ffn(), RMSNorm(4)), prepared_from=declare_ffn(sparse=True), parallel=parallel)
+        make_stages((declare_ffn(), RMSNorm(4)), prepared_from=moe.declaration, parallel=parallel)
     assert str(info.value) == "prepared branch transport requires ordinary token rows"
+
+
+def test_a_branch_names_a_built_stage_of_its_own_stack():
+    parallel = Parallel.single()
+    with pytest.raises(ValueError, match=r"prepared_from=ffn\[sparse\] is a new declaration, not a built stage's"):
+        make_stages((declare_ffn(), RMSNorm(4)), prepared_from=declare_ffn(sparse=True), parallel=parallel)
+    with layer_stack(parallel, reduction="ar"):
+        (elsewhere,) = make_stages((declare_ffn(sparse=True), RMSNorm(4)), terminal=True, label="other")
+    with layer_stack(parallel, reduction="ar"):
+        (moe,) = make_stages((declare_ffn(sparse=True), RMSNorm(4)), terminal=True)
+        with pytest.raises(ValueError, match="names stage other, which was not built in this layer stack"):
+            make_stages((declare_ffn(), RMSNorm(4)), prepared_from=elsewhere.declaration)
+        make_stages((declare_ffn(), RMSNorm(4)), prepared_from=moe.declaration)  # its own stack's stage
 
 
 def test_a_sequence_parallel_batch_has_no_branch_path():
@@ -99,7 +114,10 @@ def test_a_sequence_parallel_batch_has_no_branch_path():
             branch_input(layer.ffn0_b, torch.zeros(4, 16, dtype=torch.float64), fwd)
         return str(info.value)
 
-    assert run_threaded(fn, Topology(tp=2)) == ["no stage boundary path for the active SEQUENCE_PARALLEL batch"] * 2
+    # the table's message, and on a second line the reason construction recorded for the branch
+    expected = "no stage boundary path for the active SEQUENCE_PARALLEL batch\nstage stages.0:ffn: " + (
+        "prepared branch transport requires ordinary token rows")
+    assert run_threaded(fn, Topology(tp=2)) == [expected] * 2
 
 
 def test_branch_input_on_a_stage_with_a_previous_is_rejected():
