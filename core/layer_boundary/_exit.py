@@ -13,6 +13,7 @@ import torch
 from ._checks import check_rows
 from ._errors import Messages
 from ._forward import _FLAGS, ComputeFlags, RowLayout
+from ._fusions import FusionError
 from ._ops import align_rows
 from ._output import HandoffOutput, UnreducedOutput
 from ._residual.stream import Contribution
@@ -168,12 +169,10 @@ class FfnExit(_ExitScope):
         ex = path.exit
         if ex.static_decision is not None:
             return cls(plan, path, fwd, ex.static_decision)
+        defer_finalize = ex.asks_finalize and _finalize_deferred(plan, ex, fwd)
         scatter = ex.scatter
         if scatter is not None:
             return cls(plan, path, fwd, _scatter_decision(fwd, scatter.eligible(fwd)))
-        defer_finalize = False
-        if ex.handoff_ok and fwd.num_tokens > 0:
-            defer_finalize = any(p.can_defer_finalize(plan, fwd) for p in plan.finalize_providers)
         defer = ex.may_defer and fwd.num_tokens > 0
         if defer and plan.fused_consumer_only:
             defer = any(p.can_defer_all_reduce(plan, fwd) for p in plan.all_reduce_providers)
@@ -211,6 +210,23 @@ class FfnExit(_ExitScope):
             ex = path.exit
             return record_complete(plan, ex, ex.scatter.run(out, fwd, ex.group), fwd)
         return complete_reduced(plan, path.exit, out, fwd)
+
+
+def _finalize_deferred(plan, ex, fwd) -> bool:
+    """Ask the stage's finalize providers (the guide: on every FFN exit that has one). Where
+    the core cannot take a handoff (rows move at this exit, the batch has no tokens, the update
+    runs at the exit) each must decline, identically on every rank."""
+    accepted = next((p for p in plan.finalize_providers if p.can_defer_finalize(plan, fwd)), None)
+    if accepted is None:
+        return False
+    if not ex.handoff_ok or fwd.num_tokens == 0:
+        raise FusionError(
+            f"stage {plan.label}: {type(accepted).__name__}.can_defer_finalize accepted a finalize handoff where the exit "
+            f"cannot leave one ({fwd.variant.name} batch, {fwd.num_tokens} tokens on this rank, topology "
+            f"{plan.parallel.topology.describe()}); a provider declines unless the rows stay put "
+            "(layer_boundary.plugin.defers_to_next_input) and the batch has tokens"
+        )
+    return True
 
 
 def _scatter_decision(fwd, rs: bool) -> ExitDecision:

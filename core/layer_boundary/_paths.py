@@ -139,6 +139,9 @@ class ExitPath:
     may_defer: bool = False
     #: a provider may let the MoE hand its finalize to the next input
     handoff_ok: bool = False
+    #: the stage has finalize providers (`DefersFinalize`): every exit asks them (they decline
+    #: where `handoff_ok` is False or the batch has no tokens)
+    asks_finalize: bool = False
     #: the optional reduce-scatter onto the output rows
     scatter: Optional[ReduceScatter] = None
     #: the producer's update runs at this exit (`writes_at_exit`): the output completes here and
@@ -148,7 +151,7 @@ class ExitPath:
     static_decision: Any = attrs.field(init=False)
 
     def __attrs_post_init__(self):
-        static = self.role is ExitRole.FFN and not (self.may_defer or self.handoff_ok or self.scatter is not None)
+        static = self.role is ExitRole.FFN and not (self.may_defer or self.handoff_ok or self.asks_finalize or self.scatter is not None)
         object.__setattr__(self, "static_decision", COMPLETE_NOW if static else None)
 
     @classmethod

@@ -332,23 +332,24 @@ def _exit(stage: Stage, variant: BatchVariant, finalize_ok: bool) -> ExitPath:
             defers and not leaves and not decl.terminal and following is not None and topo.attn_tp > 1 and deferrable_update
         )
         return ExitPath.of(stage, leaves_declared=leaves, may_defer=may_defer)
-    # FFN
+    # FFN: a stage with finalize providers asks them on every exit, whatever the variant
     scatter_ok = transform is None or transform.before_reduce_scatter
     if slices:
         scatter = _scatter_route(scatter_ok and policy.allows_rs, scatter_ok and policy.allows_rsv, dp=False)
         return ExitPath.of(stage, output_rows=RowLayout.ATTN_TP_SLICE, output_move=take_slice, output_move_name="this rank's slice",
-                           scatter=scatter)
+                           scatter=scatter, asks_finalize=finalize_ok)
     if topo.attn_dp > 1:
         dp_rs = scatter_ok and topo.attn_cp == 1
         scatter = _scatter_route(dp_rs and policy.allows_rs, dp_rs and policy.allows_rsv, dp=True)
         return ExitPath.of(stage, compute_rows=RowLayout.DP_GATHERED, output_move=dp_scatter, output_move_name="this DP rank's rows",
-                           scatter=scatter)
+                           scatter=scatter, asks_finalize=finalize_ok)
     scoped = decl.reduction is ProducerReduction.SCOPED
     group = stage.group(stage.output_sum)
     return ExitPath.of(
         stage,
         may_defer=defers and not decl.terminal and scoped and deferrable_update and group.size > 1,
         handoff_ok=defers and finalize_ok and scoped and not at_exit,
+        asks_finalize=finalize_ok,
     )
 
 

@@ -21,7 +21,7 @@ from layer_boundary import (
 )
 from layer_boundary import _debug as debug_module
 from layer_boundary import _fusions as fusions_module
-from layer_boundary.plugin import add_rms_norm
+from layer_boundary.plugin import add_rms_norm, defers_to_next_input
 from layer_boundary.testing.grid import GridSpec, run_grid_rank
 from layer_boundary.testing.threaded import run_threaded
 
@@ -186,8 +186,8 @@ class TorchFinalizeService:
         self.eps = eps
         self.calls = []
 
-    def can_defer_finalize(self, plan, fwd):
-        return plan.description.sparse
+    def can_defer_finalize(self, plan, fwd):  # declines where the rows move, and for an empty batch
+        return plan.description.sparse and fwd.num_tokens > 0 and defers_to_next_input(fwd.parallel.topology, fwd.variant)
 
     def attention_input(self, plan):
         norm = plan.norm

@@ -203,3 +203,55 @@ def test_stages_built_one_by_one_in_a_stack_are_checked_against_each_other():
         make_ffn_stage(declare_ffn(sparse=True, next_sparse=True), _norm())
         with pytest.raises(ValueError, match=r"previous=ffn\[sparse\] does not describe the stage built before it \(ffn\[sparse,next_sparse\]\)"):
             make_attn_stage(attrs.evolve(attn, previous=declare_ffn(sparse=True), terminal=True), _norm())  # next_sparse differs
+
+
+class CountingFinalize:
+    """A finalize provider that records every question and accepts only where told to."""
+
+    def __init__(self, accept=lambda fwd: False):
+        self.accept = accept
+        self.asked = []
+
+    def can_defer_finalize(self, plan, fwd):
+        self.asked.append((fwd.variant.name, fwd.num_tokens))
+        return self.accept(fwd)
+
+
+def _moe_exit(parallel, provider, n, **forward_facts):
+    attn, moe = make_stages((declare_attn(), _norm()), (declare_ffn(sparse=True), _norm(), {"fusions": provider}), terminal=True,
+                            parallel=parallel, reduction="rs+rsv")
+    fwd = Forward(parallel, n, dp_counts=(n,) * parallel.attn_dp, **forward_facts)
+    residual_batch.start(fwd)
+    h = attn.finish(attn.prepare(torch.ones(n, H, dtype=torch.float64), fwd) * 0.0, fwd)
+    x = moe.prepare(h, fwd)
+    with moe.exit(fwd) as out:
+        y = x * 0.0
+    return out.finish(y)
+
+
+@pytest.mark.parametrize("topology, n, facts, variant", [
+    (Topology(tp=2), 0, {}, "ORDINARY"),  # an empty batch
+    (Topology(tp=4, attn_dp=2), 3, {}, "ORDINARY"),  # attention DP: the exit reduce-scatters or scatters
+    (Topology(tp=2), 4, {"sequence_parallel": True}, "SEQUENCE_PARALLEL"),
+])
+def test_can_defer_finalize_is_asked_on_every_exit_with_a_provider(topology, n, facts, variant):
+    providers = []
+
+    def fn(parallel):
+        provider = CountingFinalize()
+        providers.append(provider)
+        _moe_exit(parallel, provider, n, **facts)
+        return provider.asked
+
+    assert run_threaded(fn, topology) == [[(variant, n)]] * topology.tp
+
+
+def test_a_provider_accepting_a_handoff_where_the_exit_cannot_leave_one_is_an_error():
+    from layer_boundary import FusionError
+
+    def fn(parallel):
+        with pytest.raises(FusionError, match=r"can_defer_finalize accepted a finalize handoff where the exit cannot leave one"):
+            _moe_exit(parallel, CountingFinalize(accept=lambda fwd: True), 3)
+        return True
+
+    assert all(run_threaded(fn, Topology(tp=4, attn_dp=2)))

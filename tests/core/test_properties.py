@@ -9,7 +9,7 @@ from hypothesis import given, note
 from hypothesis import strategies as st
 
 from layer_boundary import FusedMlpInput, Topology
-from layer_boundary.plugin import add_rms_norm
+from layer_boundary.plugin import add_rms_norm, defers_to_next_input
 from layer_boundary.testing.grid import GridSpec, run_grid_rank
 from layer_boundary.testing.threaded import run_threaded
 
@@ -22,8 +22,8 @@ class FinalizeService:
     """Defers MoE finalizes (terminal included) and completes them in torch, in the grid norm's
     exact op order (a stand-in for a fused finalize kernel)."""
 
-    def can_defer_finalize(self, plan, fwd):
-        return plan.description.sparse
+    def can_defer_finalize(self, plan, fwd):  # declines where the rows move, and for an empty batch
+        return plan.description.sparse and fwd.num_tokens > 0 and defers_to_next_input(fwd.parallel.topology, fwd.variant)
 
     def attention_input(self, plan):
         norm = plan.norm

@@ -21,7 +21,8 @@ PrepareRequest)` before the first forward and any CUDA-graph capture, and
 
 Plans and paths (frozen values; CP path providers build theirs from the ordinary path):
 `Stage`, `StagePlan`, `StagePath`, `EntryPath`, `ExitPath`, `ReduceScatter`, `EntryMode`,
-`ExitRole`, `Owed`, the deferral rule `defers_to_next_input`, and the row moves `align_rows`,
+`ExitRole`, `Owed`, the deferral rule `defers_to_next_input` and the producer-update rule
+`writes_at_exit`, and the row moves `align_rows`,
 `move_residual`, `dp_gather`, `dp_scatter`, `take_slice`, `gather_slices`; the reference
 numerics `add_rms_norm` and the quantized reads (`Fp8Input`, `quantize_fp8`, `fp8_residual`).
 
@@ -32,7 +33,7 @@ Registry and loading: `get_registry`, `reset_registry`, `register_inline` /
 
 from .._env import env_flag, env_names
 from .._ops import align_rows, dp_gather, dp_scatter, gather_slices, move_residual, take_slice
-from .._paths import EntryMode, EntryPath, ExitPath, ExitRole, Owed, ReduceScatter, StagePath, defers_to_next_input
+from .._paths import EntryMode, EntryPath, ExitPath, ExitRole, Owed, ReduceScatter, StagePath, defers_to_next_input, writes_at_exit
 from .._planning import Stage, StagePlan
 from .._residual.add_norm import add_rms_norm, is_rms_norm
 from .._residual.quant import FP8_DTYPE, Fp8Input, fp8_residual, norm_fp32, quantize_fp8
@@ -129,6 +130,7 @@ __all__ = [
     "ExitRole",
     "Owed",
     "defers_to_next_input",
+    "writes_at_exit",
     # row moves and numerics
     "align_rows",
     "move_residual",
