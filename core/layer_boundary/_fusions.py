@@ -25,7 +25,7 @@ from ._contracts import FusedMlpInput, StageKind
 from ._layout import SumGroup
 from .plugin._requests import AttentionInputFusion, FfnInputFusion
 
-__all__ = ["Candidate", "FusionError", "build_providers", "consumer_candidates"]
+__all__ = ["Candidate", "FusionError", "build_providers", "consumer_candidates", "equivalent_groups"]
 
 
 class FusionError(RuntimeError):
@@ -66,7 +66,7 @@ def build_providers(explicit: Any, description, registry) -> list[tuple[Any, str
     return out
 
 
-def _equivalent_groups(topology) -> dict[SumGroup, frozenset]:
+def equivalent_groups(topology) -> dict[SumGroup, frozenset]:
     """Sum groups that run over the same ranks under this topology."""
     same_tp = topology.attn_tp == topology.tp
     tp_like = {SumGroup.TP, SumGroup.MOE_OUTPUT} | ({SumGroup.ATTN_TP} if same_tp else set())
@@ -90,7 +90,7 @@ def consumer_candidates(stage, providers) -> tuple[Candidate, ...]:
     candidates producing the read's own format are kept."""
     ffn = stage.kind is StageKind.FFN
     capability = FfnInputFusion if ffn else AttentionInputFusion
-    groups = _equivalent_groups(stage.parallel.topology)
+    groups = equivalent_groups(stage.parallel.topology)
     wanted = read_format(stage.read)
     out: list[Candidate] = []
     for provider, source in providers:

@@ -98,6 +98,9 @@ class EntryPath:
     input_move_name: str = ""
     #: what an arriving output may owe here
     owed: Owed = Owed.NOTHING
+    #: the sum groups an owed output may complete over here (those running over the same ranks
+    #: as the declared one); empty where nothing may be owed
+    owed_groups: frozenset = frozenset()
     #: the producer's update is a plain add (None: no producer)
     arrives_plain: Optional[bool] = None
     #: fused consumer candidates, in order (the last never declines)

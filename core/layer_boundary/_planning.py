@@ -21,7 +21,7 @@ from . import _describe
 from ._contracts import ProducerReduction, ReductionPolicy, StageDescription, StageKind
 from ._errors import Messages, missing_feature
 from ._forward import BatchVariant, DpPadding, RowLayout
-from ._fusions import build_providers, consumer_candidates, read_format
+from ._fusions import build_providers, consumer_candidates, equivalent_groups, read_format
 from ._layout import SumGroup
 from ._ops import dp_gather, dp_reduce_scatter, dp_scatter, gather_slices, reduce_scatter_slices, take_slice
 from ._paths import EntryMode, EntryPath, ExitPath, Owed, ReduceScatter, StagePath, defers_to_next_input, writes_at_exit
@@ -215,6 +215,14 @@ def _slice_refusal(stage: Stage) -> Optional[str]:
 
 
 def _entry(stage: Stage, variant: BatchVariant, candidates, publishers) -> EntryPath:
+    path = _entry_path(stage, variant, candidates, publishers)
+    if path.owed is Owed.NOTHING:
+        return path
+    _, group = arriving_sum(stage.declaration)
+    return attrs.evolve(path, owed_groups=equivalent_groups(stage.parallel.topology)[group])
+
+
+def _entry_path(stage: Stage, variant: BatchVariant, candidates, publishers) -> EntryPath:
     decl = stage.declaration
     topo = stage.parallel.topology
     if stage.is_branch:

@@ -33,7 +33,13 @@ def run_local(plan, entry, hidden, fwd):
     """
     stream = fwd.residual_stream
     pending = None if stream is None else stream.pending
-    if pending is None or hidden is not stream.handle or pending.update.plain_add != entry.arrives_plain:
+    if (
+        pending is None
+        or hidden is not stream.handle
+        or pending.update.plain_add != entry.arrives_plain
+        or stream.residual is None
+        or (pending.owed is not None and owed_mismatch(entry, pending.owed))
+    ):
         return run_entry(plan, entry, hidden, fwd)
     stream.pending = stream.handle = None
     owed = pending.owed
@@ -50,6 +56,7 @@ def run_local(plan, entry, hidden, fwd):
             inp, residual = plan.read.update_and_read(pending.update, pending.complete(), stream.residual, norm)
     else:
         inp, residual = plan.read.update_and_read(pending.update, pending.complete(), stream.residual, norm)
+    pending.owed = pending.value = None  # consumed: the caller's handle retains nothing
     stream.residual = residual
     stream.rows = entry.residual_rows
     move = entry.input_move
@@ -90,6 +97,14 @@ def run_entry(plan, entry, hidden, fwd, capture_output=None, captured=None):
             f"producer update does not match the boundary's capability at stage {plan.label}: "
             f"{contribution.update!r} arrived where plain_add={entry.arrives_plain} was declared by previous="
         )
+    if contribution.owed is not None and owed_mismatch(entry, contribution.owed):
+        expected = "nothing owed" if not entry.owed_groups else f"a sum over {_names(entry.owed_groups)}"
+        source = plan.declaration.previous
+        raise RuntimeError(
+            f"stage {plan.label}: the arriving output still owes {contribution.describe()}, but previous="
+            f"{source.describe() if source is not None else None} declares {expected} here; a consumer completes only "
+            "what its previous= declaration leaves: describe the real producer"
+        )
     if capture_output is not None:
         contribution.complete()  # a capture completes the main output unfused
     mode = entry.mode
@@ -99,6 +114,7 @@ def run_entry(plan, entry, hidden, fwd, capture_output=None, captured=None):
         if fwd.parallel.attn_tp_rank == 0:
             partial = partial + residual
         full = dp_partial_sum(partial, fwd)
+        contribution.owed = None  # consumed
         residual = dp_scatter(full, fwd)
         stream.write(residual, ATTENTION_ROWS)
         # the sum already sits on the gathered rows: the read runs there, no further move
@@ -114,6 +130,7 @@ def run_entry(plan, entry, hidden, fwd, capture_output=None, captured=None):
             value = align_rows(contribution.complete(), contribution.rows, SLICE_ROWS, fwd)
         residual = align_rows(residual, stream.rows, SLICE_ROWS, fwd)
         inp, residual = read.update_and_read(contribution.update, value, residual, norm)
+        contribution.owed = contribution.value = None  # consumed
         stream.write(residual, SLICE_ROWS)
         if capture_output is not None:
             _capture(capture_output, _to_producer_rows(residual, entry, fwd), owned=True)
@@ -126,6 +143,7 @@ def run_entry(plan, entry, hidden, fwd, capture_output=None, captured=None):
     else:
         value = contribution.complete()
         inp, residual = read.update_and_read(contribution.update, value, residual, norm)
+    contribution.owed = contribution.value = None  # consumed: the caller's handle retains nothing
     stream.write(residual, entry.residual_rows)
     if entry.residual_rows is ATTENTION_ROWS:
         _capture(capture_output, residual, owned=plan.capture_owned)
@@ -133,6 +151,21 @@ def run_entry(plan, entry, hidden, fwd, capture_output=None, captured=None):
     if capture_output is not None:  # residual on a share of the rows: the capture gathers (allocates)
         _capture(capture_output, _to_producer_rows(residual, entry, fwd), owned=True)
     return _finish_entry(plan, entry, inp, residual, fwd, captured, owned=False)
+
+
+def owed_mismatch(entry, owed) -> bool:
+    """An owed output this entry's contract does not expect: anything where nothing may be
+    owed, or a sum over other ranks than the declared one (a handoff without a sum group is
+    the producer's own business)."""
+    groups = entry.owed_groups
+    if not groups:
+        return True
+    sum_group = owed.sum_group
+    return sum_group is not None and sum_group not in groups
+
+
+def _names(groups) -> str:
+    return " / ".join(sorted(g.name for g in groups))
 
 
 def _to_producer_rows(residual, entry, fwd):

@@ -227,5 +227,5 @@ def test_group_equivalence_lets_a_tp_candidate_take_an_attention_tp_sum():
         return SumGroup.ATTN_TP in cand.accepts
 
     assert run_threaded(fn, Topology(tp=2)) == [True, True]
-    groups = fusions_module._equivalent_groups(Topology(tp=4, attn_dp=2))
+    groups = fusions_module.equivalent_groups(Topology(tp=4, attn_dp=2))
     assert SumGroup.ATTN_TP not in groups[SumGroup.TP] and SumGroup.MOE_OUTPUT in groups[SumGroup.TP]

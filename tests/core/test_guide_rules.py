@@ -255,3 +255,111 @@ def test_a_provider_accepting_a_handoff_where_the_exit_cannot_leave_one_is_an_er
         return True
 
     assert all(run_threaded(fn, Topology(tp=4, attn_dp=2)))
+
+
+# --- what a consumer completes ------------------------------------------------------------------
+
+
+def test_an_owed_sum_the_consumer_does_not_expect_raises_before_any_collective():
+    """A stage built alone whose previous= says the producer writes the stream (an update at the
+    producer) receives an attention output still owing its sum: it raises, naming the stage,
+    instead of completing whatever arrived."""
+
+    def fn(parallel):
+        attn = make_attn_stage(declare_attn(), _norm(), parallel=parallel)
+        ffn = make_ffn_stage(attrs.evolve(declare_ffn(), previous=declare_attn(update=AddAtProducer()), terminal=True), _norm(),
+                             parallel=parallel)
+        fwd = Forward(parallel, 3)
+        residual_batch.start(fwd)
+        h = attn.finish(attn.prepare(_x(), fwd) * 0.5, fwd)
+        assert isinstance(h, OwedOutput)
+        with pytest.raises(RuntimeError, match=r"still owes UnreducedOutput\(declared sum over ATTN_TP.*declares nothing owed here"):
+            ffn.prepare(h, fwd)
+        return True
+
+    assert all(run_threaded(fn, Topology(tp=2)))
+
+
+def test_under_attention_dp_a_stage_expecting_a_complete_output_refuses_a_partial():
+    def fn(parallel):
+        attn = make_attn_stage(declare_attn(), _norm(), parallel=parallel)
+        attn2 = make_attn_stage(attrs.evolve(declare_attn(), previous=declare_ffn(), terminal=True), _norm(), parallel=parallel)
+        fwd = Forward(parallel, 3, dp_counts=(3, 3))
+        residual_batch.start(fwd)
+        h = attn.finish(attn.prepare(_x(), fwd) * 0.5, fwd)
+        with pytest.raises(RuntimeError, match=r"previous=ffn declares nothing owed here"):
+            attn2.prepare(h, fwd)
+        return True
+
+    assert all(run_threaded(fn, Topology(tp=4, attn_dp=2)))
+
+
+class _Fused:
+    """A consumer candidate that completes the sum itself (one all-reduce), then adds and norms."""
+
+    def __init__(self, log):
+        self.log = log
+
+    def ffn_input(self, plan):
+        from layer_boundary import FusedMlpInput, SumGroup
+        from layer_boundary.plugin import add_rms_norm
+
+        norm = plan.norm
+
+        def run(owed, residual, fwd):
+            self.log.append("fused")
+            return add_rms_norm(norm, owed.group.all_reduce(owed.partial), residual)
+
+        return (FusedMlpInput(run=run, name="fused", completes=SumGroup.ATTN_TP),)
+
+    attention_input = ffn_input
+
+
+@pytest.mark.parametrize("path", ["fused", "unfused", "captured"])
+def test_a_consumed_owed_output_retains_nothing(path):
+    """Once a consumer completed the sum (a fused candidate, the unfused path, or the general path
+    a capture takes), the OwedOutput the caller still holds keeps neither the partial nor a value."""
+
+    def fn(parallel):
+        log = []
+        opts = {"fusions": _Fused(log)} if path == "fused" else {}
+        second = declare_attn() if path == "captured" else declare_ffn()  # a capture is taken at an attention input
+        attn, ffn = make_stages((declare_attn(), _norm()), (second, _norm(), opts), terminal=True, parallel=parallel)
+        fwd = Forward(parallel, 3)
+        residual_batch.start(fwd)
+        h = attn.finish(attn.prepare(_x(), fwd) * 0.5, fwd)
+        contribution = h._contribution
+        assert contribution.owed is not None
+        if path == "captured":
+            ffn.prepare(h, fwd, capture_output=lambda value, *, owned: None)
+        else:
+            ffn.prepare(h, fwd)
+        return log, contribution.owed, contribution.value
+
+    for log, owed, value in run_threaded(fn, Topology(tp=2)):
+        assert log == (["fused"] if path == "fused" else [])
+        assert owed is None and value is None
+
+
+@pytest.mark.parametrize("consumer", ["stage", "final_norm"])
+def test_a_contribution_on_a_stream_without_residual_is_read_as_the_residual(consumer):
+    """A stream rebuilt from parts without a residual (`ResidualStream.arrive(h, None, update)`) has
+    nothing to update: the contribution is the residual, read without an update (as fold() takes it)."""
+    from layer_boundary import ResidualStream
+
+    parallel = Parallel.single()
+    attn, ffn = make_stages((declare_attn(), _norm()), (declare_ffn(), _norm()), terminal=True, parallel=parallel)
+    fwd = Forward(parallel, 3)
+    stream, handle = ResidualStream.arrive(_x(), None, _PlainAdd())
+    fwd.residual_stream = stream
+    if consumer == "stage":
+        y = ffn.prepare(handle, fwd)
+        assert fwd.residual_stream.state is StreamState.WRITTEN and torch.equal(fwd.residual_stream.residual, _x())
+    else:
+        y = residual_batch.norm(handle, fwd, _norm())
+        assert fwd.residual_stream is None
+    assert torch.equal(y, _norm()(_x()))
+
+
+class _PlainAdd(AddAtProducer):
+    at_producer = False

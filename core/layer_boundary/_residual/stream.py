@@ -153,13 +153,19 @@ class ResidualStream:
         """The arrival operation: `(state, contribution, residual)` of what reached a consumer.
 
         A pending contribution is taken (the stream keeps only its residual until the consumer
-        writes one); a written stream is left as it is. Both check that `hidden` is the handle
+        writes one); a written stream is left as it is. A contribution on a stream that holds no
+        residual (rebuilt from parts without one) has nothing to update: it completes and
+        arrives as a written stream, read without an update. Both check that `hidden` is the handle
         the stream gave out; the stack input of an initial stream is not checked.
         """
         pending = self.pending
         if pending is not None:
             self.check(hidden)
             self.pending = self.handle = None
+            if self.residual is None:  # nothing to update: the contribution is the residual (as fold() takes it)
+                self.residual, self.rows = pending.complete(), pending.rows
+                pending.value = None
+                return StreamState.WRITTEN, None, self.residual
             return StreamState.PENDING, pending, self.residual
         if self.residual is None:
             return StreamState.INITIAL, None, None
