@@ -156,6 +156,12 @@ class FlashInferBackend:
     def placement_reason(self, tensor) -> Optional[str]:
         return None if tensor.is_cuda else f"the norm weight is on {tensor.device}, not a CUDA device"
 
+    def capability(self, device) -> Optional[tuple]:
+        """This rank's (major, minor) compute capability; None without a CUDA device."""
+        if device is None or torch.device(device).type != "cuda" or not torch.cuda.is_available():
+            return None
+        return tuple(torch.cuda.get_device_capability(torch.device(device)))
+
     def width_reason(self, hidden: int, dtype) -> Optional[str]:
         return kernel_width_reason(hidden, dtype)
 

@@ -2,10 +2,12 @@
 
 Three levels, each decided from facts all ranks of a group share:
 
+- the engine's enablement (`FlashInferSettings`, passed to `prepare_flashinfer_fusion`): backend
+  `auto` / `trtllm` / `off` and the token limit, `auto` applying the walkthrough's rules;
 - the stage (`stage_reason`): from its frozen `StageDescription` only: a plain add arriving, a
   plain RMSNorm (or Gemma's `(1 + w)` RMSNorm) read, a sum owed over more than one rank, no
-  attention DP, no expert parallelism (whose engines exchange tokens all-to-all), a width the
-  kernels take;
+  attention DP, a width the kernels take (plain expert parallelism over the TP group sums with
+  one all-reduce, so it is no reason; an all-to-all MoE backend is, see `FlashInferSettings`);
 - the device (`device_reason`): Hopper or Blackwell, FlashInfer importable. A device fact can
   differ between ranks, so the workspace manager agrees on it across the group;
 - the batch (the candidates): 0 < tokens <= the workspace limit, the workspace's dtype.
@@ -36,6 +38,9 @@ __all__ = [
     "SUPPORTED_CAPABILITY_MAJORS",
     "MAX_HIDDEN",
     "FusionSettings",
+    "FlashInferSettings",
+    "AUTO_ARCHITECTURES",
+    "BACKENDS",
     "settings",
     "stage_reason",
     "finalize_stage_reason",
@@ -113,6 +118,96 @@ def settings() -> FusionSettings:
         defer_finalize=env_flag(FINALIZE_ENV, True),
         algorithm=algorithm,
     )
+
+
+#: the enablement backends: `auto` applies the walkthrough's rules, `trtllm` asks for the fusion
+#: wherever the kernels take a stage, `off` never uses it
+BACKENDS = ("auto", "trtllm", "off")
+
+#: the architectures `auto` enables the fusion for (engine class names, as Hugging Face configs
+#: give them); an engine extends the list with `FlashInferSettings.with_architectures(...)`
+AUTO_ARCHITECTURES = frozenset({
+    "DeepseekV3ForCausalLM",
+    "DeepseekV32ForCausalLM",
+    "Glm4MoeForCausalLM",
+    "GptOssForCausalLM",
+    "Qwen3ForCausalLM",
+    "Qwen3MoeForCausalLM",
+    "Qwen3NextForCausalLM",
+    "Llama4ForConditionalGeneration",
+})
+
+
+@attrs.frozen(kw_only=True)
+class FlashInferSettings:
+    """What an engine passes to `prepare_flashinfer_fusion(model, settings=...)`: the engine's
+    own facts, identical on every rank (part of the settings fingerprint the ranks compare).
+
+    `backend`: `auto` (the walkthrough's rules below), `trtllm` (the fusion wherever the kernels
+    take a stage) or `off`. `max_tokens`: the workspace's token limit (None: the environment's
+    or 2048). `auto` enables the fusion only on Hopper or Blackwell, with TP > 1 and no attention
+    DP, on one node or on Blackwell (a multi-node job is refused on Hopper only), without an MoE
+    all-to-all backend (`moe_a2a_backend`; plain expert parallelism over the TP group is not one),
+    and for an `architecture` in `architectures`. Whatever the backend, the environment switch
+    LAYER_BOUNDARY_FLASHINFER=0 enforces off, read when `prepare` runs (so it also works when set
+    after the model was built).
+    """
+
+    backend: str = attrs.field(default="auto")
+    max_tokens: Optional[int] = None
+    architecture: Optional[str] = None
+    architectures: frozenset = attrs.field(default=AUTO_ARCHITECTURES, converter=frozenset)
+    nodes: int = 1
+    moe_a2a_backend: Optional[str] = None
+
+    @backend.validator
+    def _check_backend(self, attribute, value):
+        if value not in BACKENDS:
+            raise ValueError(f"flashinfer backend {value!r}: choose one of {', '.join(BACKENDS)}")
+
+    def __attrs_post_init__(self):
+        if self.max_tokens is not None and (isinstance(self.max_tokens, bool) or not isinstance(self.max_tokens, int) or self.max_tokens < 1):
+            raise ValueError(f"max_tokens must be a positive integer, got {self.max_tokens!r}")
+        if not isinstance(self.nodes, int) or self.nodes < 1:
+            raise ValueError(f"nodes must be a positive integer, got {self.nodes!r}")
+
+    def with_architectures(self, *names: str) -> "FlashInferSettings":
+        """These settings with `names` added to the architectures `auto` enables."""
+        return attrs.evolve(self, architectures=self.architectures | set(names))
+
+    def job_reason(self, topology) -> Optional[str]:
+        """Why these settings turn the fusion off for the whole job (None: they do not), from
+        facts every rank shares. The device rule is `device_reason`."""
+        if not env_flag(ENABLE_ENV, True):
+            return f"{ENABLE_ENV}=0 (enforce-disable)"
+        if self.backend == "off":
+            return "the flashinfer backend is off"
+        if self.backend == "trtllm":
+            return None
+        if topology.tp < 2:
+            return "auto: TP is 1 (nothing to all-reduce)"
+        if topology.attn_dp > 1:
+            return f"auto: attention DP (attn_dp={topology.attn_dp})"
+        if self.moe_a2a_backend not in (None, "none"):
+            return f"auto: the MoE all-to-all backend {self.moe_a2a_backend!r} moves tokens, not one all-reduce"
+        if self.architecture is None:
+            return "auto: the engine named no architecture (FlashInferSettings(architecture=...))"
+        if self.architecture not in self.architectures:
+            return f"auto: {self.architecture} is not in the architectures it enables (extend them with with_architectures)"
+        return None
+
+    def device_reason(self, capability: Optional[tuple]) -> Optional[str]:
+        """Why this rank's device turns `auto` off (None: it does not); per rank, so agreed."""
+        if self.backend != "auto":
+            return None
+        if capability is None:
+            return "auto: no CUDA device"
+        major, minor = capability
+        if major not in SUPPORTED_CAPABILITY_MAJORS:
+            return f"auto: compute capability {major}.{minor} is neither Hopper nor Blackwell"
+        if self.nodes > 1 and major != 10:
+            return f"auto: a job over {self.nodes} nodes on Hopper (multi-node is enabled on Blackwell only)"
+        return None
 
 
 def width_reason(hidden: Optional[int]) -> Optional[str]:
@@ -195,8 +290,6 @@ def finalize_kernel_reason(hidden: int, dtype) -> Optional[str]:
 def _topology_reason(topology) -> Optional[str]:
     if topology.attn_dp > 1:
         return f"attention DP (attn_dp={topology.attn_dp}): the boundary gathers rows, not one all-reduce"
-    if topology.moe_ep > 1:
-        return f"expert parallelism (moe_ep={topology.moe_ep}): engines exchange expert tokens all-to-all"
     return None
 
 

@@ -7,6 +7,10 @@ launch comes from another stream than the previous one, its stream first waits f
 the previous stream had queued (an event recorded at that moment). Launches from one stream, the
 common case, cost one stream lookup. A launch inside a CUDA-graph capture does not wait for work
 queued outside that capture (the graph's replay is ordered by the stream it replays on).
+
+It also remembers that a launch was captured (`captured`): a graph keeps the workspace's
+addresses, so the workspace must not be rebuilt under it (see `GroupWorkspace.ensure`). Until
+the first captured launch each launch asks whether its stream is capturing; after it, nothing.
 """
 
 from __future__ import annotations
@@ -17,15 +21,18 @@ __all__ = ["LaunchOrder"]
 
 
 class LaunchOrder:
-    __slots__ = ("stream", "capturing", "event", "waits")
+    __slots__ = ("stream", "capturing", "event", "waits", "captured")
 
     def __init__(self):
         self.stream = None
         self.capturing = False
         self.event = None
         self.waits = 0  #: cross-stream waits inserted (for tests and reports)
+        self.captured = False  #: a launch on this workspace was recorded into a CUDA graph
 
     def __call__(self) -> None:
+        if not self.captured and torch.cuda.is_current_stream_capturing():
+            self.captured = True
         current = torch.cuda.current_stream()
         last = self.stream
         if last is None or last == current:
@@ -42,4 +49,4 @@ class LaunchOrder:
         self.stream, self.capturing = current, capturing
 
     def reset(self) -> None:
-        self.stream, self.capturing, self.event = None, False, None
+        self.stream, self.capturing, self.event, self.captured = None, False, None, False

@@ -21,7 +21,8 @@ import torch
 from layer_boundary import GemmaRMSNorm, RMSNorm, StageBoundary, boundaries_of
 
 from .collectives import wrapped_flashinfer_collectives
-from .eligibility import ENABLE_ENV, SUPPORTED_DTYPES, finalize_stage_reason, settings, stage_reason
+from .eligibility import ENABLE_ENV, SUPPORTED_DTYPES, FlashInferSettings, finalize_stage_reason, stage_reason
+from .eligibility import settings as _env_settings
 from .provider import FlashInferFinalizeFusion, FlashInferFusion
 from .workspace import EnsureResult, WorkspaceManager, WorkspaceSpec
 
@@ -192,21 +193,48 @@ def _bind(slot, needs: list, limit: int, backend, collectives=()) -> Optional[st
         return f"binding the launchers failed: {type(exc).__name__}: {exc}"
 
 
-def prepare_flashinfer_fusion(model, *, max_tokens: Optional[int] = None, manager: Optional[WorkspaceManager] = None) -> PrepareReport:
+def _enablement_reason(fi_settings: Optional[FlashInferSettings], boundaries, backend, enabled: bool) -> Optional[str]:
+    """Why the engine's settings (or the enforce-disable switch) keep this rank unfused."""
+    if not enabled:
+        return f"{ENABLE_ENV}=0 (enforce-disable)"
+    if fi_settings is None or not boundaries:
+        return None
+    reason = fi_settings.job_reason(boundaries[0].plan.parallel.topology)
+    if reason is None:
+        device = next((b.plan.norm.weight.device for b in boundaries if getattr(b.plan.norm, "weight", None) is not None), None)
+        capability = getattr(backend, "capability", None)
+        reason = fi_settings.device_reason(capability(device) if capability is not None else None)
+    return reason
+
+
+def prepare_flashinfer_fusion(
+    model, *, max_tokens: Optional[int] = None, manager: Optional[WorkspaceManager] = None,
+    settings: Optional[FlashInferSettings] = None, recapture: bool = False,
+) -> PrepareReport:
     """Create (or reuse) the fusion workspaces of `model` and bind its stages' candidates.
 
     Call it on every rank, after the model's weights are on their device and before any
     CUDA-graph capture; calling it again (after moving the model, or with a new limit) reuses or
-    rebuilds the workspaces (a rebuild requires capturing graphs again). `max_tokens` bounds
-    the tokens of a fused batch (default 2048, or LAYER_BOUNDARY_FLASHINFER_MAX_TOKENS); larger
-    batches take the unfused path. Returns a `PrepareReport` (the same on every rank).
+    rebuilds the workspaces. A rebuild of a workspace a CUDA graph was captured on is refused
+    (`WorkspaceCapturedError`) unless `recapture=True` says the engine drops those graphs and
+    captures again. `max_tokens` bounds the tokens of a fused batch (default: `settings.max_tokens`,
+    else LAYER_BOUNDARY_FLASHINFER_MAX_TOKENS, else 2048); larger batches take the unfused path.
+    `settings` (a `FlashInferSettings`, the same on every rank) is the engine's enablement: backend
+    auto / trtllm / off, with auto's rules; without it the fusion applies wherever the kernels take
+    a stage. LAYER_BOUNDARY_FLASHINFER=0 enforces off, read here. Returns a `PrepareReport` (the
+    same on every rank).
     """
+    fi_settings = settings
     if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
         raise RuntimeError(
             "prepare_flashinfer_fusion() ran inside a CUDA-graph capture; workspaces rendezvous across ranks, "
             "so call it once after building the model and before capturing"
         )
-    opts = settings()
+    if fi_settings is not None and not isinstance(fi_settings, FlashInferSettings):
+        raise TypeError(f"settings must be a FlashInferSettings, got {type(fi_settings).__name__}")
+    opts = _env_settings()
+    if max_tokens is None and fi_settings is not None:
+        max_tokens = fi_settings.max_tokens
     limit = opts.max_tokens if max_tokens is None else max_tokens
     if isinstance(limit, bool) or not isinstance(limit, int) or limit < 1:
         raise ValueError(f"max_tokens must be a positive integer, got {max_tokens!r}")
@@ -216,14 +244,20 @@ def prepare_flashinfer_fusion(model, *, max_tokens: Optional[int] = None, manage
     manager = manager if manager is not None else default_manager()
     backend = manager.backend
     needs, skipped, producers = _collect(boundaries, backend)
+    off = _enablement_reason(fi_settings, boundaries, backend, opts.enabled)
     for plan, provider in producers:  # a producer missing on one rank must turn its group off everywhere
         dtype = getattr(getattr(plan.norm, "weight", None), "dtype", None)
         key = (tuple(plan.group(plan.description.output_sum).ranks), dtype)
         if key in needs and plan.description.output_sum is not None:
             local = None if provider is not None else "the flashinfer provider is not attached to a MoE stage on this rank"
             needs[key].append(_Need(plan.label, provider, plan.norm, None, 0, dtype, None, local, producer=True))
+    if off is not None:  # every need of this rank: agreed below, so one rank switched off turns its groups off
+        for group_needs in needs.values():
+            for need in group_needs:
+                need.local_reason = need.local_reason or off
     # every setting that changes which kernel a rank launches, compared across each group
-    fingerprint = zlib.crc32(repr((limit, opts.enabled, opts.launch_with_pdl, opts.fp32_acc, opts.defer_finalize, opts.algorithm)).encode())
+    fingerprint = zlib.crc32(repr((limit, opts.enabled, opts.launch_with_pdl, opts.fp32_acc, opts.defer_finalize, opts.algorithm,
+                                   fi_settings)).encode())
     results: list[EnsureResult] = []
     bound: list[str] = []
     wrappers = wrapped_flashinfer_collectives(g for b in boundaries for g in b.plan.parallel.groups.values())
@@ -234,7 +268,7 @@ def prepare_flashinfer_fusion(model, *, max_tokens: Optional[int] = None, manage
         spec = WorkspaceSpec(limit, max(n.hidden for n in group_needs if not n.producer), first.dtype)
         local = next((n.local_reason for n in group_needs if n.local_reason), None)
         slot = manager.slot(first.group, first.dtype, first.device)
-        result = slot.ensure(spec, local, fingerprint)
+        result = slot.ensure(spec, local, fingerprint, recapture=recapture)
         if result.available:
             mine = [w for w in wrappers if w.ranks == key[0]]
             failure = _bind(slot, group_needs, limit, backend, mine)
@@ -259,7 +293,7 @@ def prepare_flashinfer_fusion(model, *, max_tokens: Optional[int] = None, manage
         dtype = plan.norm.weight.dtype
         group = plan.group(desc.output_sum)
         slot = manager.slots.get((tuple(group.ranks), dtype, group.rank))
-        if not (opts.defer_finalize and finalize_stage_reason(desc) is None and slot is not None and slot.available):
+        if not (opts.defer_finalize and off is None and finalize_stage_reason(desc) is None and slot is not None and slot.available):
             continue
         # a width or dtype the finalize kernel gets wrong: the MoE combines its rows itself and
         # its sum still meets the fused all-reduce + add + norm at the next input

@@ -64,8 +64,11 @@ class ReferenceBackend:
     name = "reference"
     device_type = "cpu"
 
-    def __init__(self, *, fail_probe=(), fail_create=(), fail_bind=(), free=None, finalize_tokens=4, finalize_declines=None):
+    def __init__(self, *, fail_probe=(), fail_create=(), fail_bind=(), free=None, finalize_tokens=4, finalize_declines=None,
+                 capability=(9, 0)):
         self.fail_probe, self.fail_create, self.fail_bind = set(fail_probe), set(fail_create), set(fail_bind)
+        #: the compute capability the settings' `auto` rules see (a Hopper by default)
+        self.device_capability = capability
         #: (hidden, dtype) -> reason: widths the fake finalize kernel refuses, as the real one's rules do
         self.finalize_declines = dict(finalize_declines or {})
         self.free = dict(free or {})
@@ -81,6 +84,9 @@ class ReferenceBackend:
 
     def placement_reason(self, tensor):
         return None
+
+    def capability(self, device):
+        return self.device_capability
 
     def width_reason(self, hidden, dtype):
         return None

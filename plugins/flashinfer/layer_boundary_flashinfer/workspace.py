@@ -8,7 +8,9 @@ together (a rendezvous), sized for (max tokens, hidden, dtype). Two hazards shap
   `Collectives.agree`, and the fusion is available only where every rank succeeded;
 - graphs captured with a workspace keep its addresses; so workspaces are made before capture
   (prepare), reused while large enough (`is_buffer_size_sufficient`), and a rebuild unbinds
-  every candidate bound to the old one (they decline until prepared again).
+  every candidate bound to the old one (they decline until prepared again). A rebuild of a
+  workspace a CUDA graph was captured on is refused (`WorkspaceCapturedError`, on every rank,
+  before anything is released), unless the caller says it drops those graphs (`recapture=True`).
 
 The collectives each call issues depend only on agreed values, so every rank issues the same
 sequence. The FlashInfer specifics sit behind a `WorkspaceBackend` (see `backend.py`); tests
@@ -36,7 +38,12 @@ __all__ = [
     "WorkspaceManager",
     "EnsureResult",
     "PREFLIGHT_HEADROOM_BYTES",
+    "WorkspaceCapturedError",
 ]
+
+
+class WorkspaceCapturedError(RuntimeError):
+    """A rebuild would free a workspace that a captured CUDA graph still addresses."""
 
 #: memory the preflight leaves free beyond the workspace itself (allocator slack, NCCL, graphs)
 PREFLIGHT_HEADROOM_BYTES = 256 << 20
@@ -160,9 +167,19 @@ class GroupWorkspace:
         self._bound = weakref.WeakSet()
 
     # life cycle ----------------------------------------------------------------------------
-    def ensure(self, spec: WorkspaceSpec, local_reason: Optional[str], fingerprint: int = 0) -> EnsureResult:
+    @property
+    def captured(self) -> bool:
+        """A launch on this workspace was recorded into a CUDA graph (which keeps its addresses)."""
+        return self.order.captured
+
+    def ensure(self, spec: WorkspaceSpec, local_reason: Optional[str], fingerprint: int = 0, *, recapture: bool = False) -> EnsureResult:
         """Make the workspace hold `spec` on every rank, or on none. Collective. `fingerprint`
-        summarises the settings that decide which kernel runs; ranks that differ stay unfused."""
+        summarises the settings that decide which kernel runs; ranks that differ stay unfused.
+
+        A workspace that must be rebuilt (or given up) after a CUDA graph was captured on it is
+        refused with `WorkspaceCapturedError` on every rank (agreed, nothing released): the graph
+        would replay into freed memory. `recapture=True` says the caller drops its graphs and
+        captures again after this call."""
         backend, group = self.manager.backend, self.group
         single_node, same_settings = _shared_facts(group, fingerprint)
         reason = local_reason
@@ -182,11 +199,21 @@ class GroupWorkspace:
                 reason = "could not size the workspace"
         if reason is None and not reuse:
             reason = self._preflight(need)
-        if not group.agree(reason is None):
+        ok = group.agree(reason is None)
+        reused = ok and group.agree(reuse)
+        if self.workspace is not None and not reused and not recapture:  # the old one would be freed
+            if not group.agree(not self.captured):
+                raise WorkspaceCapturedError(
+                    f"the flashinfer fusion workspace of ranks {list(self.ranks)} ({self.dtype}) cannot be "
+                    f"{'rebuilt' if ok else 'given up'} ({'it is too small for ' + repr(spec) if ok else reason or 'another rank cannot keep it'}): "
+                    "a CUDA graph was captured on it and would replay into freed memory; prepare with the largest "
+                    "max_tokens and widest hidden before capturing, or drop the graphs and pass recapture=True"
+                )
+        if not ok:
             self.release(barrier=True)
             why = reason or "another rank of the group cannot create the workspace"
             return EnsureResult(self.ranks, str(self.dtype), False, "unavailable", why)
-        if group.agree(reuse):
+        if reused:
             held = _safe_value(lambda: backend.required_bytes(self.spec, self.world), 0)
             return EnsureResult(self.ranks, str(self.dtype), True, "reused", "", held)
         rebuilding = self.workspace is not None
