@@ -155,7 +155,9 @@ def merge_batch(microbatches: Sequence[Microbatch], outputs: Sequence, forward):
     """Complete both microbatches' owed work and rebuild the parent's stream from their rows.
 
     When both microbatches already left the stack (final norm), their outputs are concatenated
-    and the parent's stream is released. Returns the handle to pass on.
+    and the parent's stream is released. Otherwise the microbatches' streams are released once
+    their rows are taken (a microbatch Forward holds no stream after the merge). Returns the
+    handle to pass on.
     """
     check_streams(microbatches)
     streams = [mb.forward.residual_stream for mb in microbatches]
@@ -179,6 +181,8 @@ def merge_batch(microbatches: Sequence[Microbatch], outputs: Sequence, forward):
             contribution.complete()
             values.append(align_rows(contribution.value, contribution.rows, ATTENTION_ROWS, mb.forward))
         residuals.append(None if residual is None else align_rows(residual, stream.rows, ATTENTION_ROWS, mb.forward))
+    for mb in microbatches:  # their rows now belong to the parent: the microbatches hold no stream
+        mb.forward.residual_stream = None
     if (pending[0] is None) != (pending[1] is None):
         raise RuntimeError("one TBO microbatch ends with a pending output and the other with a written stream; both must run the same stages")
     rows = streams[0].rows

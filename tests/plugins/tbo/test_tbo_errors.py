@@ -173,3 +173,18 @@ def test_missing_plugin_names_the_distribution(monkeypatch, fresh_registry):
         two_batch_overlap(fwd)
     assert info.value.distribution == "layer-boundary-tbo"
     assert "two-batch overlap needs the layer-boundary-tbo distribution" in str(info.value)
+
+
+def test_the_merge_releases_the_microbatch_streams():
+    """After the merge the parent's stream holds the rows; the microbatch Forwards hold none."""
+    model, fwd, x = _setup()
+    tbo = two_batch_overlap(fwd)
+    first, second = tbo.split(x, fwd, tbo.plan(fwd))
+    outs = []
+    for mb in (first, second):
+        attn_b = model.boundaries[0]
+        outs.append(attn_b.finish(model.stages[0].compute(attn_b.prepare(mb.hidden, mb.forward), [mb.forward.num_tokens]),
+                                  mb.forward))
+    h = tbo.merge((first, second), outs, fwd)
+    assert first.forward.residual_stream is None and second.forward.residual_stream is None
+    assert fwd.residual_stream is not None and fwd.residual_stream.handle is h
