@@ -35,13 +35,13 @@ from ._forward import (
     get_forward,
 )
 from ._fusions import FusionError
-from ._layers import ColumnParallelLinear, MoeFinalizeHandoff, RowParallelLinear, reduce_output
+from ._layers import ColumnParallelLinear, MoeFinalizeHandoff, RowParallelLinear, check_partial_producer, reduce_output, reduces_itself
 from ._layout import Layout, SumGroup, TokenAxis
 from ._output import HandoffOutput, OutputTransform, UnreducedOutput
 from ._parallel import Parallel, Topology, TopologyError
 from .placement import RankPlacement, current_placement, place_ranks
 from .plugin import Adapter, FusionProvider, Priority, ResidualKind, get_registry, hookimpl
-from ._policy import resolve_reduction
+from ._policy import resolve_reduction, resolve_speculative_reduction
 from ._residual import ResidualOps, StageRead, StageUpdate, residual_kind
 from ._residual import batch as residual_batch
 from ._residual.add_norm import NORM_READ, PLAIN_ADD, PLAIN_RESIDUAL, GemmaRMSNorm, RMSNorm
@@ -129,9 +129,12 @@ __all__ = [
     "make_stages",
     "merge_branch",
     "reduce_output",
+    "reduces_itself",
+    "check_partial_producer",
     "residual_batch",
     "residual_kind",
     "resolve_reduction",
+    "resolve_speculative_reduction",
     "split_sizes",
     "two_batch_overlap",
 ]

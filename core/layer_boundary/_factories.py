@@ -34,12 +34,13 @@ __all__ = [
     "FFN_OPTIONS",
 ]
 
-ATTENTION_OPTIONS = frozenset({"qkv_latent_func", "fusions", "publish_rows"})
+ATTENTION_OPTIONS = frozenset({"qkv_latent_func", "fusions", "publish_rows", "producer"})
 #: the guide's FFN options are `fusions` only; `publish_rows` is this library's one addition (`_WHY_MORE`)
 FFN_OPTIONS = frozenset({"fusions", "publish_rows"})
 _OPTIONS_NOTE = {
-    "attention": "an attention stage takes qkv_latent_func and fusions (the guide's options) and publish_rows",
-    "mixer": "a mixer stage takes qkv_latent_func and fusions (the guide's options) and publish_rows",
+    "attention": "an attention stage takes qkv_latent_func and fusions (the guide's options), publish_rows, and producer (the "
+    "module computing its output, checked at construction for a projection that reduces itself)",
+    "mixer": "a mixer stage takes qkv_latent_func and fusions (the guide's options), publish_rows and producer",
     "ffn": "an FFN stage takes fusions (the guide's only FFN option) and publish_rows",
 }
 _WHY_MORE = (
@@ -320,6 +321,11 @@ def _check_options(decl: StageDeclaration, options) -> None:
     unknown = sorted(set(options or ()) - allowed)
     if unknown:
         raise TypeError(f"unsupported {decl.kind.value} stage options: {unknown}; {_OPTIONS_NOTE[decl.kind.value]}{_WHY_MORE}")
+    producer = (options or {}).get("producer")
+    if producer is not None and decl.kind is StageKind.ATTENTION and decl.reduction is ProducerReduction.PARTIAL:
+        from ._layers import check_partial_producer
+
+        check_partial_producer(producer, stage=f"this {decl.describe()} stage")
 
 
 def make_stages(

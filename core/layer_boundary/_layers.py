@@ -15,7 +15,10 @@ from torch import nn
 from ._forward import get_forward
 from ._output import HandoffOutput
 
-__all__ = ["Linear", "ColumnParallelLinear", "RowParallelLinear", "reduce_output", "MoeFinalizeHandoff", "shard_rows", "shard_cols", "linear"]
+__all__ = [
+    "Linear", "ColumnParallelLinear", "RowParallelLinear", "reduce_output", "MoeFinalizeHandoff", "shard_rows", "shard_cols", "linear",
+    "check_partial_producer", "reduces_itself",
+]
 
 
 def linear(x, weight: torch.Tensor, module: Optional[nn.Module] = None) -> torch.Tensor:
@@ -132,6 +135,33 @@ class RowParallelLinear(nn.Module):
         if self.bias is not None and (reduces or self.group.rank == 0):
             y = y + self.bias
         return y
+
+
+def reduces_itself(module: nn.Module) -> bool:
+    """Whether `module` all-reduces its own output over more than one rank: the core's
+    `RowParallelLinear(reduce_results=True)`, or an engine's layer that carries the same
+    `reduce_results=True` attribute (and, when it says, a `tp_size` over 1)."""
+    if isinstance(module, RowParallelLinear):
+        return bool(module.reduce_results) and module.group.size > 1
+    return getattr(module, "reduce_results", None) is True and getattr(module, "tp_size", 2) > 1
+
+
+def check_partial_producer(module: nn.Module, *, stage: str = "attention", reduces=reduces_itself) -> None:
+    """Raise if a PARTIAL attention's producer sums its own output.
+
+    A PARTIAL attention's boundary always completes the attention-TP sum at the next input, so an
+    output projection that all-reduces too is summed twice (values times the group size), silently.
+    The guide builds it with `reduce_results=False`. Attention stages given `{"producer": module}`
+    run this check at construction; a model calls it for its own modules, passing `reduces` (a
+    predicate on a module) for layer types the default (`reduces_itself`) does not know.
+    """
+    found = [name or type(module).__name__ for name, sub in module.named_modules() if reduces(sub)]
+    if found:
+        raise ValueError(
+            f"{stage} is a PARTIAL attention (its boundary completes the attention-TP sum) but its producer "
+            f"{type(module).__name__} reduces its own output in {', '.join(found)}: the sum would run twice; build the "
+            "output projection with reduce_results=False"
+        )
 
 
 def reduce_output(output: torch.Tensor, group) -> torch.Tensor:

@@ -10,7 +10,7 @@ from typing import Any, Mapping, Optional
 
 from ._contracts import ReductionPolicy
 
-__all__ = ["ARCHITECTURE_DEFAULTS", "resolve_reduction", "require_resolved", "architecture_of"]
+__all__ = ["ARCHITECTURE_DEFAULTS", "resolve_reduction", "resolve_speculative_reduction", "require_resolved", "architecture_of"]
 
 #: Per-architecture defaults for `auto`; anything else resolves to `rs+rsv`.
 ARCHITECTURE_DEFAULTS: Mapping[str, ReductionPolicy] = {
@@ -56,6 +56,30 @@ def resolve_reduction(policy, config: Any = None) -> ReductionPolicy:
     get = config.get if isinstance(config, Mapping) else (lambda k, d=None: getattr(config, k, d))
     model_type = get("model_type") if config is not None else None
     return ARCHITECTURE_DEFAULTS.get(model_type, DEFAULT)
+
+
+def resolve_speculative_reduction(
+    speculative_boundary_reduction="auto", *, target: ReductionPolicy, draft_config: Any = None
+) -> ReductionPolicy:
+    """The draft model's own concrete policy (the guide's `speculative_boundary_reduction`).
+
+    A concrete value is the draft's policy. `auto` resolves against the draft's own architecture
+    when the draft is a separate checkpoint (`draft_config`); a draft that shares the target's
+    checkpoint (NextN / MTP layers, `draft_config=None`) inherits the target's resolved policy,
+    `target`, which must itself be resolved (the target resolves before either model is built).
+    """
+    target = require_resolved(target)
+    try:
+        policy = ReductionPolicy(speculative_boundary_reduction)
+    except ValueError:
+        raise ValueError(
+            f"unknown speculative_boundary_reduction {speculative_boundary_reduction!r}; choose one of ar, rs, rsv, rs+rsv, auto"
+        ) from None
+    if policy is not ReductionPolicy.AUTO:
+        return policy
+    if draft_config is None:
+        return target
+    return resolve_reduction(ReductionPolicy.AUTO, draft_config)
 
 
 def require_resolved(policy) -> ReductionPolicy:

@@ -4,6 +4,8 @@ and move the input, in the order the plan chose.
 
 from __future__ import annotations
 
+import torch
+
 from . import _debug as debug
 from ._checks import check_rows
 from ._errors import Messages
@@ -63,14 +65,23 @@ def run_local(plan, entry, hidden, fwd):
     return inp if move is None else move_input(inp, move, fwd)
 
 
-def run_entry(plan, entry, hidden, fwd, capture_output=None, captured=None):
+def run_entry(plan, entry, hidden, fwd, capture_output=None, captured=None, post_addition=None):
     stream = fwd.residual_stream
     if stream is None:
         raise RuntimeError(Messages.NOT_STARTED)
     read = plan.read
     norm = plan.norm
+    if post_addition is not None:
+        _check_post_addition(plan, stream, post_addition)
     state, contribution, residual = stream.receive(hidden)
+    if post_addition is not None and state is not StreamState.INITIAL:
+        return _post_addition_entry(plan, entry, contribution, residual, stream, post_addition, fwd, capture_output, captured)
     if state is StreamState.INITIAL:
+        if post_addition is not None:
+            raise ValueError(
+                f"stage {plan.label}: post_residual_addition is added to the residual after the producer's update, but the "
+                "stream is at the stack input (no residual yet); add it to the stack input instead"
+            )
         if not plan.enters_stack:
             raise RuntimeError(
                 f"stage {plan.label} has a producer (previous=...) but the residual stream is empty; call "
@@ -98,13 +109,7 @@ def run_entry(plan, entry, hidden, fwd, capture_output=None, captured=None):
             f"{contribution.update!r} arrived where plain_add={entry.arrives_plain} was declared by previous="
         )
     if contribution.owed is not None and owed_mismatch(entry, contribution.owed):
-        expected = "nothing owed" if not entry.owed_groups else f"a sum over {_names(entry.owed_groups)}"
-        source = plan.declaration.previous
-        raise RuntimeError(
-            f"stage {plan.label}: the arriving output still owes {contribution.describe()}, but previous="
-            f"{source.describe() if source is not None else None} declares {expected} here; a consumer completes only "
-            "what its previous= declaration leaves: describe the real producer"
-        )
+        _raise_owed(plan, entry, contribution)
     if capture_output is not None:
         contribution.complete()  # a capture completes the main output unfused
     mode = entry.mode
@@ -151,6 +156,46 @@ def run_entry(plan, entry, hidden, fwd, capture_output=None, captured=None):
     if capture_output is not None:  # residual on a share of the rows: the capture gathers (allocates)
         _capture(capture_output, _to_producer_rows(residual, entry, fwd), owned=True)
     return _finish_entry(plan, entry, inp, residual, fwd, captured, owned=False)
+
+
+def _check_post_addition(plan, stream, extra) -> None:
+    """Before anything runs: the addition needs a plain tensor residual and a plain update."""
+    pending = stream.pending
+    if isinstance(stream.residual, tuple) or (pending is not None and not pending.update.plain_add):
+        raise NotImplementedError(
+            f"stage {plan.label}: post_residual_addition needs a plain residual update (a tensor residual the addition "
+            "joins); this residual kind does not support it"
+        )
+    if not isinstance(extra, torch.Tensor):
+        raise TypeError(f"stage {plan.label}: post_residual_addition must be a tensor on attention rows, got {type(extra).__name__}")
+
+
+def _post_addition_entry(plan, entry, contribution, residual, stream, extra, fwd, capture_output, captured):
+    """The general entry with a post-residual addition: the output completes unfused, the update
+    runs, the capture takes output plus residual, then the addition joins it before the read."""
+    rows = entry.residual_rows
+    residual = align_rows(residual, stream.rows, rows, fwd)
+    if contribution is not None:
+        if contribution.owed is not None and owed_mismatch(entry, contribution.owed):
+            _raise_owed(plan, entry, contribution)
+        value = align_rows(contribution.complete(), contribution.rows, rows, fwd)
+        residual = contribution.update.apply(value, residual)
+        contribution.owed = contribution.value = None  # consumed
+    if capture_output is not None:  # a sum computed here, which nothing writes: owned
+        _capture(capture_output, _to_producer_rows(residual, entry, fwd), owned=contribution is not None or rows is not ATTENTION_ROWS)
+    inp, residual = plan.read.read(residual + align_rows(extra, ATTENTION_ROWS, rows, fwd), plan.norm)
+    stream.write(residual, rows)
+    return _finish_entry(plan, entry, inp, residual, fwd, captured, owned=False)
+
+
+def _raise_owed(plan, entry, contribution):
+    expected = "nothing owed" if not entry.owed_groups else f"a sum over {_names(entry.owed_groups)}"
+    source = plan.declaration.previous
+    raise RuntimeError(
+        f"stage {plan.label}: the arriving output still owes {contribution.describe()}, but previous="
+        f"{source.describe() if source is not None else None} declares {expected} here; a consumer completes only "
+        "what its previous= declaration leaves: describe the real producer"
+    )
 
 
 def owed_mismatch(entry, owed) -> bool:

@@ -35,13 +35,16 @@ class StageBoundary:
         self._exits = {variant: path.exit for variant, path in plan.paths.items()}
 
     # consumer side ----------------------------------------------------------------------------
-    def prepare(self, hidden_states, forward, *, capture_output=None, captured_last_layer_outputs=None):
+    def prepare(self, hidden_states, forward, *, capture_output=None, captured_last_layer_outputs=None, post_residual_addition=None):
         """Complete what the previous output owes, apply its update, read, move the input.
 
-        Returns the compute input in the consumer read's format.
+        `post_residual_addition` (attention stages; a tensor on attention rows) is added to the
+        residual after the producer's update and before the read; `capture_output` then captures
+        the output plus residual before that addition (the guide's rule). Returns the compute
+        input in the consumer read's format.
         """
         entry = self._entries.get(forward.variant)
-        capturing = capture_output is not None or captured_last_layer_outputs is not None
+        capturing = capture_output is not None or captured_last_layer_outputs is not None or post_residual_addition is not None
         if entry is not None and entry.fast and not capturing:
             return run_local(self.plan, entry, hidden_states, forward)
         plan = self.plan
@@ -49,12 +52,13 @@ class StageBoundary:
         if entry.mode is EntryMode.BRANCH:
             raise RuntimeError(Messages.BRANCH_PREPARE)
         if capturing and plan.kind is StageKind.FFN:
-            raise TypeError("FFN prepare() does not accept capture_output; capture at an attention input or the final norm")
+            what = "post_residual_addition" if post_residual_addition is not None else "capture_output"
+            raise TypeError(f"FFN prepare() does not accept {what}; capture at an attention input or the final norm")
         if entry.precheck is not None:
             entry.precheck(forward)
             if entry.mode is EntryMode.LOCAL and not capturing:
                 return run_local(plan, entry, hidden_states, forward)
-        return run_entry(plan, entry, hidden_states, forward, capture_output, captured_last_layer_outputs)
+        return run_entry(plan, entry, hidden_states, forward, capture_output, captured_last_layer_outputs, post_residual_addition)
 
     # producer side ----------------------------------------------------------------------------
     def finish(self, output, forward):
@@ -101,22 +105,45 @@ class StageBoundary:
             hidden_states = stream.complete(hidden_states)
         return hidden_states, batch.snapshot(hidden_states, forward)
 
-    def from_pp(self, tensors: Mapping, forward):
+    def from_pp(self, tensors: Mapping, forward, *, transport: str = "replicated", residual_optional: bool = False):
         """Rebuild the stream on the first local stage of a pipeline rank from `to_pp()`'s tensors.
 
         The stage completes the sum its `previous=` declares, unless `to_pp()` reported
         (`owes_declared_sum`) that the sender already completed it; a partial arriving where no
         sum is declared is an error (the two ranks describe the edge differently).
+
+        `to_pp()` always exports a `residual` entry (None for a written stream). A handoff without
+        it is refused, so a transport that drops the key (or its None) cannot pass a pending
+        output off as a written stream; `residual_optional=True` takes a missing entry as a
+        written stream. `transport` must be the one the sender's `to_pp()` used: over
+        `"row_slices"` a partial cannot travel (the sender completes it).
         """
+        from ._residual.batch import check_pp_transport
+
         plan = self.plan
         if plan.enters_stack or plan.is_branch:
             raise RuntimeError("from_pp() belongs on the first stage after a pipeline cut (a stage with previous=)")
+        check_pp_transport(transport)
+        if "residual" not in tensors and not residual_optional:
+            raise ValueError(
+                f"from_pp() at stage {plan.label}: the handoff has no 'residual' entry; to_pp() always exports one (None "
+                "for a written stream), so the transport dropped it: carry it (or its None), or pass "
+                "residual_optional=True if this transport only ever hands on written streams"
+            )
         hidden = tensors["hidden_states"]
         residual = tensors.get("residual")
         path = plan.path_for(forward)
         owes = tensors.get("owes_declared_sum")
         owes = None if owes is None else bool(owes)  # a transported flag may arrive as a tensor
         declared = path.entry.owed is Owed.DECLARED
+        if owes and transport == "row_slices":
+            raise ValueError(
+                f"from_pp() at stage {plan.label}: the sender handed off a partial sum, which cannot travel as row slices "
+                "(gathered slices of different ranks' partials sum to nothing); call to_pp(..., transport=\"row_slices\") "
+                "on the sender, which completes the sum before the export"
+            )
+        if owes is None and declared and transport == "row_slices":
+            owes = False  # the sender's to_pp(transport="row_slices") completed it
         if owes and not declared:
             decl = plan.declaration
             raise ValueError(

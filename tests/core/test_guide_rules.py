@@ -363,3 +363,192 @@ def test_a_contribution_on_a_stream_without_residual_is_read_as_the_residual(con
 
 class _PlainAdd(AddAtProducer):
     at_producer = False
+
+
+# --- the stream's less travelled paths ----------------------------------------------------------
+
+
+class _Handoff:
+    """A finalize handoff that records whether its unfused completion ran."""
+
+    sum_group = None
+    group = None
+
+    def __init__(self, value):
+        self.value, self.completed = value, False
+
+    def complete(self):
+        self.completed = True
+        return self.value
+
+    @property
+    def rows(self):
+        return self.value.shape[0]
+
+
+def _pending_handoff():
+    from layer_boundary import Contribution, HandoffOutput
+
+    handoff = type("Handoff", (_Handoff, HandoffOutput), {})(_x())
+    fwd = Forward(Parallel.single(), 3)
+    stream = residual_batch.start(fwd)
+    stream.write(_x() * 2)
+    return fwd, handoff, stream.record(Contribution(None, _PlainAdd(), owed=handoff))
+
+
+def test_snapshot_raises_on_a_finalize_handoff_and_leaves_it_pending():
+    fwd, handoff, h = _pending_handoff()
+    with pytest.raises(NotImplementedError, match="a finalize handoff requires main-output capture"):
+        residual_batch.snapshot(h, fwd)
+    assert not handoff.completed and fwd.residual_stream.state is StreamState.PENDING
+    assert torch.equal(residual_batch.fold(h, fwd), _x() * 3)  # still there for the consumer
+
+
+def test_written_discards_a_pending_contribution():
+    fwd, handoff, h = _pending_handoff()
+    fresh = _x() * 5
+    assert residual_batch.written(fresh, fwd) is fresh
+    stream = fwd.residual_stream
+    assert stream.state is StreamState.WRITTEN and stream.pending is None and stream.residual is fresh
+    assert not handoff.completed  # discarded, never completed
+    with pytest.raises(RuntimeError, match="output does not belong to this residual stream"):
+        residual_batch.norm(h, fwd, _norm())  # the discarded output is foreign now
+
+
+def test_the_final_norm_releases_the_stream_before_its_norm_and_capture_run():
+    seen = []
+
+    class Watching(RMSNorm):
+        def add_forward(self, x, residual):
+            seen.append(fwd.residual_stream)
+            return super().add_forward(x, residual)
+
+    parallel = Parallel.single()
+    attn, ffn = make_stages((declare_attn(), _norm()), (declare_ffn(), _norm()), terminal=True, parallel=parallel)
+    fwd = Forward(parallel, 3)
+    residual_batch.start(fwd)
+    h = attn.finish(attn.prepare(_x(), fwd), fwd)
+    y = ffn.prepare(h, fwd)
+    with ffn.exit(fwd) as out:
+        pass
+    h = out.finish(y)
+
+    def capture(value, *, owned):
+        seen.append(fwd.residual_stream)
+        raise KeyError("collector full")
+
+    with pytest.raises(KeyError):
+        residual_batch.norm(h, fwd, Watching(H, dtype=torch.float64), capture_output=capture)
+    assert seen == [None, None] and fwd.residual_stream is None
+
+
+# --- a PARTIAL attention's producer ---------------------------------------------------------------
+
+
+class _Attention(torch.nn.Module):
+    def __init__(self, group, *, reduce_results):
+        from layer_boundary import RowParallelLinear
+
+        super().__init__()
+        self.o_proj = RowParallelLinear(H, H, group, reduce_results=reduce_results, dtype=torch.float64)
+
+
+class _EngineRowLinear(torch.nn.Module):
+    """An engine's own row-parallel layer: it carries reduce_results and tp_size as engines' do."""
+
+    def __init__(self, reduce_results, tp_size=2):
+        super().__init__()
+        self.reduce_results, self.tp_size = reduce_results, tp_size
+
+
+def test_a_partial_attention_whose_output_projection_reduces_is_refused_at_construction():
+    parallel = Parallel.create(Topology(tp=2), 0, _planning_groups)
+    group = parallel.groups["attn_tp"]
+    with pytest.raises(ValueError, match=r"PARTIAL attention .* reduces its own output in o_proj: the sum would run twice"):
+        make_stages((declare_attn(), _norm(), {"producer": _Attention(group, reduce_results=True)}), (declare_ffn(), _norm()),
+                    terminal=True, parallel=parallel)
+    make_stages((declare_attn(), _norm(), {"producer": _Attention(group, reduce_results=False)}), (declare_ffn(), _norm()),
+                terminal=True, parallel=parallel)
+    # a mixer's compute reduces unless its exit scope says otherwise: nothing to check
+    make_stages((MIXER, _norm(), {"producer": _Attention(group, reduce_results=True)}), (declare_ffn(), _norm()), terminal=True,
+                parallel=parallel)
+    single = Parallel.single()  # a sum over one rank is no sum
+    make_stages((declare_attn(), _norm(), {"producer": _Attention(single.groups["attn_tp"], reduce_results=True)}),
+                (declare_ffn(), _norm()), terminal=True, parallel=single)
+
+
+def test_the_producer_check_is_offered_for_a_model_s_own_modules():
+    from layer_boundary import check_partial_producer
+
+    attn = torch.nn.Module()
+    attn.dense = _EngineRowLinear(True)
+    with pytest.raises(ValueError, match=r"my attention is a PARTIAL attention .* in dense"):
+        check_partial_producer(attn, stage="my attention")
+    check_partial_producer(_EngineRowLinear(False))
+    check_partial_producer(_EngineRowLinear(True, tp_size=1))
+    custom = torch.nn.Module()
+    custom.out = torch.nn.Linear(H, H)
+    custom.out.all_reduces = True
+    with pytest.raises(ValueError, match=r"in out"):
+        check_partial_producer(custom, reduces=lambda m: getattr(m, "all_reduces", False))
+
+
+def test_the_reference_models_check_their_attention_at_construction(monkeypatch):
+    """The core's reference decoder passes its attention as the stage's producer: an output
+    projection built reducing (the silent double sum at TP=2) fails at construction."""
+    from layer_boundary.models import attention as attention_module
+
+    original = attention_module.TPAttention.__init__
+
+    def reducing(self, *args, **kwargs):
+        kwargs["reduce_results"] = True
+        original(self, *args, **kwargs)
+
+    monkeypatch.setattr(attention_module.TPAttention, "__init__", reducing)
+    from layer_boundary.models import build_model, model_config
+
+    parallel = Parallel.create(Topology(tp=2), 0, _planning_groups)
+    with pytest.raises(ValueError, match=r"reduces its own output in o_proj"):
+        build_model(model_config("qwen3"), parallel)
+
+
+# --- capture with post_residual_addition ----------------------------------------------------------
+
+
+@pytest.mark.parametrize("topology, facts", [(Topology(tp=2), {}), (Topology(tp=2), {"sequence_parallel": True}), (Topology(tp=1), {})],
+                         ids=["tp2", "tp2-sp", "tp1"])
+def test_post_residual_addition_joins_the_residual_after_the_capture(topology, facts):
+    """prepare(..., post_residual_addition=t, capture_output=...) captures output plus residual
+    before the addition; the residual and the read then include t."""
+
+    def fn(parallel):
+        attn, attn2 = make_stages((declare_attn(), _norm()), (declare_attn(), _norm()), terminal=True, parallel=parallel)
+        fwd = Forward(parallel, 4, **facts)
+        residual_batch.start(fwd)
+        x, t = _x(4), torch.full((4, H), 0.25, dtype=torch.float64)
+        attn.prepare(x, fwd)
+        h = attn.finish(x / parallel.attn_tp, fwd)  # the sum is x
+        seen = []
+        y = attn2.prepare(h, fwd, post_residual_addition=t, capture_output=lambda v, *, owned: seen.append((v.clone(), owned)))
+        out = residual_batch.norm(attn2.finish(y * 0.0, fwd), fwd, _norm(), capture_output=lambda v, *, owned: seen.append((v.clone(), owned)))
+        return seen, y, out, h
+
+    x, t = _x(4), torch.full((4, H), 0.25, dtype=torch.float64)
+    for seen, y, out, h in run_threaded(fn, topology):
+        (captured, owned), (final, _) = seen
+        assert torch.equal(captured, x + x) and owned
+        assert torch.equal(y, _norm()(x + x + t)) and torch.equal(final, x + x + t)
+        if topology.tp > 1:
+            assert h._contribution.owed is None  # consumed
+
+
+def test_post_residual_addition_is_refused_where_it_cannot_apply():
+    p = Parallel.single()
+    attn, ffn = make_stages((declare_attn(), _norm()), (declare_ffn(), _norm()), terminal=True, parallel=p)
+    fwd = Forward(p, 3)
+    residual_batch.start(fwd)
+    with pytest.raises(ValueError, match="post_residual_addition is added to the residual after the producer's update"):
+        attn.prepare(_x(), fwd, post_residual_addition=_x())
+    h = attn.finish(attn.prepare(_x(), fwd), fwd)
+    with pytest.raises(TypeError, match="FFN prepare\\(\\) does not accept post_residual_addition"):
+        ffn.prepare(h, fwd, post_residual_addition=_x())

@@ -329,3 +329,60 @@ def test_a_handed_off_partial_is_this_ranks_share():
     shares = run_threaded(run, Topology(tp=2))
     whole = run(Parallel.single())
     assert torch.equal(shares[0] + shares[1], whole)
+
+
+def _row_slices(tensors, parallel):
+    """A transport that sends each attention-TP rank's share of the rows; the receiver gathers them."""
+    group, rank, size = parallel.groups["attn_tp"], parallel.attn_tp_rank, parallel.attn_tp
+    out = {}
+    for key, value in tensors.items():
+        if isinstance(value, torch.Tensor):
+            share = value.shape[0] // size
+            value = group.all_gather(value[rank * share:(rank + 1) * share].contiguous())
+        out[key] = value
+    return out
+
+
+@pytest.mark.parametrize("split", [2, 1], ids=["mixer|ffn (a declared partial)", "mixer|mixer"])
+def test_to_pp_is_safe_for_a_transport_that_sends_row_slices(split):
+    """to_pp's default assumes every attention-TP rank sends its whole tensors (the receiver holds
+    this rank's own partial). A transport sending row slices must say so: the sender then completes
+    the declared sum, and the receiver checks it was told the same."""
+    x = grid_inputs(HETERO, (6,))
+    ref = reference(HETERO, x)[0][0]
+
+    def run(parallel, transport, receiver_transport):
+        first = GridModel(HETERO, parallel, segment=(0, split))
+        second = GridModel(HETERO, parallel, segment=(split, len(HETERO.stages)))
+        fwd = Forward(parallel, 6)
+        tensors = _row_slices(first.run(x[0], fwd, transport=transport), parallel)
+        fwd2 = Forward(parallel, 6)
+        return second.run(second.boundaries[0].from_pp(tensors, fwd2, transport=receiver_transport), fwd2)
+
+    assert all(torch.equal(out, ref) for out in run_threaded(lambda p: run(p, "row_slices", "row_slices"), Topology(tp=2)))
+    if split == 2:  # the default export of a declared partial, sliced: the receiver would sum a mixture
+        wrong = run_threaded(lambda p: run(p, "replicated", "replicated"), Topology(tp=2))
+        assert not torch.equal(wrong[0], ref)
+
+        def mismatch(parallel):
+            with pytest.raises(ValueError, match=r"cannot travel as row slices"):
+                run(parallel, "replicated", "row_slices")
+            return True
+
+        assert all(run_threaded(mismatch, Topology(tp=2)))
+
+
+def test_from_pp_refuses_a_handoff_without_its_residual_entry_unless_told():
+    def run(parallel, residual_optional):
+        first = GridModel(HETERO, parallel, segment=(0, 4))
+        second = GridModel(HETERO, parallel, segment=(4, len(HETERO.stages)))
+        fwd = Forward(parallel, 5)
+        tensors = {k: v for k, v in first.run(grid_inputs(HETERO, (5,))[0], fwd).items() if k != "residual"}  # a lossy transport
+        fwd2 = Forward(parallel, 5)
+        return second.boundaries[0].from_pp(tensors, fwd2, residual_optional=residual_optional)
+
+    with pytest.raises(ValueError, match=r"the handoff has no 'residual' entry; to_pp\(\) always exports one"):
+        run(Parallel.single(), False)  # a pending FFN output: taken as a written stream, its residual would be lost
+    assert run(Parallel.single(), True) is not None  # told so, the receiver takes it as a written stream
+    with pytest.raises(ValueError, match=r"unknown pipeline transport 'slices'"):
+        residual_batch.to_pp(None, Forward(Parallel.single(), 1), transport="slices")

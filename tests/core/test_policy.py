@@ -55,3 +55,19 @@ def test_captured_last_layer_outputs_under_sequence_parallel():
         return torch.equal(plain, sp_value), sp_owned
 
     assert run_threaded(fn, Topology(tp=2)) == [(True, True), (True, True)]
+
+
+def test_a_draft_model_resolves_its_own_speculative_boundary_reduction():
+    from layer_boundary import resolve_speculative_reduction
+
+    target = resolve_reduction("auto", {"architectures": ["Qwen3ForCausalLM"]})  # ar
+    # a separate draft checkpoint resolves `auto` against its own architecture
+    assert resolve_speculative_reduction("auto", target=target, draft_config={"architectures": ["LongcatFlashForCausalLM"]}) is ReductionPolicy.RSV
+    # NextN / MTP layers in the target's checkpoint inherit the target's resolved policy
+    assert resolve_speculative_reduction(target=target) is ReductionPolicy.AR
+    # a concrete value is the draft's, whatever the target chose
+    assert resolve_speculative_reduction("rs", target=target, draft_config={"architectures": ["Qwen3ForCausalLM"]}) is ReductionPolicy.RS
+    with pytest.raises(ValueError, match="boundary_reduction must be resolved before model construction"):
+        resolve_speculative_reduction(target="auto")
+    with pytest.raises(ValueError, match="unknown speculative_boundary_reduction 'fast'"):
+        resolve_speculative_reduction("fast", target=target)

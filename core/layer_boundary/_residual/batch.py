@@ -26,6 +26,7 @@ __all__ = [
     "take_output",
     "norm",
     "to_pp",
+    "PP_TRANSPORTS",
     "snapshot",
     "add_to_output",
 ]
@@ -110,6 +111,7 @@ def norm(
     if final_read is None and isinstance(stream.residual, tuple):
         raise ValueError(Messages.FINAL_READ)
     state, contribution, residual = stream.receive(hidden_states)
+    forward.residual_stream = None  # the guide: released once it hands on its output (before the norm and any capture run)
     if state is StreamState.INITIAL:
         if final_read is not None:
             normed, new_residual = final_read.read(final_read.enter(hidden_states), layernorm)
@@ -148,7 +150,6 @@ def norm(
         new_residual = align_rows(new_residual, stream.rows, ATTENTION_ROWS, forward) if capture_output is not None else None
     if capture_output is not None:  # the guide: the final norm's capture is always borrowed
         _call(capture_output, new_residual, False)
-    forward.residual_stream = None
     return normed
 
 
@@ -158,7 +159,17 @@ def _maybe_empty(layernorm, x, skip_empty):
     return layernorm(x)
 
 
-def to_pp(hidden_states, forward, *, preserve_declared: bool = True) -> dict:
+#: how a pipeline transport moves `to_pp()`'s tensors between attention-TP ranks
+PP_TRANSPORTS = ("replicated", "row_slices")
+
+
+def check_pp_transport(transport: str) -> str:
+    if transport not in PP_TRANSPORTS:
+        raise ValueError(f"unknown pipeline transport {transport!r}; choose one of {', '.join(PP_TRANSPORTS)}")
+    return transport
+
+
+def to_pp(hidden_states, forward, *, preserve_declared: bool = True, transport: str = "replicated") -> dict:
     """Export the stream for the next pipeline rank and release it.
 
     Dynamic work (a deferred sum, a finalize) completes here; a statically declared partial sum
@@ -167,7 +178,18 @@ def to_pp(hidden_states, forward, *, preserve_declared: bool = True) -> dict:
     says whether `hidden_states` is still that partial, so the receiver completes the sum
     exactly once even when the sender completed it (`preserve_declared=False`, a terminal or
     completed output) and refuses a partial it would otherwise take as complete.
+
+    `transport` says how the tensors reach the next rank. The default, `"replicated"`, assumes
+    every attention-TP rank sends its whole tensors to its peer on the next pipeline rank, so the
+    receiver holds this rank's own partial and completes the sum. With `"row_slices"` each
+    attention-TP rank sends only its share of the rows and the receiver gathers them: a slice of
+    this rank's partial gathered with the other ranks' slices of theirs is no partial of anything,
+    so the declared sum completes here and the export owes nothing (`from_pp(...,
+    transport="row_slices")` checks that).
     """
+    check_pp_transport(transport)
+    if transport == "row_slices":
+        preserve_declared = False
     stream = stream_of(forward)
     state, contribution, residual = stream.receive(hidden_states)
     if state is StreamState.INITIAL:

@@ -58,7 +58,7 @@ class DecoderLayer(nn.Module):
             attach_attention_lora(self.self_attn, lora, dtype=dtype, device=device)
             options["publish_rows"] = ("lora",)
         self.attn_boundary, self.ffn_boundary = make_stages(
-            (declare_attn(residual=attn_res, takes_cp_shard=True), self.input_layernorm, options),
+            (declare_attn(residual=attn_res, takes_cp_shard=True), self.input_layernorm, {**options, "producer": self.self_attn}),
             (declare_ffn(sparse=sparse, next_sparse=config.is_sparse(layer_id + 1), residual=ffn_res), self.post_attention_layernorm, options),
             previous=declare_ffn(sparse=config.is_sparse(layer_id - 1), next_sparse=sparse, residual=prev_ffn_res) if layer_id else None,
             terminal=layer_id == config.num_layers - 1,

@@ -77,7 +77,7 @@ class DeepseekV4Layer(nn.Module):
         self.residual = mhc_residual(config, self.attn_hc, self.ffn_hc, head)
         options = {"fusions": fusions} if fusions is not None else {}
         self.attn_boundary, self.ffn_boundary = make_stages(
-            (declare_attn(residual=self.residual), self.input_layernorm, options),
+            (declare_attn(residual=self.residual), self.input_layernorm, {**options, "producer": self.self_attn}),
             (declare_ffn(sparse=True, next_sparse=layer_id + 1 < config.num_layers, residual=self.residual), self.post_attention_layernorm, options),
             previous=declare_ffn(sparse=True, next_sparse=True, residual=previous) if previous is not None else None,
             terminal=layer_id == config.num_layers - 1,

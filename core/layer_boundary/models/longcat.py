@@ -230,7 +230,7 @@ class LongcatLayer(nn.Module):
         opts = {"fusions": fusions} if fusions is not None else {}
         sparse = declare_ffn(sparse=True, next_sparse=True)
         self.attn_boundary, self.moe_boundary = make_stages(
-            (declare_attn(), self.input_layernorm[0], opts),
+            (declare_attn(), self.input_layernorm[0], {**opts, "producer": self.self_attn[0]}),
             (declare_ffn(sparse=True, next_sparse=True), self.post_attention_layernorm[0], opts),
             previous=sparse if layer_id else None,
             terminal=layer_id == config.num_layers - 1,
@@ -238,7 +238,7 @@ class LongcatLayer(nn.Module):
         )
         self.ffn0_boundary, self.attn1_boundary, self.ffn1_boundary = make_stages(
             (declare_ffn(), self.post_attention_layernorm[0], opts),  # never applied: the MoE stage read the input
-            (declare_attn(), self.input_layernorm[1], opts),
+            (declare_attn(), self.input_layernorm[1], {**opts, "producer": self.self_attn[1]}),
             (declare_ffn(), self.post_attention_layernorm[1], opts),
             prepared_from=self.moe_boundary.declaration,
             label=f"layer{layer_id}.shortcut",

@@ -191,9 +191,10 @@ class GridModel(nn.Module):
     def is_last(self) -> bool:
         return self.end == len(self.spec.stages)
 
-    def run(self, h, fwd: Forward, *, captures: Sequence[int] = (), collector: Optional[list] = None, handoff_norm=None):
+    def run(self, h, fwd: Forward, *, captures: Sequence[int] = (), collector: Optional[list] = None, handoff_norm=None,
+            transport: str = "replicated"):
         """Run the segment. The first segment starts the stream; a middle one expects
-        `h` from `from_pp`; the last returns normed rows, others `to_pp` tensors."""
+        `h` from `from_pp`; the last returns normed rows, others `to_pp(..., transport=)` tensors."""
         if self.is_first:
             residual_batch.start(fwd)
         for local, (stage, boundary) in enumerate(zip(self.stages, self.boundaries)):
@@ -210,7 +211,7 @@ class GridModel(nn.Module):
                 h = out.finish(y)
         if self.is_last:
             return residual_batch.norm(h, fwd, self.final_norm, handoff_norm=handoff_norm)
-        return residual_batch.to_pp(h, fwd)
+        return residual_batch.to_pp(h, fwd, transport=transport)
 
 
 def grid_inputs(spec: GridSpec, dp_counts: Sequence[int], seed: int = 1) -> list[torch.Tensor]:
