@@ -19,6 +19,7 @@ from ._layout import SumGroup
 
 __all__ = [
     "EntryMode", "ExitRole", "Owed", "ReduceScatter", "EntryPath", "ExitPath", "StagePath", "defers_to_next_input", "writes_at_exit",
+    "completes_for_split",
 ]
 
 
@@ -37,6 +38,15 @@ def writes_at_exit(update) -> bool:
     there (its sum, transform and rows) and writes the stream; nothing is left for the next
     input, which the consumer's entry derives from the same declaration (`previous=`)."""
     return bool(update.at_producer or not update.outlives_layer)
+
+
+def completes_for_split(decl, two_batch_overlap: bool) -> bool:
+    """The TBO handoff rule, written once (the guide: handoff rows derive from `sparse` /
+    `next_sparse`): in a model run with two-batch overlap, a batch may split into microbatches
+    where a dense FFN meets a sparse layer (`declare_ffn(sparse=False, next_sparse=True)`). That
+    FFN completes its output at its exit, on attention rows (the rows a split cuts), and the next
+    input, whose `previous=` is the same declaration, expects nothing owed."""
+    return bool(two_batch_overlap) and decl.kind.value == "ffn" and not decl.sparse and decl.next_sparse
 
 
 class EntryMode(enum.Enum):

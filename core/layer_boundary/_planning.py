@@ -24,7 +24,9 @@ from ._forward import BatchVariant, DpPadding, RowLayout
 from ._fusions import build_providers, consumer_candidates, equivalent_groups, read_format
 from ._layout import SumGroup
 from ._ops import dp_gather, dp_reduce_scatter, dp_scatter, gather_slices, reduce_scatter_slices, take_slice
-from ._paths import EntryMode, EntryPath, ExitPath, Owed, ReduceScatter, StagePath, defers_to_next_input, writes_at_exit
+from ._paths import (
+    EntryMode, EntryPath, ExitPath, Owed, ReduceScatter, StagePath, completes_for_split, defers_to_next_input, writes_at_exit,
+)
 from ._residual.add_norm import GemmaRMSNorm, NormRead, is_rms_norm
 from ._row_publishers import bind_row_publishers, rows_in_scope
 from .plugin._requests import CpPathRequest, DefersAllReduce, DefersFinalize
@@ -40,10 +42,13 @@ def output_sum_group(decl) -> SumGroup:
     return SumGroup.MOE_OUTPUT if decl.sparse else SumGroup.TP
 
 
-def arriving_sum(decl) -> tuple[Owed, Optional[SumGroup]]:
-    """What the output arriving at `decl`'s input may owe, and over which group."""
+def arriving_sum(decl, two_batch_overlap: bool = False) -> tuple[Owed, Optional[SumGroup]]:
+    """What the output arriving at `decl`'s input may owe, and over which group (in a stack run
+    with `two_batch_overlap`, a split point's FFN owes nothing: `completes_for_split`)."""
     prev = decl.previous
     if prev is None or writes_at_exit(prev.update):  # a producer-written stream owes nothing
+        return Owed.NOTHING, None
+    if completes_for_split(prev, two_batch_overlap):
         return Owed.NOTHING, None
     if prev.kind is StageKind.ATTENTION:
         return Owed.DECLARED, SumGroup.ATTN_TP
@@ -126,7 +131,7 @@ class Stage:
 
 def _description(stage: Stage) -> StageDescription:
     decl = stage.declaration
-    owed, group = arriving_sum(decl)
+    owed, group = arriving_sum(decl, stage.two_batch_overlap)
     source = decl.previous if decl.previous is not None else decl.prepared_from
     return StageDescription(
         kind=decl.kind,
@@ -218,7 +223,7 @@ def _entry(stage: Stage, variant: BatchVariant, candidates, publishers) -> Entry
     path = _entry_path(stage, variant, candidates, publishers)
     if path.owed is Owed.NOTHING:
         return path
-    _, group = arriving_sum(stage.declaration)
+    _, group = arriving_sum(stage.declaration, stage.two_batch_overlap)
     return attrs.evolve(path, owed_groups=equivalent_groups(stage.parallel.topology)[group])
 
 
@@ -227,7 +232,7 @@ def _entry_path(stage: Stage, variant: BatchVariant, candidates, publishers) -> 
     topo = stage.parallel.topology
     if stage.is_branch:
         return EntryPath(mode=EntryMode.BRANCH)
-    owed, _ = arriving_sum(decl)
+    owed, _ = arriving_sum(decl, stage.two_batch_overlap)
     source = decl.previous
     arrives_plain = None if source is None else bool(source.update.plain_add)
     # on attention-TP slices a mixer leaves its sum declared too (see the mixer exit)
@@ -353,10 +358,11 @@ def _exit(stage: Stage, variant: BatchVariant, finalize_ok: bool) -> ExitPath:
                            scatter=scatter, asks_finalize=finalize_ok)
     scoped = decl.reduction is ProducerReduction.SCOPED
     group = stage.group(stage.output_sum)
+    leaves = defers and not completes_for_split(decl, stage.two_batch_overlap)  # a TBO split point completes here
     return ExitPath.of(
         stage,
-        may_defer=defers and not decl.terminal and scoped and deferrable_update and group.size > 1,
-        handoff_ok=defers and finalize_ok and scoped and not at_exit,
+        may_defer=leaves and not decl.terminal and scoped and deferrable_update and group.size > 1,
+        handoff_ok=leaves and finalize_ok and scoped and not at_exit,
         asks_finalize=finalize_ok,
     )
 

@@ -161,7 +161,7 @@ class StageBoundary:
         else:
             if not (update.plain_add or update.at_producer):
                 raise NotImplementedError("pipeline boundaries require a plain add or a producer-written residual")
-            _, sum_group = arriving_sum(plan.declaration)
+            _, sum_group = arriving_sum(plan.declaration, plan.two_batch_overlap)
             owed_sum = transform = None
             group = plan.group(sum_group) if sum_group is not None else None
             # owes False: the sender completed the sum; over one rank the producer recorded its

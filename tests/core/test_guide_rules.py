@@ -552,3 +552,46 @@ def test_post_residual_addition_is_refused_where_it_cannot_apply():
     h = attn.finish(attn.prepare(_x(), fwd), fwd)
     with pytest.raises(TypeError, match="FFN prepare\\(\\) does not accept post_residual_addition"):
         ffn.prepare(h, fwd, post_residual_addition=_x())
+
+
+# --- next_sparse and the TBO handoff rows ---------------------------------------------------------
+
+
+def _split_point_stack(parallel, two_batch_overlap):
+    dense_before_sparse = declare_ffn(next_sparse=True)
+    with layer_stack(parallel, reduction="ar", two_batch_overlap=two_batch_overlap):
+        attn0, ffn0 = make_stages((declare_attn(), _norm()), (dense_before_sparse, _norm()))
+        attn1, moe1 = make_stages((declare_attn(), _norm()), (declare_ffn(sparse=True), _norm()), previous=dense_before_sparse,
+                                  terminal=True)
+    return attn0, ffn0, attn1, moe1
+
+
+@pytest.mark.parametrize("two_batch_overlap", [True, False])
+def test_next_sparse_makes_the_dense_to_sparse_handoff_complete_under_tbo(two_batch_overlap):
+    """Where a dense FFN meets a sparse layer (declare_ffn(next_sparse=True)) in a model run with
+    two-batch overlap, the batch may split: the FFN completes its output at its exit and the next
+    input expects nothing. Without TBO the sum defers to the next input as usual."""
+    from layer_boundary import BatchVariant, get_forward
+    from layer_boundary.plugin import Owed
+
+    def fn(parallel):
+        attn0, ffn0, attn1, moe1 = _split_point_stack(parallel, two_batch_overlap)
+        ordinary = BatchVariant.ORDINARY
+        plan = (ffn0.plan.paths[ordinary].exit.may_defer, attn1.plan.paths[ordinary].entry.owed)
+        fwd = Forward(parallel, 3)
+        residual_batch.start(fwd)
+        h = attn0.finish(attn0.prepare(_x(), fwd) / parallel.attn_tp, fwd)
+        y = ffn0.prepare(h, fwd)
+        with ffn0.exit(fwd) as out:
+            y = y / parallel.tp if get_forward().fuse_mlp_allreduce else y
+        h = out.finish(y)
+        x1 = attn1.prepare(h, fwd)
+        return plan, isinstance(h, OwedOutput), x1
+
+    results = run_threaded(fn, Topology(tp=2))
+    for plan, owed, x1 in results:
+        if two_batch_overlap:
+            assert plan == (False, Owed.NOTHING) and not owed
+        else:
+            assert plan == (True, Owed.DYNAMIC) and owed
+        assert torch.equal(x1, results[0][2])

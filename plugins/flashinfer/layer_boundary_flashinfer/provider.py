@@ -185,12 +185,31 @@ class Fp8HandoffAddNorm(_Bound):
         self.fused.unbind()
 
 
+class _DeferralLimit:
+    """How many tokens an FFN may leave its sum to the next input for (0: none); bound to the
+    output group's workspace, so a rebuild or a release turns it off with the candidates."""
+
+    __slots__ = ("limit", "__weakref__")
+
+    def __init__(self):
+        self.limit = 0
+
+    def unbind(self) -> None:
+        self.limit = 0
+
+
 class FlashInferFusion:
-    """Fusion provider of one stage's input. Inert until `prepare_flashinfer_fusion` binds it."""
+    """Fusion provider of one stage's input. Inert until `prepare_flashinfer_fusion` binds it.
+
+    On an FFN whose sum may leave it only into a fused consumer (a LoRA FFN: its row publisher
+    says `fused_consumer_only`), `can_defer_all_reduce` accepts the batches the next input's
+    fused all-reduce + add + norm takes (prepared: 0 < tokens <= the output workspace's limit),
+    so the fusion at the next input is not lost."""
 
     def __init__(self, description):
         self.description = description
         self.plan = None
+        self.defer_sum = _DeferralLimit()
         self.all_reduce = AllReduceAddNorm()
         self.finalize = FinalizeAddNorm(self.all_reduce)
         self.fp8 = AllReduceAddNormFp8()
@@ -225,6 +244,9 @@ class FlashInferFusion:
         return tuple(items)
 
     ffn_input = attention_input
+
+    def can_defer_all_reduce(self, plan, forward) -> bool:
+        return 0 < forward.num_tokens <= self.defer_sum.limit
 
     @property
     def bound(self) -> bool:

@@ -283,6 +283,7 @@ def prepare_flashinfer_fusion(
             bound.extend(n.label for n in group_needs if not n.producer)
         else:
             skipped.extend((n.label, f"no workspace: {result.reason}") for n in group_needs if not n.producer)
+    _bind_sum_deferral(boundaries, manager, limit, off)
     finalize: list[str] = []
     declined: list[tuple] = []
     for plan, provider in producers:
@@ -306,6 +307,27 @@ def prepare_flashinfer_fusion(
         finalize.append(plan.label)
     return PrepareReport(limit, tuple(results), tuple(bound), tuple(skipped), tuple(finalize), tuple(declined),
                          tuple(bound_collectives))
+
+
+def _bind_sum_deferral(boundaries, manager, limit: int, off: Optional[str]) -> None:
+    """Let every FFN whose sum defers only into a fused consumer (`fused_consumer_only`, LoRA)
+    leave it to the next input where the output group's workspace is agreed (the next input's
+    candidates run on it); elsewhere it completes its sum itself."""
+    for boundary in boundaries:
+        plan = boundary.plan
+        provider = _ours(plan)
+        if provider is None:
+            continue
+        provider.defer_sum.unbind()
+        desc = plan.description
+        if off is not None or not plan.fused_consumer_only or desc.output_sum is None or desc.terminal:
+            continue
+        weight = getattr(plan.norm, "weight", None)
+        group = plan.group(desc.output_sum)
+        slot = manager.slots.get((tuple(group.ranks), getattr(weight, "dtype", None), group.rank))
+        if slot is not None and slot.available:
+            provider.defer_sum.limit = min(limit, slot.spec.capacity(desc.hidden_size))
+            slot.bind(provider.defer_sum)
 
 
 def shutdown_flashinfer_fusion(manager: Optional[WorkspaceManager] = None) -> None:

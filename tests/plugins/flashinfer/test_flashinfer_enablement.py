@@ -134,3 +134,46 @@ def test_a_rebuild_after_a_graph_was_captured_on_the_workspace_is_refused():
         return kept, again
 
     assert run_threaded(fn, Topology(tp=2), timeout=30) == [(True, "rebuilt")] * 2
+
+
+# --- LoRA under FlashInfer ------------------------------------------------------------------------
+
+
+def test_a_lora_ffn_leaves_its_sum_to_the_next_input_s_fusion_once_prepared():
+    """A LoRA FFN's sum waits only for a fused consumer (`fused_consumer_only`): the flashinfer
+    provider accepts it (`can_defer_all_reduce`) for the batches the next input's fused kernel
+    takes, once the workspace is agreed; before prepare and after shutdown the FFN completes it."""
+    from layer_boundary import Forward, boundaries_of, get_forward, residual_batch
+    from layer_boundary.models import build_model, family, model_config
+    from layer_boundary.models.lora_layers import random_lora_spec
+
+    from flashinfer_fakes import CONFIGS
+
+    def decisions(ffns, parallel):
+        out = []
+        for boundary in ffns:
+            row = []
+            for n in (0, 1, 16, 17):
+                fwd = Forward(parallel, n)
+                residual_batch.start(fwd)
+                with boundary.exit(fwd):
+                    row.append(get_forward().fuse_mlp_allreduce)
+            out.append(row)
+        return out
+
+    def fn(parallel):
+        config = model_config("qwen3", dict(family("qwen3").preset, **CONFIGS["qwen3"]))
+        with hardware_present():
+            model = build_model(config, parallel, dtype=torch.float32, lora=random_lora_spec(2))
+        ffns = [b for b in boundaries_of(model) if b.plan.kind.value == "ffn" and not b.plan.terminal]
+        assert ffns and all(b.plan.fused_consumer_only for b in ffns)
+        manager = WorkspaceManager(ReferenceBackend())
+        before = decisions(ffns, parallel)
+        prepare_flashinfer_fusion(model, manager=manager, max_tokens=16)
+        during = decisions(ffns, parallel)
+        manager.shutdown()
+        return before, during, decisions(ffns, parallel)
+
+    for before, during, after in run_threaded(fn, Topology(tp=2), timeout=60):
+        assert all(row == [False] * 4 for row in before + after)
+        assert all(row == [False, True, True, False] for row in during)

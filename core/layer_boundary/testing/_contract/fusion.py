@@ -100,7 +100,7 @@ def _tensors_of(owed) -> list:
 
 def _make_owed(kind: str, plan, rows: int, dtype, device, gen: torch.Generator):
     """An owed value of `kind` for `plan`'s input on this rank, and a clone over the uncounted group."""
-    _, sum_group = arriving_sum(plan.declaration)
+    _, sum_group = arriving_sum(plan.declaration, plan.two_batch_overlap)
     group = plan.group(sum_group)
     inner = getattr(group, "inner", group)
     H = plan.norm.hidden_size
@@ -184,7 +184,7 @@ class _RankRun:
         entry = next(iter(plan.paths.values())).entry
         if not entry.candidates:  # the core offers no candidate at this stage (non-plain update, other norm)
             return
-        _, sum_group = arriving_sum(plan.declaration)
+        _, sum_group = arriving_sum(plan.declaration, plan.two_batch_overlap)
         for owed_kind in situation.owed:
             for cand in candidates:
                 if cand.fused.handoff != (owed_kind == "handoff"):
