@@ -15,11 +15,12 @@ from .plugin._requests import PrepareRequest, ReleaseRequest
 __all__ = ["prepare_model", "release_model"]
 
 
-def prepare_model(model, *, max_tokens: int = 2048) -> list[str]:
+def prepare_model(model, *, max_tokens: int = 2048, settings=None) -> list[str]:
     """Let every installed plugin prepare `model` for forwards of up to `max_tokens` tokens
-    (collective: call on all ranks). Returns the names of the plugins (and deprecated setup
-    records) that ran, in order."""
-    request = PrepareRequest(model, max_tokens)
+    (collective: call on all ranks). `settings` maps a plugin's name to the engine's settings
+    for it (for example `{"flashinfer": FlashInferSettings(...)}`), the same on every rank.
+    Returns the names of the plugins (and deprecated setup records) that ran, in order."""
+    request = PrepareRequest(model, max_tokens, settings)
     done = []
     for name, hook in get_registry().prepare_hooks:
         hook(request)

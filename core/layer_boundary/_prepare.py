@@ -13,7 +13,7 @@ from ._forward import RowLayout
 from ._fusions import run_candidates
 from ._ops import align_rows, dp_partial_sum, dp_scatter, move_input, reduce_scatter_slices
 from ._output import HandoffOutput, UnreducedOutput
-from ._paths import EntryMode
+from ._paths import EntryMode, Owed
 from ._residual.stream import StreamState
 
 __all__ = ["run_entry", "run_local"]
@@ -189,7 +189,7 @@ def _post_addition_entry(plan, entry, contribution, residual, stream, extra, fwd
 
 
 def _raise_owed(plan, entry, contribution):
-    expected = "nothing owed" if not entry.owed_groups else f"a sum over {_names(entry.owed_groups)}"
+    expected = "nothing owed" if entry.owed is Owed.NOTHING else f"a sum over {_names(entry.owed_groups)}"
     source = plan.declaration.previous
     raise RuntimeError(
         f"stage {plan.label}: the arriving output still owes {contribution.describe()}, but previous="
@@ -201,12 +201,12 @@ def _raise_owed(plan, entry, contribution):
 def owed_mismatch(entry, owed) -> bool:
     """An owed output this entry's contract does not expect: anything where nothing may be
     owed, or a sum over other ranks than the declared one (a handoff without a sum group is
-    the producer's own business)."""
-    groups = entry.owed_groups
-    if not groups:
+    the producer's own business; a path a plugin built without `owed_groups` checks no group)."""
+    if entry.owed is Owed.NOTHING:
         return True
+    groups = entry.owed_groups
     sum_group = owed.sum_group
-    return sum_group is not None and sum_group not in groups
+    return bool(groups) and sum_group is not None and sum_group not in groups
 
 
 def _names(groups) -> str:

@@ -9,6 +9,8 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any, Optional, Protocol, Sequence, runtime_checkable
 
+import types
+
 import attrs
 
 if TYPE_CHECKING:  # annotations only: importing this module stays cheap
@@ -71,6 +73,9 @@ class PrepareRequest:
     model: Any
     #: the largest token count one forward will carry (sizes workspaces)
     max_tokens: int
+    #: the engine's per-plugin settings, keyed by plugin name (`{"flashinfer": FlashInferSettings(...)}`);
+    #: identical on every rank
+    settings: Any = attrs.field(factory=dict, converter=lambda s: types.MappingProxyType(dict(s or {})))
 
 
 @attrs.frozen

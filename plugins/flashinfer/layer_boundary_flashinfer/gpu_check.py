@@ -182,6 +182,14 @@ def _graph_case(checks, pair, rank, label):
         ok = ok and all(torch.equal(a, c) and torch.equal(b, d) for (a, b), (c, d) in zip(replayed, eager))
     checks.add(f"{label}: CUDA-graph replay equals eager", ok, tokens=tokens)
     del graph
+    _graphs_dropped()
+
+
+def _graphs_dropped():
+    """The check's graphs are gone: later prepares may rebuild the workspaces they were captured on."""
+    from .service import default_manager
+
+    default_manager().graphs_dropped()
 
 
 def _token_counts(args, world):
@@ -719,6 +727,7 @@ def _graph_decode(checks, parallel, rank, args, name):
                ok and same and eager_calls > 0, max_abs_diff=diffs, ranks_identical=same,
                workspace_all_reduces_per_eager_step=eager_calls / steps)
     graph.reset()
+    _graphs_dropped()
 
 
 def check_graph_decode(checks, parallel, rank, args):

@@ -55,10 +55,14 @@ def layer_boundary_fusion_providers():
 
 @hookimpl
 def layer_boundary_prepare_model(request):
-    """`layer_boundary.prepare_model()`: the fusion workspaces, made (rank-agreed) before the first forward."""
+    """`layer_boundary.prepare_model()`: the fusion workspaces, made (rank-agreed) before the first
+    forward; `prepare_model(..., settings={"flashinfer": FlashInferSettings(...)})` passes the
+    engine's enablement (its max_tokens, when set, is the workspace limit)."""
     from .service import prepare_flashinfer_fusion
 
-    prepare_flashinfer_fusion(request.model, max_tokens=min(request.max_tokens, 2048) or None)
+    fi_settings = request.settings.get("flashinfer")
+    limit = None if fi_settings is not None and fi_settings.max_tokens is not None else (min(request.max_tokens, 2048) or None)
+    prepare_flashinfer_fusion(request.model, max_tokens=limit, settings=fi_settings)
 
 
 @hookimpl

@@ -308,6 +308,12 @@ class WorkspaceManager:
                 slot.group = group  # the same ranks, maybe through a newer Collectives object
             return slot
 
+    def graphs_dropped(self) -> None:
+        """The engine destroyed every CUDA graph captured on these workspaces (local, no
+        collective; call it on every rank): they may be rebuilt again."""
+        for slot in self.slots.values():
+            slot.order.captured = False
+
     def shutdown(self, *, barrier: bool = True) -> None:
         """Release every workspace (in key order, the same on every rank)."""
         for key in sorted(self.slots, key=lambda k: (k[0], str(k[1]), k[2])):

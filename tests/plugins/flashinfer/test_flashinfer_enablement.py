@@ -130,10 +130,13 @@ def test_a_rebuild_after_a_graph_was_captured_on_the_workspace_is_refused():
         with pytest.raises(WorkspaceCapturedError, match=r"cannot be given up"):
             slot.ensure(small, "the device went away")
         again = slot.ensure(big, None, recapture=True).action  # the engine drops its graphs
+        slot.order.captured = True
+        manager.graphs_dropped()  # or says so once they are gone
+        dropped = slot.ensure(WorkspaceSpec(128, 32, torch.float32), None).action
         manager.shutdown()
-        return kept, again
+        return kept, again, dropped
 
-    assert run_threaded(fn, Topology(tp=2), timeout=30) == [(True, "rebuilt")] * 2
+    assert run_threaded(fn, Topology(tp=2), timeout=30) == [(True, "rebuilt", "rebuilt")] * 2
 
 
 # --- LoRA under FlashInfer ------------------------------------------------------------------------
@@ -177,3 +180,16 @@ def test_a_lora_ffn_leaves_its_sum_to_the_next_input_s_fusion_once_prepared():
     for before, during, after in run_threaded(fn, Topology(tp=2), timeout=60):
         assert all(row == [False] * 4 for row in before + after)
         assert all(row == [False, True, True, False] for row in during)
+
+
+def test_prepare_model_passes_the_engine_s_flashinfer_settings(monkeypatch):
+    """`layer_boundary.prepare_model(model, settings={"flashinfer": ...})` reaches the plugin's prepare."""
+    from layer_boundary import prepare_model
+    from layer_boundary_flashinfer import service
+
+    seen = []
+    monkeypatch.setattr(service, "prepare_flashinfer_fusion", lambda model, **kw: seen.append(kw))
+    settings = FlashInferSettings(backend="off", max_tokens=64)
+    prepare_model(torch.nn.Module(), max_tokens=512, settings={"flashinfer": settings})
+    prepare_model(torch.nn.Module(), max_tokens=512)
+    assert seen == [{"max_tokens": None, "settings": settings}, {"max_tokens": 512, "settings": None}]
