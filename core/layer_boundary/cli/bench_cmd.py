@@ -1,8 +1,17 @@
-"""`layer-boundary bench NAME [options]`: run a benchmark; results go to benchmarks/results/."""
+"""`layer-boundary bench NAME [--json] [-- options]`: run a benchmark; results go to
+benchmarks/results/ (JSON + PNG), or with `--json` to stdout as one JSON object (the benchmark's
+tables then go to stderr)."""
 
 from __future__ import annotations
 
+import argparse
+import contextlib
 import importlib
+import json
+import os
+import sys
+import tempfile
+from pathlib import Path
 
 from .main import UsageError
 
@@ -17,9 +26,45 @@ BENCHES = {
 
 def add_parser(sub) -> None:
     p = sub.add_parser("bench", help="run a benchmark (host, decode, cutedsl, fusion); JSON + PNG under benchmarks/results/")
+    p.add_argument("--json", action="store_true", help="print the results as one JSON object on stdout (tables go to stderr)")
     p.add_argument("name", choices=sorted(BENCHES))
-    p.add_argument("options", nargs="*", help="options passed to the benchmark (after --)")
+    p.add_argument(
+        "options", nargs=argparse.REMAINDER, help="the benchmark's own options, after --: bench host --json -- --layers 8"
+    )
     p.set_defaults(handler=run)
+
+
+def _split(options: list) -> tuple[list, bool]:
+    """(the benchmark's options, --json given): `--json` belongs to `bench` when it comes
+    before the `--` that starts the benchmark's options (or where there is no `--`)."""
+    ours, theirs = (options[: options.index("--")], options[options.index("--") + 1 :]) if "--" in options else (options, [])
+    json_flag = "--json" in ours
+    return [o for o in ours if o != "--json"] + theirs, json_flag
+
+
+def _out_option(options: list) -> str | None:
+    for i, opt in enumerate(options):
+        if opt == "--out" and i + 1 < len(options):
+            return options[i + 1]
+        if opt.startswith("--out="):
+            return opt.split("=", 1)[1]
+    return None
+
+
+@contextlib.contextmanager
+def _stdout_to_stderr():
+    """Everything the benchmark prints, its ranks' processes included, goes to stderr, so
+    stdout carries only the JSON object."""
+    sys.stdout.flush()
+    saved = os.dup(1)
+    os.dup2(2, 1)
+    try:
+        with contextlib.redirect_stdout(sys.stderr):
+            yield
+    finally:
+        sys.stdout.flush()
+        os.dup2(saved, 1)
+        os.close(saved)
 
 
 def run(args) -> int:
@@ -30,9 +75,28 @@ def run(args) -> int:
         if exc.name and module.startswith(exc.name):
             raise UsageError(f"bench {args.name} comes with {dist}: pip install {dist}") from None
         raise
-    try:
-        bench.main(args.options)
-    except SystemExit as exc:
-        if exc.code not in (None, 0):
-            raise UsageError(str(exc.code)) from None
+    options, json_flag = _split(list(args.options))
+    args.json = args.json or json_flag
+    with tempfile.TemporaryDirectory(prefix="layer-boundary-bench-") as tmp:
+        out = _out_option(options)
+        if args.json and out is None:  # every benchmark writes its JSON to --out: read it back
+            out = os.path.join(tmp, f"{args.name}.json")
+            options += ["--out", out]
+        try:
+            with _stdout_to_stderr() if args.json else contextlib.nullcontext():
+                status = bench.main(options)
+        except SystemExit as exc:
+            if exc.code in (None, 0):
+                status = 0
+            elif isinstance(exc.code, int):  # the benchmark's parser already said why (one line)
+                return exc.code
+            else:
+                raise UsageError(str(exc.code)) from None
+        status = status if isinstance(status, int) else 0
+        if status:
+            return status
+        if args.json:
+            if not Path(out).is_file():
+                raise UsageError(f"bench {args.name} wrote no results to {out}")
+            print(json.dumps(json.loads(Path(out).read_text()), indent=2))
     return 0
