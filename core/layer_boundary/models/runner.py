@@ -5,7 +5,6 @@ The same function runs in spawned ranks, under torchrun, and in the test worlds.
 
 from __future__ import annotations
 
-import sys
 import time
 from typing import Optional
 
@@ -17,6 +16,7 @@ from ..forward import DpPadding, Forward, ForwardMode
 from . import build_model, family, model_config
 from . import lora_layers
 from .attention import StepLayout
+from ..progress import progress
 from ..setup import prepare_model, release_model
 from .weights import open_source
 
@@ -39,6 +39,7 @@ class RunJob:
     decode_tokens: tuple = ()
     sequence_parallel: bool = False
     dp_padding: str = "sum_len"
+    #: draw a progress bar on rank 0's stderr (a terminal, and no --json)
     progress: bool = False
     #: extra per-forward facts for plugins (kept out of the core's job fields); LoRA reads
     #: "lora" (adapter count), "lora_seed" and "lora_assignment" (a slot per request, -1: none)
@@ -105,7 +106,8 @@ def run_rank(parallel, job: RunJob, *, fusions=None) -> dict:
     steps = [("prefill", ForwardMode.EXTEND)] + [(f"decode{s + 1}", ForwardMode.DECODE) for s in range(len(job.decode_tokens))]
     timings: dict[str, float] = {}
     collectives: dict[str, dict] = {}
-    show = job.progress and parallel.rank == 0
+    # a bar on rank 0 (the launcher decided whether its stderr is a terminal: job.progress)
+    bar = progress(len(steps), "  run", enabled=job.progress and parallel.rank == 0)
     for index, (name, mode) in enumerate(steps):
         if index == 0:
             ids = [torch.tensor(job.prompts[r]) for r in mine]
@@ -142,10 +144,8 @@ def run_rank(parallel, job: RunJob, *, fusions=None) -> dict:
         if out is not None:  # None: an earlier pipeline stage, whose output went to the next stage
             for r, s, c in zip(step.rids, step.starts, step.counts):
                 logits[r].append(out[s : s + c].float().cpu() if dtype in (torch.bfloat16, torch.float16) else out[s : s + c].cpu())
-        if show:
-            print(f"\r  rank 0: {name} done ({index + 1}/{len(steps)})", end="", file=sys.stderr, flush=True)
-    if show:
-        print(file=sys.stderr)
+        bar.update(1, step=name)
+    bar.close()
     release_model(model)
     report = parallel.attn_tp_rank == 0 and parallel.attn_cp_rank == 0 and parallel.pp_rank == topo.pp - 1
     return {
