@@ -47,6 +47,12 @@ def test_run_human_output_and_single_rank_check():
         (["--model", "qwen3_moe", "--hf-config", '{"model_type": "qwen3"}'], "needs a config with model_type 'qwen3_moe'"),
         (["--model", "qwen3", "--device", "cuda"] if not torch.cuda.is_available() else ["--model", "nope"], "no CUDA device" if not torch.cuda.is_available() else "unknown model"),
         (["--model", "qwen3", "--tp", "1", "--sequence-parallel"], "--sequence-parallel needs attention TP > 1"),
+        (["--decode-steps", "-2"], "argument --decode-steps: must be >= 0, got -2; pass 0 or more"),
+        (["--batch", "0"], "argument --batch: must be positive, got 0; pass 1 or more"),
+        (["--tp", "0"], "argument --tp: must be positive"),
+        (["--prompt-tokens", "x"], "argument --prompt-tokens: expected an integer, got 'x'"),
+        (["--timeout", "-1"], "argument --timeout: must be a positive number"),
+        (["--lora", "-1"], "argument --lora: must be >= 0"),
     ],
 )
 def test_bad_input_is_one_line_and_exit_status_2(args, message):
@@ -68,7 +74,9 @@ def test_missing_checkpoint_files_name_the_fix(tmp_path):
 def test_a_checkpoint_saved_by_hf_loads_and_matches(tmp_path, model):
     cfg = model_config(model)
     hf = hf_from_state(dict(cfg.hf), family(model).random_weights(cfg, torch.float32, 1), torch.float32)
-    hf.save_pretrained(tmp_path)
+    # the MoE as save_pretrained shards it: an index and several files (per-expert tensors)
+    hf.save_pretrained(tmp_path, **({"max_shard_size": "200KB"} if model == "qwen3_moe" else {}))
+    assert (tmp_path / "model.safetensors.index.json").is_file() == (model == "qwen3_moe")
     out = cli("run", "--model", model, "--checkpoint", str(tmp_path), "--tp", "2", "--json", "--decode-steps", "2")
     assert out.returncode == 0, out.stderr
     assert json.loads(out.stdout)["check"]["passed"] is True
@@ -95,3 +103,18 @@ def test_plan_shows_the_dp_partial_order_under_attention_dp():
 def test_plan_bad_input():
     out = cli("plan", "--model", "qwen3", "--tp", "3")
     assert out.returncode == 2 and "not divisible" in out.stderr
+
+
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["plan", "--attn-dp", "0"], "layer-boundary plan: error: argument --attn-dp: must be positive, got 0"),
+        (["plan", "--rank", "-1"], "layer-boundary plan: error: argument --rank: must be >= 0"),
+        (["bench", "host", "--", "--layers", "0"], "argument --layers: must be positive, got 0"),
+        (["bench", "host", "--", "--repeats", "-5"], "argument --repeats: must be positive"),
+    ],
+)
+def test_numeric_options_of_plan_and_bench_are_checked(args, message):
+    out = cli(*args)
+    lines = [line for line in out.stderr.splitlines() if line.strip()]
+    assert out.returncode == 2 and len(lines) == 1 and message in lines[0], out.stderr
