@@ -27,6 +27,8 @@ def test_run_json_reports_check_config_timings_and_collectives():
     assert data["timings"]["prefill_s"] > 0 and data["timings"]["decode_step_s"] > 0 and data["timings"]["tokens_per_s"] > 0
     # 4 layers: one attention sum per layer; the FFN sums defer to the next input except the last
     assert data["collectives"]["decode_step"] == {"all_reduce@attn_tp": 4, "all_reduce@tp": 4}
+    assert data["config"]["nodes"] == {"count": 1, "of_rank": [0, 0], "tp_within_a_node": True, "pp_within_a_node": True}
+    assert "step/s" not in out.stderr  # --json: no bar
 
 
 @pytest.mark.gloo
@@ -34,6 +36,45 @@ def test_run_human_output_and_single_rank_check():
     out = cli("run", "--model", "gemma", "--tp", "2", "--attn-dp", "2", "--check", "single", "--decode-steps", "1")
     assert out.returncode == 0, out.stderr
     assert "check vs single: PASS" in out.stdout and "collectives per prefill" in out.stdout
+    assert "\r" not in out.stderr and "step/s" not in out.stderr  # stderr is a pipe here: no bar
+
+
+def _on_a_terminal(*args, timeout=300):
+    """`layer-boundary ARGS` with stderr on a pseudo-terminal (80 columns): (status, stdout, stderr)."""
+    import fcntl
+    import os
+    import pty
+    import struct
+    import termios
+
+    master, slave = pty.openpty()
+    fcntl.ioctl(slave, termios.TIOCSWINSZ, struct.pack("HHHH", 24, 80, 0, 0))
+    proc = subprocess.Popen([sys.executable, "-m", "layer_boundary", *args], stdout=subprocess.PIPE, stderr=slave)
+    os.close(slave)
+    chunks = []
+    while True:
+        try:
+            data = os.read(master, 4096)
+        except OSError:  # the terminal's other end closed: every writer has exited
+            break
+        if not data:
+            break
+        chunks.append(data)
+    os.close(master)
+    stdout = proc.stdout.read().decode()
+    proc.wait(timeout)
+    return proc.returncode, stdout, b"".join(chunks).decode(errors="replace")
+
+
+@pytest.mark.gloo
+def test_a_default_run_prints_no_warning_and_draws_a_bar_on_a_terminal():
+    """The new user's first command: `layer-boundary run` (qwen3, TP=2 gloo, prefill + 4 decode
+    steps) on a terminal. No warning of any kind (torch 2.13 deprecates all_gather_into_tensor
+    with a FutureWarning per call) and a progress bar over the 5 steps."""
+    status, stdout, stderr = _on_a_terminal("run")
+    assert status == 0 and "check vs hf: PASS" in stdout, stdout + stderr
+    assert "Warning" not in stderr and "warn" not in stderr.lower(), stderr
+    assert "5/5" in stderr and "\r" in stderr, stderr  # redrawn in place
 
 
 @pytest.mark.parametrize(
@@ -47,12 +88,6 @@ def test_run_human_output_and_single_rank_check():
         (["--model", "qwen3_moe", "--hf-config", '{"model_type": "qwen3"}'], "needs a config with model_type 'qwen3_moe'"),
         (["--model", "qwen3", "--device", "cuda"] if not torch.cuda.is_available() else ["--model", "nope"], "no CUDA device" if not torch.cuda.is_available() else "unknown model"),
         (["--model", "qwen3", "--tp", "1", "--sequence-parallel"], "--sequence-parallel needs attention TP > 1"),
-        (["--decode-steps", "-2"], "argument --decode-steps: must be >= 0, got -2; pass 0 or more"),
-        (["--batch", "0"], "argument --batch: must be positive, got 0; pass 1 or more"),
-        (["--tp", "0"], "argument --tp: must be positive"),
-        (["--prompt-tokens", "x"], "argument --prompt-tokens: expected an integer, got 'x'"),
-        (["--timeout", "-1"], "argument --timeout: must be a positive number"),
-        (["--lora", "-1"], "argument --lora: must be >= 0"),
     ],
 )
 def test_bad_input_is_one_line_and_exit_status_2(args, message):
@@ -108,13 +143,29 @@ def test_plan_bad_input():
 @pytest.mark.parametrize(
     "args, message",
     [
+        (["run", "--decode-steps", "-2"], "layer-boundary run: error: argument --decode-steps: must be >= 0, got -2; pass 0 or more"),
+        (["run", "--batch", "0"], "layer-boundary run: error: argument --batch: must be positive, got 0; pass 1 or more"),
+        (["run", "--tp", "0"], "argument --tp: must be positive"),
+        (["run", "--prompt-tokens", "x"], "argument --prompt-tokens: expected an integer, got 'x'"),
+        (["run", "--timeout", "-1"], "argument --timeout: must be a positive number"),
+        (["run", "--timeout", "nan"], "argument --timeout: must be a positive number"),
+        (["run", "--lora", "-1"], "argument --lora: must be >= 0"),
+        (["run", "--seed", "-3"], "argument --seed: must be >= 0"),
         (["plan", "--attn-dp", "0"], "layer-boundary plan: error: argument --attn-dp: must be positive, got 0"),
         (["plan", "--rank", "-1"], "layer-boundary plan: error: argument --rank: must be >= 0"),
-        (["bench", "host", "--", "--layers", "0"], "argument --layers: must be positive, got 0"),
-        (["bench", "host", "--", "--repeats", "-5"], "argument --repeats: must be positive"),
+        (["bench", "host", "--", "--layers", "0"], "layer-boundary bench host: error: argument --layers: must be positive, got 0"),
+        (["bench", "host", "--repeats", "-5"], "argument --repeats: must be positive"),
+        (["bench", "decode", "--", "--batches", "8", "0"], "argument --batches: must be positive, got 0"),
     ],
 )
-def test_numeric_options_of_plan_and_bench_are_checked(args, message):
-    out = cli(*args)
-    lines = [line for line in out.stderr.splitlines() if line.strip()]
-    assert out.returncode == 2 and len(lines) == 1 and message in lines[0], out.stderr
+def test_numeric_options_are_refused_in_one_line(capsys, args, message):
+    """Every numeric option of run, plan and bench, checked by the parser before any work."""
+    from layer_boundary.cli.main import main
+
+    try:
+        status = main(args)
+    except SystemExit as exc:
+        status = exc.code
+    err = capsys.readouterr().err
+    lines = [line for line in err.splitlines() if line.strip()]
+    assert status == 2 and len(lines) == 1 and message in lines[0], err

@@ -53,6 +53,7 @@ def add_parser(sub) -> None:
     p.add_argument("--check", default="hf", choices=["hf", "single", "none"])
     p.add_argument("--seed", type=non_negative_int, default=0)
     p.add_argument("--timeout", type=positive_float, default=600.0, help="seconds before a hung rank fails the run")
+    p.add_argument("--save-logits", metavar="FILE", help="torch.save every request's logits per step (to compare runs)")
     p.add_argument("--json", action="store_true", help="print one JSON object")
     p.set_defaults(handler=run)
 
@@ -190,9 +191,7 @@ def _with(job, **changes):
 
 
 def _verdict(args, results, reference):
-    got: dict[int, list] = {}
-    for res in results:
-        got.update(res["logits"])
+    got = _logits(results)
     n = len(got)
     report = {"reference": args.check, "max_abs_err": None, "rel_err": None, "passed": None}
     if reference is None:
@@ -221,6 +220,32 @@ def _verdict(args, results, reference):
         tolerance = max(tolerance, FP8_TOLERANCE["moe" if "moe" in args.model else "dense"])
     report.update(max_abs_err=max_abs, rel_err=rel, tolerance=tolerance, passed=rel < tolerance)
     return report
+
+
+def _nodes(results, topology) -> dict:
+    """Which node every rank ran on, checked against what each rank decided from its groups'
+    all_gather (a rank that saw another table would have chosen other collectives)."""
+    from ..nodes import NodeLayout
+
+    by_rank = {r["rank"]: r for r in results}
+    world = NodeLayout.from_hashes([by_rank[r]["node"] for r in range(topology.world_size)])
+    single = {}
+    for name in ("tp", "pp"):
+        single[name] = True
+        for members in topology.groups()[name]:
+            expected = NodeLayout.from_hashes([by_rank[r]["node"] for r in members])
+            seen = {r: tuple(by_rank[r]["node_layouts"][name]) for r in members}
+            if any(v != expected.nodes for v in seen.values()):
+                raise UsageError(f"ranks {list(members)} disagree about the nodes of their {name} group: {seen}")
+            single[name] = single[name] and expected.single_node
+    return {"count": world.count, "of_rank": list(world.nodes), "tp_within_a_node": single["tp"], "pp_within_a_node": single["pp"]}
+
+
+def _logits(results) -> dict:
+    got: dict[int, list] = {}
+    for res in results:
+        got.update(res["logits"])
+    return dict(sorted(got.items()))
 
 
 def _summaries(results, job):
@@ -324,10 +349,13 @@ def run(args) -> int:
             "sequence_parallel": args.sequence_parallel,
             "tbo": args.tbo,
             "cp_order": args.cp_order if topology.attn_cp > 1 else None,
+            "nodes": _nodes(results, topology),
         },
         "timings": timings,
         "collectives": collectives,
     }
+    if args.save_logits:
+        torch.save({"logits": _logits(results), "config": out["config"]}, args.save_logits)
     if args.json:
         print(json.dumps(out, indent=2))
     else:
@@ -387,5 +415,8 @@ def _print_human(out):
     for step, counts in c.items():
         text = ", ".join(f"{k} x{v}" for k, v in counts.items()) or "none"
         print(f"collectives per {step} (rank 0): {text}")
+    nodes = out["config"]["nodes"]
+    if nodes["count"] > 1:
+        print(f"nodes: {nodes['count']} (node of each rank: {nodes['of_rank']}; TP groups within a node: {nodes['tp_within_a_node']})")
 
 

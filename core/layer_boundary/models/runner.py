@@ -16,6 +16,7 @@ from ..forward import DpPadding, Forward, ForwardMode
 from . import build_model, family, model_config
 from . import lora_layers
 from .attention import StepLayout
+from ..nodes import node_hash, node_layout
 from ..progress import progress
 from ..setup import prepare_model, release_model
 from .weights import open_source
@@ -97,6 +98,9 @@ def run_rank(parallel, job: RunJob, *, fusions=None) -> dict:
     # plugins' workspaces and kernels, sized for the largest step (the prefill), on every rank
     prepare_model(model, max_tokens=max(1, sum(len(p) for p in job.prompts)))
     build_s = time.perf_counter() - t0
+    # where the ranks run: this rank's node, and its groups' node layouts (one all_gather each,
+    # so every member of a group holds the same table; uncounted, before the first step)
+    groups = {name: node_layout(parallel.groups[name]).nodes for name in ("tp", "pp")}
     topo = parallel.topology
     dp, dp_rank = topo.attn_dp, parallel.attn_dp_rank
     mine = [r for r in range(len(job.prompts)) if r % dp == dp_rank]
@@ -153,6 +157,8 @@ def run_rank(parallel, job: RunJob, *, fusions=None) -> dict:
         "logits": logits if report else {},
         "timings": timings,
         "build_s": build_s,
+        "node": node_hash(),
+        "node_layouts": groups,
         "collectives": collectives,
         "tokens": {name: (sum(len(p) for p in job.prompts) if i == 0 else len(job.prompts)) for i, (name, _) in enumerate(steps)},
     }
