@@ -39,6 +39,7 @@ from .layers import ColumnParallelLinear, MoeFinalizeHandoff, RowParallelLinear,
 from .layout import Layout, SumGroup, TokenAxis
 from .output import HandoffOutput, OutputTransform, UnreducedOutput
 from .parallel import Parallel, Topology, TopologyError
+from .placement import RankPlacement, current_placement, place_ranks
 from .plugin import Adapter, FusionProvider, Priority, ResidualKind, get_registry, hookimpl
 from .policy import resolve_reduction
 from .residual import ResidualOps, StageRead, StageUpdate, residual_kind
@@ -51,6 +52,9 @@ from .stage import StageBoundary, boundaries_of
 __version__ = "0.1.0"
 
 __all__ = [
+    "RankPlacement",
+    "current_placement",
+    "place_ranks",
     "Adapter",
     "BatchFactsError",
     "BatchVariant",

@@ -176,7 +176,11 @@ class SingleRankCollectives(CollectivesBase):
 
 
 class TorchCollectives(CollectivesBase):
-    """A `torch.distributed` process group (gloo on CPU, NCCL on GPU)."""
+    """A `torch.distributed` process group (gloo on CPU, NCCL on GPU).
+
+    Over gloo, CUDA tensors are staged through host memory (ranks that share a GPU run gloo:
+    see `placement.py`); the result lands back on the input's device.
+    """
 
     def __init__(self, name: str, group, ranks: Sequence[int]):
         import torch.distributed as dist
@@ -191,21 +195,31 @@ class TorchCollectives(CollectivesBase):
         self.ranks = tuple(ranks)
         self.size = len(self.ranks)
         self.rank = self.ranks.index(dist.get_rank())
-        if dist.get_backend(group) == "nccl":
+        backend = dist.get_backend(group)
+        self.host_staged = backend == "gloo"
+        if backend == "nccl":
             self.device = f"cuda:{torch.cuda.current_device()}"
 
     def _all_reduce(self, x: torch.Tensor) -> torch.Tensor:
         if not x.is_contiguous():
             x = x.contiguous()
+        if self.host_staged and x.is_cuda:
+            host = x.cpu()
+            self._dist.all_reduce(host, group=self.group)
+            return x.copy_(host)
         self._dist.all_reduce(x, group=self.group)
         return x
 
     def _reduce_scatter(self, x: torch.Tensor) -> torch.Tensor:
+        if self.host_staged and x.is_cuda:
+            return self._reduce_scatter(x.cpu()).to(x.device)
         out = x.new_empty((x.shape[0] // self.size,) + tuple(x.shape[1:]))
         self._scatter(out, x, group=self.group)
         return out
 
     def _all_gather(self, x: torch.Tensor) -> torch.Tensor:
+        if self.host_staged and x.is_cuda:
+            return self._all_gather(x.cpu()).to(x.device)
         out = x.new_empty((x.shape[0] * self.size,) + tuple(x.shape[1:]))
         self._gather(out, x, group=self.group)
         return out

@@ -286,6 +286,7 @@ def describe_stage(plan: StagePlan) -> StageDescription:
         residual=decl.residual,
         reduction=plan.policy,
         output_sum=output_sum_group(decl),
+        read_format=read_format(decl.read),
     )
 
 

@@ -108,3 +108,6 @@ class StageDescription:
     reduction: ReductionPolicy
     #: the output sum group this stage's own output owes (None when always complete)
     output_sum: Optional[SumGroup]
+    #: what the read hands compute: "plain" (a normalized tensor), a quantized format
+    #: ("fp8_static", "fp8_dynamic"), or None for a read no fused candidate can stand in for
+    read_format: Optional[str] = "plain"

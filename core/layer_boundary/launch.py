@@ -1,10 +1,13 @@
-"""Ranks as spawned processes over `torch.distributed` (gloo on CPU, NCCL on GPU), reused
-across calls: the launcher of `layer-boundary run` and the gloo test world.
+"""Ranks as spawned processes over `torch.distributed`, reused across calls: the launcher of
+`layer-boundary run`, the gloo test world and the GPU worlds of the checks.
 
 `ProcessWorld(n).run(fn, topology, *args)` calls `fn(parallel, *args)` on every rank and returns
 the per-rank results. `fn` must be importable by name (a module-level function). Each call has
 a timeout: a rank that hangs or dies makes the call fail with a message naming the ranks, and
 the world is torn down (the next call starts a fresh one).
+
+`ProcessWorld(n, device="cuda")` places the ranks on the visible GPUs (`placement.py`): NCCL
+with one GPU a rank, or gloo when ranks share a GPU (correctness only; `world.placement.note`).
 """
 
 from __future__ import annotations
@@ -19,6 +22,7 @@ import traceback
 from typing import Any, Callable, Optional
 
 from .parallel import Parallel, Topology
+from .placement import NO_MULTICAST_ENV, PLACEMENT_ENV, RankPlacement, place_ranks
 
 __all__ = ["ProcessWorld", "RankError", "RankTimeout", "worker_parallel"]
 
@@ -48,14 +52,16 @@ def worker_parallel(topology: Topology) -> Parallel:
     return _PARALLEL_CACHE[key]
 
 
-def _worker(rank: int, size: int, port: int, conn, path: list, env: dict, collective_timeout: float, backend: str) -> None:
+def _worker(
+    rank: int, size: int, port: int, conn, path: list, env: dict, collective_timeout: float, backend: str, device: Optional[int]
+) -> None:
     sys.path[:] = path
     os.environ.update(env)
     import torch
     import torch.distributed as dist
 
-    if backend == "nccl":
-        torch.cuda.set_device(rank % torch.cuda.device_count())
+    if device is not None:
+        torch.cuda.set_device(device)
     else:
         torch.set_num_threads(1)
     try:
@@ -89,18 +95,44 @@ def _worker(rank: int, size: int, port: int, conn, path: list, env: dict, collec
         pass
 
 
+def _placement_and_backend(size: int, device: Optional[str], backend: Optional[str], gpus: Optional[int]) -> tuple:
+    if device is None:
+        device = "cuda" if backend == "nccl" else "cpu"
+    placement = place_ranks(size, device, gpus=gpus)
+    if backend is None:
+        backend = placement.backend
+    if backend == "nccl" and placement.shared:
+        raise ValueError(
+            f"NCCL needs one GPU a rank, and {placement.ranks} ranks share {placement.devices_used} GPU(s); "
+            "leave the backend unset to share the GPUs over gloo (correctness only)"
+        )
+    if backend == "nccl" and not placement.on_gpu:
+        raise ValueError("the nccl backend needs device='cuda'")
+    return placement, backend
+
+
 class ProcessWorld:
+    """`size` rank processes on this host (see the module docstring).
+
+    `device`: "cpu" (gloo, one thread a rank) or "cuda" (ranks placed round-robin on the visible
+    GPUs, or on the first `gpus` of them). `backend`: left unset, the placement chooses (NCCL with
+    one GPU a rank, else gloo).
+    """
+
     def __init__(
         self,
         size: int,
         *,
-        backend: str = "gloo",
+        backend: Optional[str] = None,
+        device: Optional[str] = None,
+        gpus: Optional[int] = None,
         timeout: float = 120.0,
         collective_timeout: float = 60.0,
         env: Optional[dict] = None,
     ):
         self.size = size
-        self.backend = backend
+        self.placement: RankPlacement
+        self.placement, self.backend = _placement_and_backend(size, device, backend, gpus)
         self.timeout = timeout
         self.collective_timeout = collective_timeout
         self.env = dict(env or {})
@@ -108,18 +140,27 @@ class ProcessWorld:
         self._conns: list = []
 
     # lifecycle --------------------------------------------------------------------------------
-    def start(self) -> "GlooWorld":
+    @property
+    def note(self) -> Optional[str]:
+        """One line when ranks share a GPU ("correctness only"), else None."""
+        return self.placement.note
+
+    def start(self) -> "ProcessWorld":
         if self._procs:
             return self
         ctx = mp.get_context("spawn")
         port = _free_port()
-        env = {k: v for k, v in os.environ.items() if k.startswith(("LAYER_BOUNDARY_", "HF_", "TRANSFORMERS_", "NCCL_", "TORCH_"))}
+        env = {k: v for k, v in os.environ.items() if k.startswith(("LAYER_BOUNDARY_", "HF_", "TRANSFORMERS_", "NCCL_", "TORCH_", "NVSHMEM_", "FLASHINFER_", "CUDA_"))}
+        if self.placement.on_gpu:
+            env = {**NO_MULTICAST_ENV, **env}
+        env[PLACEMENT_ENV] = self.placement.encode()
         env.update(self.env)
         for rank in range(self.size):
             parent, child = ctx.Pipe()
             p = ctx.Process(
                 target=_worker,
-                args=(rank, self.size, port, child, list(sys.path), env, self.collective_timeout, self.backend),
+                args=(rank, self.size, port, child, list(sys.path), env, self.collective_timeout, self.backend,
+                      self.placement.device_of(rank)),
                 daemon=True,
                 name=f"{self.backend}-rank{rank}",
             )

@@ -103,8 +103,6 @@ def _require_features(args, topology) -> None:
     if args.device == "cuda":
         if not torch.cuda.is_available():
             raise UsageError("--device cuda: no CUDA device is visible; run on a GPU machine or use --device cpu")
-        if torch.cuda.device_count() < topology.world_size:
-            raise UsageError(f"--device cuda needs {topology.world_size} GPUs, {torch.cuda.device_count()} visible; lower --tp/--attn-dp")
 
 
 def _lora_spec(args):
@@ -369,9 +367,10 @@ def _launch(job, topology, args, say):
 
     if os.environ.get("TORCHELASTIC_RUN_ID") or os.environ.get("LOCAL_RANK") is not None and os.environ.get("WORLD_SIZE"):
         return _under_torchrun(job, topology)
-    backend = "nccl" if args.device == "cuda" else "gloo"
-    say(f"  spawning {topology.world_size} ranks ({backend})")
-    world = ProcessWorld(topology.world_size, backend=backend, timeout=args.timeout, collective_timeout=args.timeout)
+    world = ProcessWorld(topology.world_size, device=args.device, timeout=args.timeout, collective_timeout=args.timeout)
+    say(f"  spawning {topology.world_size} ranks ({world.backend})")
+    if world.note:
+        print(world.note, file=sys.stderr, flush=True)  # shown with --json too: the timings below are not measurements
     try:
         return world.run(run_rank, topology, job)
     except (RankError, RankTimeout) as exc:
@@ -386,11 +385,16 @@ def _under_torchrun(job, topology):
 
     from ..models.runner import run_rank
     from ..parallel import Parallel
+    from ..placement import current_placement, place_ranks
 
-    if not dist.is_initialized():
-        dist.init_process_group("nccl" if job.device == "cuda" else "gloo")
+    placement = current_placement(job.device) or place_ranks(int(os.environ.get("WORLD_SIZE", 1)), job.device)
+    local_rank = int(os.environ.get("LOCAL_RANK", 0))
     if job.device == "cuda":
-        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
+        torch.cuda.set_device(placement.device_of(local_rank))
+    if not dist.is_initialized():
+        dist.init_process_group(placement.backend)
+    if placement.note and dist.get_rank() == 0:
+        print(placement.note, file=sys.stderr, flush=True)
     result = run_rank(Parallel.from_torch(topology), job)
     gathered = [None] * dist.get_world_size() if dist.get_rank() == 0 else None
     dist.gather_object(result, gathered, dst=0)

@@ -98,6 +98,11 @@ class QuantNormRead:
         self.quant_format = fmt
         self._scale = None if static_scale is None else torch.tensor(float(static_scale), dtype=torch.float32)
 
+    @property
+    def static_scale(self) -> Optional[torch.Tensor]:
+        """The fixed per-tensor scale (a 0-d float32 tensor) of `fp8_static`; None for dynamic."""
+        return self._scale
+
     def enter(self, hidden):
         return hidden
 

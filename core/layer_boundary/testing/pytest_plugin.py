@@ -3,6 +3,8 @@
 Fixtures:
 - `thread_world(size)`: a fresh threaded world of `size` ranks (a factory);
 - `gloo_world(size)`: a gloo world of `size` processes, started once per session and reused;
+- `gpu_world(size)`: `size` rank processes on the visible GPUs (NCCL with a GPU each, or sharing
+  GPUs over gloo: correctness only), started once per session; skips the test without CUDA;
 - `fresh_registry`: forget the cached registry before and after the test;
 - `inline_plugin(obj, name=...)`: register hook implementations for the test's duration.
 
@@ -34,6 +36,27 @@ def gloo_world():
     def get(size: int) -> GlooWorld:
         if size not in worlds:
             worlds[size] = GlooWorld(size)
+        return worlds[size].start()
+
+    yield get
+    for world in worlds.values():
+        world.close()
+
+
+@pytest.fixture(scope="session")
+def gpu_world():
+    from ..launch import ProcessWorld
+    from ..placement import NO_MULTICAST_ENV
+
+    worlds: dict[int, ProcessWorld] = {}
+
+    def get(size: int, timeout: float = 300.0) -> ProcessWorld:
+        import torch
+
+        if not torch.cuda.is_available():
+            pytest.skip("needs a CUDA GPU (ranks share it when there are fewer GPUs than ranks)")
+        if size not in worlds:
+            worlds[size] = ProcessWorld(size, device="cuda", env=NO_MULTICAST_ENV, timeout=timeout, collective_timeout=timeout)
         return worlds[size].start()
 
     yield get

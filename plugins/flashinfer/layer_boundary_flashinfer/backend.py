@@ -22,7 +22,7 @@ from typing import Callable, Optional
 
 import torch
 
-from .eligibility import device_reason, settings
+from .eligibility import device_reason, finalize_kernel_reason, kernel_width_reason, settings
 from .workspace import WorkspaceSpec
 
 __all__ = [
@@ -58,7 +58,10 @@ FINALIZE_MAX_TOKENS = 128
 MAX_TOP_K = 64
 #: per world size, the largest all-reduce (MiB, counted as flashinfer does) sent one-shot
 _ONESHOT_MIB = {2: 512, 4: 64, 8: 42}
-_ALLOCATION_GRANULARITY = 2 << 20
+#: cuMemCreate's recommended granularity for device memory on Hopper (the gpu check measures it)
+ALLOCATION_GRANULARITY = 2 << 20
+#: FlashInfer's symmetric device memory appends a signal pad to every buffer (kSIGNAL_PAD_SIZE)
+SIGNAL_PAD_BYTES = 2048
 
 
 def _elem(dtype: torch.dtype) -> int:
@@ -69,17 +72,24 @@ def _round_up(n: int, to: int) -> int:
     return (n + to - 1) // to * to
 
 
-def workspace_bytes(spec: WorkspaceSpec, world: int) -> int:
-    """This rank's physical allocation of a trtllm workspace: a two-shot buffer, barrier flags and
-    three Lamport buffers (peers' buffers are only mapped)."""
+def workspace_bytes(spec: WorkspaceSpec, world: int, granularity: int = ALLOCATION_GRANULARITY) -> int:
+    """This rank's physical allocation of a trtllm workspace (peers' buffers are only mapped):
+    three allocations (a two-shot buffer, barrier flags, three Lamport buffers in one), each
+    16-byte aligned, followed by a signal pad and rounded up to the allocation granularity, as
+    FlashInfer 0.7.2's `SymmDeviceMemory` allocates them (TP=2, hidden 8192, 2048 tokens, bf16:
+    262 MiB, of which 258 MiB are buffers)."""
     elem = _elem(spec.dtype)
     buffer = world * spec.max_tokens * spec.hidden * elem
     flags = world * 256 * 4
     lamport = 3 * min(world * spec.max_tokens * spec.hidden * elem, MAX_COMM_SIZE)
-    return sum(_round_up(n, _ALLOCATION_GRANULARITY) for n in (buffer, flags, lamport))
+    return sum(_round_up(_round_up(n, 16) + SIGNAL_PAD_BYTES, granularity) for n in (buffer, flags, lamport))
 
 
-def _oneshot(tokens: int, hidden: int, dtype: torch.dtype, world: int) -> bool:
+def _oneshot(tokens: int, hidden: int, dtype: torch.dtype, world: int, algorithm: str = "auto") -> bool:
+    if algorithm == "oneshot":
+        return tokens * hidden * _elem(dtype) * world <= MAX_COMM_SIZE
+    if algorithm == "twoshot":
+        return tokens <= world  # two-shot splits tokens over ranks and needs more tokens than ranks
     elem = _elem(dtype)
     limit = _ONESHOT_MIB.get(world)
     # flashinfer's heuristic (B200-tuned, by message size); world sizes it has no entry for
@@ -92,9 +102,9 @@ def _oneshot(tokens: int, hidden: int, dtype: torch.dtype, world: int) -> bool:
     return oneshot
 
 
-def oneshot_table(limit: int, hidden: int, dtype: torch.dtype, world: int) -> list:
+def oneshot_table(limit: int, hidden: int, dtype: torch.dtype, world: int, algorithm: str = "auto") -> list:
     """`table[t]`: launch one-shot for `t` tokens (index 0 unused). The same on every rank."""
-    return [True] + [_oneshot(t, hidden, dtype, world) for t in range(1, limit + 1)]
+    return [True] + [_oneshot(t, hidden, dtype, world, algorithm) for t in range(1, limit + 1)]
 
 
 def _params(fn) -> Optional[tuple]:
@@ -136,6 +146,12 @@ class FlashInferBackend:
     def placement_reason(self, tensor) -> Optional[str]:
         return None if tensor.is_cuda else f"the norm weight is on {tensor.device}, not a CUDA device"
 
+    def width_reason(self, hidden: int, dtype) -> Optional[str]:
+        return kernel_width_reason(hidden, dtype)
+
+    def finalize_reason(self, hidden: int, dtype) -> Optional[str]:
+        return finalize_kernel_reason(hidden, dtype)
+
     def required_bytes(self, spec: WorkspaceSpec, world: int) -> int:
         return workspace_bytes(spec, world)
 
@@ -165,16 +181,28 @@ class FlashInferBackend:
         torch.cuda.synchronize(torch.device(device))
 
     def destroy(self, workspace) -> None:
+        """Free this rank's buffers and unmap its peers'. FlashInfer 0.7.2's `destroy()` deletes
+        the wrapper's attributes but not the tuple it wraps, whose handles keep every mapping
+        alive; its module keeps one more reference per workspace; and the 20-byte control flag
+        buffer it `cudaMalloc`s is never freed. All three are dropped here."""
+        from ctypes import c_void_p
+
+        from flashinfer.comm.cuda_ipc import cudart
         from flashinfer.comm.trtllm_ar import trtllm_destroy_ipc_workspace_for_all_reduce_fusion
 
         handles = getattr(workspace, "ipc_handles", None)
+        table = getattr(workspace, "workspace_tensor", None)
+        # the pointer table ends with the control flags (see trtllm_create_ipc_workspace_for_all_reduce_fusion)
+        flag_ptr = int(table[-1].item()) if table is not None and table.numel() else 0
         workspace.destroy()
         if handles is not None:
-            # destroy() drops the workspace's own references; the module keeps one more per
-            # workspace until this call, which would keep the mappings alive until exit
             trtllm_destroy_ipc_workspace_for_all_reduce_fusion(handles)
-        del workspace
+        if "_internal_workspace" in vars(workspace):
+            vars(workspace)["_internal_workspace"] = None
+        del workspace, handles, table
         gc.collect()  # unmap now, while the CUDA context and the process group are alive
+        if flag_ptr:
+            cudart.cudaFree(c_void_p(flag_ptr))
 
     # launchers -------------------------------------------------------------------------------
     def bind_all_reduce(self, slot, gamma, eps: float, weight_bias: float, hidden: int, limit: int) -> Callable:
@@ -188,7 +216,7 @@ class FlashInferBackend:
         opts = settings()
         pdl, acc = opts.launch_with_pdl, opts.fp32_acc
         pattern = int(AllReduceFusionPattern.kARResidualRMSNorm)
-        table = oneshot_table(limit, hidden, slot.dtype, world)
+        table = oneshot_table(limit, hidden, slot.dtype, world, opts.algorithm)
         eps, bias = float(eps), float(weight_bias)
         empty_like = torch.empty_like
         op = get_trtllm_comm_module().trtllm_allreduce_fusion
@@ -219,6 +247,88 @@ class FlashInferBackend:
             return norm_out, residual_out
 
         return launch_public
+
+    def bind_all_reduce_fp8(self, slot, gamma, eps: float, weight_bias: float, hidden: int, limit: int,
+                            fmt: str, static_scale=None) -> Callable:
+        """`launch(x, residual, tokens) -> (Fp8Input, new_residual)`: sum x over the group, add the
+        residual, RMSNorm, then E4M3 (a fixed scale for "fp8_static": the kernel multiplies by
+        1 / scale; per token for "fp8_dynamic": amax / 448, floored at the smallest subnormal's),
+        in one kernel. FlashInfer quantizes the norm rounded to the activation dtype; the core's
+        unfused read quantizes it in fp32, so a value on a rounding edge may land one E4M3 step apart."""
+        from layer_boundary.residual.quant import FP8_DTYPE, Fp8Input
+        from flashinfer.comm.trtllm_ar import get_trtllm_comm_module
+
+        ws = slot.workspace
+        world, rank = int(ws.world_size), int(ws.rank)
+        ptrs = ws.workspace_tensor
+        opts = settings()
+        pdl, acc = opts.launch_with_pdl, opts.fp32_acc
+        table = oneshot_table(limit, hidden, slot.dtype, world, opts.algorithm)
+        eps, bias = float(eps), float(weight_bias)
+        dtype, device = slot.dtype, ptrs.device
+        if fmt == "fp8_static":
+            pattern = 2  # kARResidualRMSNormFP8Quant
+            if static_scale is None:
+                raise ValueError("fp8_static needs the read's fixed scale")
+            scale = torch.as_tensor(static_scale, dtype=torch.float32).to(device).reshape(1)
+            scale_out_of = None
+        elif fmt == "fp8_dynamic":
+            pattern = 10  # kARResidualRMSNormDynamicFP8Quant (flashinfer >= 0.7)
+            scale = None
+            scale_out_of = lambda tokens: torch.empty((tokens, 1), dtype=torch.float32, device=device)  # noqa: E731
+        else:
+            raise ValueError(f"not an FP8 format: {fmt!r}")
+        op = get_trtllm_comm_module().trtllm_allreduce_fusion
+        if _params(op) != ALL_REDUCE_OP_PARAMS:
+            raise RuntimeError("the installed flashinfer's trtllm_allreduce_fusion takes other arguments; FP8 reads stay unfused")
+        self.fast_path["all_reduce_fp8"] = True
+        static_view = scale.reshape(()) if scale is not None else None
+        empty, empty_like = torch.empty, torch.empty_like
+
+        def launch(x, residual, tokens):
+            quant = empty((tokens, hidden), dtype=FP8_DTYPE, device=device)
+            residual_out = empty_like(residual)
+            scale_out = scale_out_of(tokens) if scale_out_of is not None else None
+            op(x, world, rank, tokens, hidden, ptrs, pdl, table[tokens], True, acc, pattern,
+               None, residual, residual_out, None, quant, scale_out, gamma, eps, scale, None, None, bias)
+            return Fp8Input(quant, static_view if scale_out is None else scale_out, dtype), residual_out
+
+        return launch
+
+    def bind_plain_all_reduce(self, slot) -> Callable:
+        """`launch(rows) -> summed`: FlashInfer's plain all-reduce (`kAllReduce`) of a contiguous
+        [tokens, width] tensor over the slot's group (rows x width within the workspace)."""
+        from flashinfer.comm.trtllm_ar import AllReduceFusionPattern, get_trtllm_comm_module
+
+        ws = slot.workspace
+        world, rank = int(ws.world_size), int(ws.rank)
+        ptrs = ws.workspace_tensor
+        opts = settings()
+        pdl, acc, algorithm = opts.launch_with_pdl, opts.fp32_acc, opts.algorithm
+        pattern = int(AllReduceFusionPattern.kAllReduce)
+        choices: dict = {}
+        empty_like = torch.empty_like
+        op = get_trtllm_comm_module().trtllm_allreduce_fusion
+        fast = _params(op) == ALL_REDUCE_OP_PARAMS
+        self.fast_path["plain_all_reduce"] = fast
+        if not fast:
+            from flashinfer.comm import allreduce_fusion
+
+        def launch(rows):
+            tokens, width = rows.shape
+            oneshot = choices.get((tokens, width))
+            if oneshot is None:
+                oneshot = choices[(tokens, width)] = _oneshot(tokens, width, rows.dtype, world, algorithm)
+            out = empty_like(rows)
+            if fast:
+                op(rows, world, rank, tokens, width, ptrs, pdl, oneshot, True, acc, pattern,
+                   out, None, None, None, None, None, None, None, None, None, None, None)
+            else:
+                allreduce_fusion(input=rows, workspace=ws, pattern=pattern, launch_with_pdl=pdl, output=out,
+                                 use_oneshot=oneshot, trigger_completion_at_end=True, fp32_acc=acc)
+            return out
+
+        return launch
 
     def bind_finalize(self, slot, gamma, eps: float, weight_bias: float, hidden: int, limit: int) -> Optional[Callable]:
         """`launch(rows, scales, shared, residual) -> (normed, new_residual)`: weight and sum each

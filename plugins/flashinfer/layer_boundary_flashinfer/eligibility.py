@@ -40,6 +40,11 @@ __all__ = [
     "finalize_stage_reason",
     "device_reason",
     "width_reason",
+    "kernel_width_reason",
+    "finalize_kernel_reason",
+    "FINALIZE_DTYPES",
+    "READ_FORMATS",
+    "ONESHOT_ENV",
 ]
 
 #: "0" switches the plugin's candidates off on every rank (set it identically everywhere)
@@ -50,6 +55,10 @@ MAX_TOKENS_ENV = "LAYER_BOUNDARY_FLASHINFER_MAX_TOKENS"
 PDL_ENV = "LAYER_BOUNDARY_FLASHINFER_PDL"
 #: "0" keeps MoE finalize inside the MoE (no HandoffOutput for the fused finalize)
 FINALIZE_ENV = "LAYER_BOUNDARY_FLASHINFER_FINALIZE"
+#: "auto" (FlashInfer's message-size heuristic), "oneshot" or "twoshot" (where the kernels allow
+#: it: two-shot needs more tokens than ranks, one-shot a batch that fits one Lamport buffer)
+ONESHOT_ENV = "LAYER_BOUNDARY_FLASHINFER_ALGORITHM"
+ALGORITHMS = ("auto", "oneshot", "twoshot")
 
 #: the token limit SGLang and vLLM use for the fused all-reduce (oneshot covers it at TP=2)
 DEFAULT_MAX_TOKENS = 2048
@@ -57,6 +66,11 @@ DEFAULT_MAX_TOKENS = 2048
 SUPPORTED_WORLD_SIZES = (2, 4, 8, 16)
 #: activation dtypes with a matching workspace (fp32 needs an fp32 Lamport workspace)
 SUPPORTED_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+#: what the fused kernels hand compute: the normed tensor, or it quantized to FP8 E4M3 with one
+#: fixed scale (kARResidualRMSNormFP8Quant) or one scale per token (kARResidualRMSNormDynamicFP8Quant)
+READ_FORMATS = ("plain", "fp8_static", "fp8_dynamic")
+#: the fused MoE finalize kernel is compiled for 16-bit data only (no fp32 case in its dispatch)
+FINALIZE_DTYPES = (torch.bfloat16, torch.float16)
 #: SM90 (Hopper) and SM100-class (Blackwell data-centre) GPUs
 SUPPORTED_CAPABILITY_MAJORS = (9, 10)
 #: one-shot kernel: hidden / (16 bytes / 2 bytes) lanes over at most 1024 threads x 8 CTAs
@@ -81,6 +95,8 @@ class FusionSettings:
     #: accumulate the cross-rank sum in fp32 (one add at TP=2; exact-er at 4 and 8)
     fp32_acc: bool = True
     defer_finalize: bool = True
+    #: one-shot / two-shot choice ("auto": by message size, as FlashInfer does)
+    algorithm: str = "auto"
 
 
 def settings() -> FusionSettings:
@@ -91,11 +107,15 @@ def settings() -> FusionSettings:
         raise ValueError(f"{MAX_TOKENS_ENV}={raw!r} is not an integer; set a token count such as 2048") from None
     if max_tokens < 1:
         raise ValueError(f"{MAX_TOKENS_ENV}={raw!r} must be at least 1")
+    algorithm = os.environ.get(ONESHOT_ENV, "").strip().lower() or "auto"
+    if algorithm not in ALGORITHMS:
+        raise ValueError(f"{ONESHOT_ENV}={algorithm!r}: choose one of {', '.join(ALGORITHMS)}")
     return FusionSettings(
         enabled=_flag(ENABLE_ENV, True),
         max_tokens=max_tokens,
         launch_with_pdl=_flag(PDL_ENV, True),
         defer_finalize=_flag(FINALIZE_ENV, True),
+        algorithm=algorithm,
     )
 
 
@@ -106,6 +126,54 @@ def width_reason(hidden: Optional[int]) -> Optional[str]:
         return f"hidden size {hidden} is not a multiple of 8 (16-byte vector lanes)"
     if hidden > MAX_HIDDEN:
         return f"hidden size {hidden} exceeds the one-shot kernel's {MAX_HIDDEN}"
+    return None
+
+
+def _vector(dtype) -> int:
+    """Elements per 16-byte access (the kernels' VEC_SIZE)."""
+    return 16 // torch.empty((), dtype=dtype).element_size()
+
+
+def _cluster(units: int) -> int:
+    """The cluster size the launchers pick: the largest power of two <= 8 dividing `units`."""
+    size = 8
+    while units % size:
+        size //= 2
+    return size
+
+
+def kernel_width_reason(hidden: int, dtype) -> Optional[str]:
+    """Why the trtllm all-reduce fusion kernel cannot take rows of `hidden` `dtype` values (None:
+    it can). One token is one thread cluster of at most 8 blocks of at most 1024 threads, each
+    thread one 16-byte vector, and the one-shot launch must cover the row exactly: so fp32 rows
+    stop at 32768, 16-bit rows at 65536 (fewer when the row's vector count has no factor 8)."""
+    vec = _vector(dtype)
+    if hidden % vec:
+        return f"hidden size {hidden} is not a multiple of {vec} ({dtype} in 16-byte vectors)"
+    threads = hidden // vec
+    if threads // _cluster(threads) > 1024:
+        return f"hidden size {hidden} in {dtype} needs more than 8 blocks of 1024 threads per token"
+    return None
+
+
+def finalize_kernel_reason(hidden: int, dtype) -> Optional[str]:
+    """Why FlashInfer 0.7.2's fused MoE finalize kernel must not run on rows of `hidden` `dtype`
+    values (None: it may). It has no fp32 case, and it launches whole warps: when a row's vector
+    count is not a multiple of 32, the spare threads of each warp load and store the next
+    token's elements and add them to this token's norm statistic (wrong values), so such widths
+    (hidden 64, 2880 in bf16) finalize in torch and use the fused all-reduce + add + norm."""
+    if dtype not in FINALIZE_DTYPES:
+        return f"the fused MoE finalize kernel has no {dtype} variant (bf16 and fp16 only)"
+    reason = kernel_width_reason(hidden, dtype)
+    if reason is not None:
+        return reason
+    threads = hidden // _vector(dtype)
+    if threads % 32:
+        return (f"hidden size {hidden} in {dtype} is {threads} vectors, not a multiple of 32: the finalize kernel's "
+                "spare warp lanes would touch the next token")
+    warps = threads // 32
+    if warps // _cluster(warps) * 32 > 1024:
+        return f"hidden size {hidden} in {dtype} needs a finalize block of more than 1024 threads"
     return None
 
 
@@ -126,8 +194,10 @@ def stage_reason(description) -> Optional[str]:
     """Why the fused all-reduce + add + norm cannot complete this stage's input (None: it can)."""
     if description.incoming_sum is None:
         return "nothing is ever owed at this input"
-    if not (description.plain_update and description.plain_read):
-        return "the arriving update is not a plain add or the read is not a plain norm"
+    if not description.plain_update:
+        return "the arriving update is not a plain add"
+    if description.read_format not in READ_FORMATS:
+        return "the read is neither a plain norm nor an FP8-quantizing norm"
     if description.norm_kind not in ("rms", "gemma_rms"):
         return f"norm kind {description.norm_kind!r} is not an RMSNorm"
     size = _group_size(description.topology, description.incoming_sum)

@@ -26,10 +26,20 @@ from layer_boundary.layers import MoeFinalizeHandoff
 from layer_boundary.layout import SumGroup
 from layer_boundary.output import UnreducedOutput
 
-__all__ = ["FlashInferFusion", "FlashInferFinalizeFusion", "AllReduceAddNorm", "FinalizeAddNorm", "AR_NAME", "FINALIZE_NAME"]
+__all__ = [
+    "FlashInferFusion",
+    "FlashInferFinalizeFusion",
+    "AllReduceAddNorm",
+    "AllReduceAddNormFp8",
+    "FinalizeAddNorm",
+    "AR_NAME",
+    "FINALIZE_NAME",
+    "FP8_NAME",
+]
 
 AR_NAME = "flashinfer.ar_add_rmsnorm"
 FINALIZE_NAME = "flashinfer.moe_finalize_ar_add_rmsnorm"
+FP8_NAME = "flashinfer.ar_add_rmsnorm_fp8"
 
 _Tensor = torch.Tensor
 
@@ -136,6 +146,48 @@ class FinalizeAddNorm(_Bound):
         return fused(_aligned(owed.finalize_local()), _aligned(residual), tokens)
 
 
+class AllReduceAddNormFp8(AllReduceAddNorm):
+    """Candidate for an `UnreducedOutput` at an FP8-quantizing read: all-reduce + add + RMSNorm +
+    E4M3 quantization in one kernel (`fmt` "fp8_static": the read's fixed scale; "fp8_dynamic": one
+    scale per token). Returns `(Fp8Input, new_residual)`; the same declines as the plain candidate."""
+
+    __slots__ = ()
+
+
+class Fp8HandoffAddNorm(_Bound):
+    """Candidate for a `MoeFinalizeHandoff` at an FP8-quantizing read: the top-k combine in torch,
+    then the fused all-reduce + add + RMSNorm + quantization (the finalize kernel has no FP8 path
+    bound here)."""
+
+    __slots__ = ("fused",)
+
+    def __init__(self, fused: AllReduceAddNormFp8):
+        super().__init__()
+        self.fused = fused
+
+    def __call__(self, owed, residual, forward=None):
+        fused = self.fused
+        if fused.launch is None or type(owed) is not MoeFinalizeHandoff or not isinstance(residual, _Tensor):
+            return None
+        rows = owed.expert_rows
+        if not isinstance(rows, _Tensor) or rows.dim() != 3 or rows.shape[0] != residual.shape[0]:
+            return None
+        tokens = rows.shape[0]
+        if not 0 < tokens <= fused.limit or rows.shape[2] != fused.hidden or rows.dtype is not fused.dtype:
+            return None
+        if residual.dtype is not fused.dtype or residual.shape != (tokens, fused.hidden) or rows.is_cuda is not fused.cuda:
+            return None
+        if residual.is_cuda is not fused.cuda or not fused._same_group(owed.group):
+            return None
+        return fused.launch(_aligned(owed.finalize_local()), _aligned(residual), tokens)
+
+    def bind(self, *args, **kwargs) -> None:  # pragma: no cover - bound through `fused`
+        raise TypeError("Fp8HandoffAddNorm follows its fused candidate; bind that one")
+
+    def unbind(self) -> None:
+        self.fused.unbind()
+
+
 class FlashInferFusion:
     """Fusion provider of one stage's input. Inert until `prepare_flashinfer_fusion` binds it."""
 
@@ -144,8 +196,14 @@ class FlashInferFusion:
         self.plan = None
         self.all_reduce = AllReduceAddNorm()
         self.finalize = FinalizeAddNorm(self.all_reduce)
+        self.fp8 = AllReduceAddNormFp8()
+        self.fp8_handoff = Fp8HandoffAddNorm(self.fp8)
         #: the input candidates exist only where the stage's input is eligible (set by the factory)
         self.offers_input = True
+
+    @property
+    def read_format(self) -> str:
+        return self.description.read_format or "plain"
 
     @property
     def takes_handoff(self) -> bool:
@@ -156,6 +214,13 @@ class FlashInferFusion:
         self.plan = plan
         if not self.offers_input:
             return ()
+        fmt = self.read_format
+        if fmt != "plain":  # a quantizing read: the kernels that end in FP8
+            items = [FusedMlpInput(run=self.fp8, name=FP8_NAME, preserves_residual=True, output_format=fmt)]
+            if self.takes_handoff:
+                items.insert(0, FusedMlpInput(run=self.fp8_handoff, handoff=True, name=FP8_NAME,
+                                              preserves_residual=True, output_format=fmt))
+            return tuple(items)
         items = []
         if self.takes_handoff:
             items.append(FusedMlpInput(run=self.finalize, handoff=True, name=FINALIZE_NAME, preserves_residual=True))
@@ -166,7 +231,7 @@ class FlashInferFusion:
 
     @property
     def bound(self) -> bool:
-        return self.all_reduce.bound
+        return self.all_reduce.bound or self.fp8.bound
 
     def __repr__(self) -> str:
         state = "bound" if self.bound else "not prepared"

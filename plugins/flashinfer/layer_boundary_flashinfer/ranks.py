@@ -1,8 +1,10 @@
 """Running a function on every GPU rank of one host: under torchrun, or spawned here.
 
-For the 2-GPU benchmark and check (`bench.py`, `gpu_check.py`). Each rank gets one GPU and an
-NCCL world; the flashinfer workspaces are released before the process group is destroyed (a
-workspace left alive can hang the exit).
+For the benchmark and the GPU check (`bench.py`, `gpu_check.py`). Ranks are placed on the
+visible GPUs by `layer_boundary.place_ranks`: one GPU a rank over NCCL, or, when ranks outnumber
+the GPUs, several ranks on one GPU over gloo (the trtllm workspaces map peer memory inside the
+device; correctness only, timings are not representative). The flashinfer workspaces are
+released before the process group is destroyed (a workspace left alive can hang the exit).
 """
 
 from __future__ import annotations
@@ -10,12 +12,22 @@ from __future__ import annotations
 import datetime
 import os
 import socket
-from typing import Callable
+import sys
+from typing import Callable, Optional
 
-__all__ = ["run_ranks", "NO_MULTICAST_ENV"]
+from layer_boundary import RankPlacement, current_placement, place_ranks
+
+__all__ = ["run_ranks", "NO_MULTICAST_ENV", "world_placement"]
 
 #: the trtllm workspaces need no NVLink multicast; keep NCCL and torch from using it either
 NO_MULTICAST_ENV = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
+
+_PLACEMENT: Optional[RankPlacement] = None
+
+
+def world_placement() -> Optional[RankPlacement]:
+    """The placement of the world this rank runs in (set by `run_ranks`)."""
+    return _PLACEMENT
 
 
 def _free_port() -> int:
@@ -24,13 +36,16 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _rank_main(rank: int, world: int, init_method: str, fn: Callable, args: tuple) -> None:
+def _rank_main(rank: int, world: int, local_rank: int, init_method: str, placement: RankPlacement, fn: Callable, args: tuple) -> None:
     import torch
     import torch.distributed as dist
 
-    torch.cuda.set_device(rank % torch.cuda.device_count())
+    global _PLACEMENT
+    _PLACEMENT = placement
+    torch.cuda.set_device(placement.device_of(local_rank))
     # a long collective timeout: ranks wait in an agreement while another JIT-builds FlashInfer (minutes)
-    dist.init_process_group("nccl", init_method=init_method, rank=rank, world_size=world, timeout=datetime.timedelta(seconds=900))
+    dist.init_process_group(placement.backend, init_method=init_method, rank=rank, world_size=world,
+                            timeout=datetime.timedelta(seconds=900))
     from .service import default_manager
 
     try:
@@ -45,8 +60,8 @@ def _rank_main(rank: int, world: int, init_method: str, fn: Callable, args: tupl
         dist.destroy_process_group()
 
 
-def _spawned(index: int, world: int, init_method: str, fn: Callable, args: tuple) -> None:
-    _rank_main(index, world, init_method, fn, args)
+def _spawned(index: int, world: int, init_method: str, placement: RankPlacement, fn: Callable, args: tuple) -> None:
+    _rank_main(index, world, index, init_method, placement, fn, args)
 
 
 def run_ranks(fn: Callable, args: tuple, world: int) -> None:
@@ -54,11 +69,16 @@ def run_ranks(fn: Callable, args: tuple, world: int) -> None:
     for key, value in NO_MULTICAST_ENV.items():
         os.environ.setdefault(key, value)
     if "RANK" in os.environ and "WORLD_SIZE" in os.environ:  # under torchrun
-        _rank_main(int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]), "env://", fn, args)
+        placement = current_placement("cuda") or place_ranks(int(os.environ["WORLD_SIZE"]), "cuda")
+        _rank_main(int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]), int(os.environ.get("LOCAL_RANK", 0)),
+                   "env://", placement, fn, args)
         return
-    import torch
     import torch.multiprocessing as mp
 
-    if torch.cuda.device_count() < world:
-        raise SystemExit(f"this needs {world} CUDA GPUs on one host; {torch.cuda.device_count()} visible")
-    mp.spawn(_spawned, args=(world, f"tcp://127.0.0.1:{_free_port()}", fn, args), nprocs=world, join=True)
+    try:
+        placement = place_ranks(world, "cuda")
+    except RuntimeError as exc:
+        raise SystemExit(str(exc)) from None
+    if placement.note:
+        print(placement.note, file=sys.stderr, flush=True)
+    mp.spawn(_spawned, args=(world, f"tcp://127.0.0.1:{_free_port()}", placement, fn, args), nprocs=world, join=True)

@@ -21,6 +21,7 @@ import torch
 from layer_boundary.residual.add_norm import GemmaRMSNorm, RMSNorm
 from layer_boundary.stage import StageBoundary, boundaries_of
 
+from .collectives import wrapped_flashinfer_collectives
 from .eligibility import ENABLE_ENV, SUPPORTED_DTYPES, finalize_stage_reason, settings, stage_reason
 from .provider import FlashInferFinalizeFusion, FlashInferFusion
 from .workspace import EnsureResult, WorkspaceManager, WorkspaceSpec
@@ -49,6 +50,8 @@ class PrepareReport:
     bound: tuple = ()  #: labels of stages whose input candidates are bound
     skipped: tuple = ()  #: (label, reason) of stages left to the unfused path
     finalize: tuple = ()  #: labels of MoE FFN stages that hand their finalize to the next input
+    finalize_declined: tuple = ()  #: (label, reason) of MoE FFN stages that finalize themselves
+    collectives: tuple = ()  #: "name[ranks] dtype" of FlashInferCollectives bound to a workspace
 
     @property
     def available(self) -> bool:
@@ -56,7 +59,8 @@ class PrepareReport:
 
     def __str__(self) -> str:
         lines = [f"flashinfer fusion (max_tokens={self.max_tokens}): {len(self.bound)} stage input(s) bound, "
-                 f"{len(self.finalize)} MoE finalize handoff(s), {len(self.skipped)} stage(s) unfused"]
+                 f"{len(self.finalize)} MoE finalize handoff(s), {len(self.skipped)} stage(s) unfused"
+                 + (f", all-reduce of {', '.join(self.collectives)} on the workspace" if self.collectives else "")]
         for g in self.groups:
             size = f", {g.workspace_bytes / 2**20:.0f} MiB" if g.available else ""
             why = f": {g.reason}" if g.reason else ""
@@ -66,6 +70,11 @@ class PrepareReport:
             reasons[reason] += 1
         for reason, n in sorted(reasons.items()):
             lines.append(f"  {n} stage(s) unfused: {reason}")
+        declined = defaultdict(int)
+        for _, reason in self.finalize_declined:
+            declined[reason] += 1
+        for reason, n in sorted(declined.items()):
+            lines.append(f"  {n} MoE finalize(s) kept in the MoE: {reason}")
         return "\n".join(lines)
 
 
@@ -82,6 +91,7 @@ class _Need:
     device: object
     local_reason: Optional[str]
     producer: bool = False
+    read: object = None
 
 
 def _boundaries(model) -> list:
@@ -129,6 +139,8 @@ def _collect(boundaries, backend) -> tuple[dict, list, list]:
         dtype = getattr(getattr(norm, "weight", None), "dtype", None)
         if reason is None:
             reason = _norm_reason(norm, dtype)
+        if reason is None:
+            reason = backend.width_reason(desc.hidden_size, dtype)
         if reason is not None:
             skipped.append((plan.label, reason))
             continue
@@ -142,15 +154,20 @@ def _collect(boundaries, backend) -> tuple[dict, list, list]:
             local = backend.placement_reason(norm.weight)
         group = plan.group(desc.incoming_sum)
         needs[(tuple(group.ranks), dtype)].append(
-            _Need(plan.label, provider, norm, group, desc.hidden_size, dtype, norm.weight.device, local)
+            _Need(plan.label, provider, norm, group, desc.hidden_size, dtype, norm.weight.device, local, read=plan.read)
         )
     return needs, skipped, producers
 
 
-def _bind(slot, needs: list, limit: int, backend) -> Optional[str]:
-    """Bind every need's candidates to `slot`; a reason when this rank could not."""
+def _bind(slot, needs: list, limit: int, backend, collectives=()) -> Optional[str]:
+    """Bind every need's candidates (and the group's FlashInferCollectives) to `slot`; a reason
+    when this rank could not."""
     try:
         cuda = backend.device_type == "cuda"
+        for wrapper in collectives:
+            wrapper.bind(slot.dtype, backend.bind_plain_all_reduce(slot), max_tokens=slot.spec.max_tokens,
+                         hidden=slot.spec.hidden, cuda=cuda)
+            slot.bind(wrapper)
         for need in needs:
             if need.producer:
                 continue
@@ -158,9 +175,15 @@ def _bind(slot, needs: list, limit: int, backend) -> Optional[str]:
             capped = min(limit, slot.spec.capacity(need.hidden))
             gamma, eps, bias = norm.weight.detach(), float(norm.eps), _weight_bias(norm)
             common = dict(limit=capped, dtype=need.dtype, hidden=need.hidden, group=need.group, cuda=cuda)
+            fmt = provider.read_format
+            if fmt != "plain":  # an FP8-quantizing read
+                scale = getattr(need.read, "static_scale", None)
+                provider.fp8.bind(backend.bind_all_reduce_fp8(slot, gamma, eps, bias, need.hidden, capped, fmt, scale), **common)
+                slot.bind(provider.fp8)
+                continue
             provider.all_reduce.bind(backend.bind_all_reduce(slot, gamma, eps, bias, need.hidden, capped), **common)
             slot.bind(provider.all_reduce)
-            if provider.takes_handoff:
+            if provider.takes_handoff and backend.finalize_reason(need.hidden, need.dtype) is None:
                 finalize = backend.bind_finalize(slot, gamma, eps, bias, need.hidden, capped)
                 if finalize is not None:
                     provider.finalize.bind(finalize, **common)
@@ -201,9 +224,11 @@ def prepare_flashinfer_fusion(model, *, max_tokens: Optional[int] = None, manage
             local = None if provider is not None else "the flashinfer provider is not attached to a MoE stage on this rank"
             needs[key].append(_Need(plan.label, provider, plan.norm, None, 0, dtype, None, local, producer=True))
     # every setting that changes which kernel a rank launches, compared across each group
-    fingerprint = zlib.crc32(repr((limit, opts.enabled, opts.launch_with_pdl, opts.fp32_acc, opts.defer_finalize)).encode())
+    fingerprint = zlib.crc32(repr((limit, opts.enabled, opts.launch_with_pdl, opts.fp32_acc, opts.defer_finalize, opts.algorithm)).encode())
     results: list[EnsureResult] = []
     bound: list[str] = []
+    wrappers = wrapped_flashinfer_collectives(g for b in boundaries for g in b.plan.parallel.groups.values())
+    bound_collectives: list[str] = []
     for key in sorted(needs, key=lambda k: (k[0], str(k[1]))):
         group_needs = needs[key]
         first = next(n for n in group_needs if not n.producer)
@@ -212,17 +237,21 @@ def prepare_flashinfer_fusion(model, *, max_tokens: Optional[int] = None, manage
         slot = manager.slot(first.group, first.dtype, first.device)
         result = slot.ensure(spec, local, fingerprint)
         if result.available:
-            failure = _bind(slot, group_needs, limit, backend)
+            mine = [w for w in wrappers if w.ranks == key[0]]
+            failure = _bind(slot, group_needs, limit, backend, mine)
             if not first.group.agree(failure is None):
                 slot.release(barrier=True)
                 result = attrs.evolve(result, available=False, action="unavailable",
                                       reason=failure or "another rank of the group could not bind its launchers")
+            else:
+                bound_collectives.extend(f"{w.name}{list(w.ranks)} {str(key[1]).replace('torch.', '')}" for w in mine)
         results.append(result)
         if result.available:
             bound.extend(n.label for n in group_needs if not n.producer)
         else:
             skipped.extend((n.label, f"no workspace: {result.reason}") for n in group_needs if not n.producer)
     finalize: list[str] = []
+    declined: list[tuple] = []
     for plan, provider in producers:
         if provider is None:
             continue
@@ -231,11 +260,19 @@ def prepare_flashinfer_fusion(model, *, max_tokens: Optional[int] = None, manage
         dtype = plan.norm.weight.dtype
         group = plan.group(desc.output_sum)
         slot = manager.slots.get((tuple(group.ranks), dtype, group.rank))
-        if opts.defer_finalize and finalize_stage_reason(desc) is None and slot is not None and slot.available:
-            provider.enable_finalize(min(limit, slot.spec.capacity(desc.hidden_size)))
-            slot.bind(provider)
-            finalize.append(plan.label)
-    return PrepareReport(limit, tuple(results), tuple(bound), tuple(skipped), tuple(finalize))
+        if not (opts.defer_finalize and finalize_stage_reason(desc) is None and slot is not None and slot.available):
+            continue
+        # a width or dtype the finalize kernel gets wrong: the MoE combines its rows itself and
+        # its sum still meets the fused all-reduce + add + norm at the next input
+        why = backend.finalize_reason(desc.hidden_size, dtype)
+        if why is not None:
+            declined.append((plan.label, why))
+            continue
+        provider.enable_finalize(min(limit, slot.spec.capacity(desc.hidden_size)))
+        slot.bind(provider)
+        finalize.append(plan.label)
+    return PrepareReport(limit, tuple(results), tuple(bound), tuple(skipped), tuple(finalize), tuple(declined),
+                         tuple(bound_collectives))
 
 
 def shutdown_flashinfer_fusion(manager: Optional[WorkspaceManager] = None) -> None:

@@ -63,6 +63,12 @@ class WorkspaceBackend(Protocol):
     def placement_reason(self, tensor) -> Optional[str]:
         """Why this rank's norm weight cannot feed the launchers (None: it can)."""
 
+    def width_reason(self, hidden: int, dtype) -> Optional[str]:
+        """Why the fused all-reduce + add + norm kernel cannot take rows of this width and dtype."""
+
+    def finalize_reason(self, hidden: int, dtype) -> Optional[str]:
+        """Why the fused MoE finalize kernel must not run on rows of this width and dtype."""
+
     def probe(self, device, group) -> Optional[str]:
         """Why this rank cannot create a workspace over `group` (None: it can)."""
 

@@ -48,6 +48,14 @@ def reference_add_norm(total, residual, gamma, eps, bias):
     return (normed * (gamma.to(normed.dtype) + bias)).to(residual.dtype), new_residual
 
 
+def uncounted(group):
+    """The group under any CountingCollectives: the fake kernels' own sums are not the model's
+    collectives (a real kernel sums through peer memory, not the process group)."""
+    while type(group).__name__ == "CountingCollectives":
+        group = group.inner
+    return group
+
+
 class ReferenceBackend:
     """A WorkspaceBackend for CPU tests (see the module docstring). Failure injection by the
     group's own rank: `fail_probe`, `fail_create`, `fail_bind` (sets of ranks), `free` (per-rank
@@ -56,8 +64,10 @@ class ReferenceBackend:
     name = "reference"
     device_type = "cpu"
 
-    def __init__(self, *, fail_probe=(), fail_create=(), fail_bind=(), free=None, finalize_tokens=4):
+    def __init__(self, *, fail_probe=(), fail_create=(), fail_bind=(), free=None, finalize_tokens=4, finalize_declines=None):
         self.fail_probe, self.fail_create, self.fail_bind = set(fail_probe), set(fail_create), set(fail_bind)
+        #: (hidden, dtype) -> reason: widths the fake finalize kernel refuses, as the real one's rules do
+        self.finalize_declines = dict(finalize_declines or {})
         self.free = dict(free or {})
         self.finalize_tokens = finalize_tokens
         self._lock = threading.Lock()
@@ -71,6 +81,12 @@ class ReferenceBackend:
 
     def placement_reason(self, tensor):
         return None
+
+    def width_reason(self, hidden, dtype):
+        return None
+
+    def finalize_reason(self, hidden, dtype):
+        return self.finalize_declines.get((hidden, dtype))
 
     def probe(self, device, group):
         self._rank.value = group.rank
@@ -102,7 +118,7 @@ class ReferenceBackend:
     def bind_all_reduce(self, slot, gamma, eps, weight_bias, hidden, limit):
         if slot.group.rank in self.fail_bind:
             raise RuntimeError(f"injected bind failure on rank {slot.group.rank}")
-        group, launches = slot.group, self.launches
+        group, launches = uncounted(slot.group), self.launches
 
         def launch(x, residual, tokens):
             assert x.is_contiguous() and residual.is_contiguous() and x.shape == (tokens, hidden)
@@ -111,8 +127,38 @@ class ReferenceBackend:
 
         return launch
 
-    def bind_finalize(self, slot, gamma, eps, weight_bias, hidden, limit):
+    def bind_all_reduce_fp8(self, slot, gamma, eps, weight_bias, hidden, limit, fmt, static_scale=None):
+        """The fused FP8 read as the core's unfused quantizing read computes it (fp32 norm)."""
+        from layer_boundary.residual.quant import quantize_fp8
+
+        group, launches = uncounted(slot.group), self.launches
+        assert (fmt == "fp8_static") == (static_scale is not None)
+
+        def launch(x, residual, tokens):
+            assert x.is_contiguous() and residual.is_contiguous() and x.shape == (tokens, hidden)
+            launches.append(("all_reduce_fp8", group.rank, tokens))
+            total = group.all_reduce(x).to(torch.float32) + residual.to(torch.float32)
+            y = total * torch.rsqrt(total.pow(2).mean(-1, keepdim=True) + eps) * (gamma.to(torch.float32) + weight_bias)
+            return quantize_fp8(y, residual.dtype, static_scale), total.to(residual.dtype)
+
+        return launch
+
+    def bind_plain_all_reduce(self, slot):
+        from layer_boundary_flashinfer.collectives import FlashInferCollectives
+
         group, launches = slot.group, self.launches
+        while isinstance(group, FlashInferCollectives) or type(group).__name__ == "CountingCollectives":
+            group = group.inner  # the process group the "kernel" stands in for
+
+        def launch(rows):
+            assert rows.is_contiguous() and rows.dim() == 2
+            launches.append(("plain_all_reduce", group.rank, rows.shape[0]))
+            return group.all_reduce(rows.clone())
+
+        return launch
+
+    def bind_finalize(self, slot, gamma, eps, weight_bias, hidden, limit):
+        group, launches = uncounted(slot.group), self.launches
 
         def launch(rows, scales, shared, residual):
             assert rows.is_contiguous() and scales.dtype == rows.dtype and scales.shape == rows.shape[:2]
@@ -155,8 +201,8 @@ class hardware_present:
                 plugin_module.hardware_ready = cls._saved
 
 
-def tiny_model(name, parallel, dtype=torch.float32, seed=3):
-    cfg = dict(family(name).preset, **CONFIGS[name])
+def tiny_model(name, parallel, dtype=torch.float32, seed=3, **extra):
+    cfg = dict(family(name).preset, **CONFIGS[name], **extra)
     config = model_config(name, cfg)
     model = build_model(config, parallel, dtype=dtype)
     family(name).load_weights(model, StateDictSource(family(name).random_weights(config, dtype, seed)))
@@ -184,15 +230,19 @@ def model_logits(model, parallel, prompts):
     return prefill, decode
 
 
-def on_off_run(parallel, name, backend_options, max_tokens=64):
+def on_off_run(parallel, name, backend_options, max_tokens=64, collectives=False, config_extra=None):
     """One rank: logits unfused (before prepare), then after prepare with a ReferenceBackend;
-    the report, the launch counts and both logits. Module-level so gloo workers can run it."""
+    the report, the launch counts and both logits. Module-level so gloo workers can run it.
+    `collectives`: build the model on `flashinfer_collectives(parallel)`."""
+    from layer_boundary_flashinfer.collectives import flashinfer_collectives
     from layer_boundary_flashinfer.service import prepare_flashinfer_fusion
 
     backend = ReferenceBackend(**backend_options)
     manager = WorkspaceManager(backend)
+    if collectives:
+        parallel = flashinfer_collectives(parallel)
     with hardware_present():
-        config, model = tiny_model(name, parallel)
+        config, model = tiny_model(name, parallel, **(config_extra or {}))
     prompts = prompt_batches(config)
     unfused = model_logits(model, parallel, prompts)
     report = prepare_flashinfer_fusion(model, max_tokens=max_tokens, manager=manager)
@@ -202,6 +252,8 @@ def on_off_run(parallel, name, backend_options, max_tokens=64):
         "report": report,
         "unfused": unfused,
         "fused": fused,
-        "launches": {k: backend.count(k, parallel.rank) for k in ("all_reduce", "finalize")},
+        "launches": {k: backend.count(k, parallel.rank) for k in ("all_reduce", "finalize")
+                     + (("plain_all_reduce",) if collectives else ()) + (("all_reduce_fp8",) if config_extra else ())},
+        "after_release": model_logits(model, parallel, prompts) if collectives else None,
         "events": [e for e in backend.events if e[1] == parallel.groups["tp"].rank],
     }

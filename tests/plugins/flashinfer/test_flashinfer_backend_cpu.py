@@ -152,3 +152,47 @@ def test_the_bound_finalize_launcher_passes_an_identity_expert_map(monkeypatch):
         assert got["workspace"] is slot.workspace.workspace_tensor and got["routed_scaling_factor"] is None
         assert got["quant_out"] is None and got["scale_out"] is None
     assert calls[0]["expanded_idx_to_permuted_idx"] is calls[2]["expanded_idx_to_permuted_idx"]  # resolved once per shape
+
+
+class _Mapping:
+    """Stands in for a SymmDeviceMemory: alive while anything references it."""
+
+
+def _released(monkeypatch):
+    """A TRTLLMAllReduceFusionWorkspace laid out as flashinfer 0.7.2 builds it, with weak
+    references to its mappings, and the frees `destroy` issues."""
+    import weakref
+
+    from flashinfer.comm import cuda_ipc
+
+    freed = []
+    monkeypatch.setattr(cuda_ipc, "cudart", types.SimpleNamespace(cudaFree=lambda ptr: freed.append(ptr.value)))
+    mappings = [_Mapping(), _Mapping(), _Mapping()]
+    handles = [[11, 12], [21, 22], [31, 32]]
+    flag_ptr = 0xABC000
+    table = torch.tensor([p for h in handles for p in h] + [flag_ptr], dtype=torch.int64)
+    ws = comm.allreduce.TRTLLMAllReduceFusionWorkspace.__new__(comm.allreduce.TRTLLMAllReduceFusionWorkspace)
+    ws.world_size, ws.rank = 2, 0
+    ws._internal_workspace = (handles, table, mappings, {"control_flag_ptr": flag_ptr})
+    ws.ipc_handles, ws.workspace_tensor, ws.mem_handles, ws.metadata = handles, table, mappings, {}
+    trtllm_ar._symm_workspace_refs[id(handles)] = list(mappings)
+    refs = [weakref.ref(m) for m in mappings]
+    del mappings, handles, table
+    return ws, refs, freed, flag_ptr
+
+
+def test_destroy_drops_every_mapping_and_frees_the_flag_buffer(monkeypatch):
+    ws, refs, freed, flag_ptr = _released(monkeypatch)
+    FlashInferBackend().destroy(ws)
+    del ws
+    assert all(r() is None for r in refs), "a mapping outlived release"
+    assert freed == [flag_ptr]
+
+
+def test_flashinfers_own_destroy_keeps_the_mappings_alive(monkeypatch):
+    """What `destroy` works around (if flashinfer fixes it, this test says so)."""
+    ws, refs, _, _ = _released(monkeypatch)
+    handles = ws.ipc_handles
+    ws.destroy()
+    trtllm_ar.trtllm_destroy_ipc_workspace_for_all_reduce_fusion(handles)
+    assert all(r() is not None for r in refs)

@@ -35,6 +35,18 @@ def test_plugin_on_and_off_give_the_same_logits(name, all_reduce, finalize):
     assert all(torch.equal(a, b) for a, b in zip(results[0]["fused"], results[1]["fused"]))
 
 
+def test_a_width_the_finalize_kernel_gets_wrong_keeps_the_finalize_in_the_moe():
+    """qwen3_moe with the backend refusing its width (as FlashInfer's kernel rules refuse hidden 64
+    or 2880): no handoff, no finalize launch, the MoE sums still meet the fused all-reduce."""
+    refuse = {(32, torch.float32): "the finalize kernel's spare warp lanes would touch the next token"}
+    for res in run_threaded(on_off_run, TP2, "qwen3_moe", {"finalize_declines": refuse}, timeout=60):
+        report = res["report"]
+        assert report.finalize == () and len(report.finalize_declined) == 2
+        assert "MoE finalize(s) kept in the MoE: the finalize kernel's spare warp lanes" in str(report)
+        assert res["launches"] == {"all_reduce": 10, "finalize": 0}
+        assert all(torch.equal(a, b) for a, b in zip(res["unfused"], res["fused"]))
+
+
 @pytest.mark.parametrize("name", ["qwen3", "qwen3_moe"])
 def test_batches_above_the_limit_take_the_unfused_path(name):
     for res in run_threaded(on_off_run, TP2, name, {}, 4, timeout=60):
@@ -288,3 +300,43 @@ def test_ranks_with_different_settings_stay_unfused():
     for report, events in run_threaded(_limits_differ, TP2, timeout=60):
         assert not report.available and events == []
         assert "different flashinfer settings" in report.groups[0].reason
+
+
+@pytest.mark.parametrize("fmt", ["dynamic", "static"])
+@pytest.mark.parametrize("name", ["qwen3", "qwen3_moe"])
+def test_fp8_reads_take_the_fused_quantizing_candidate(name, fmt):
+    """Attention and dense-FFN inputs read FP8: their owed sums go to the fused all-reduce + add
+    + norm + quantization (the reference backend quantizes as the core's read does: bitwise)."""
+    results = run_threaded(on_off_run, TP2, name, {}, 64, False, {"layer_boundary_fp8": fmt}, timeout=60)
+    for res in results:
+        report = res["report"]
+        assert report.available and len(report.bound) == 5
+        launches = res["launches"]
+        assert launches["all_reduce_fp8"] > 0
+        if name == "qwen3":  # every input reads FP8 (the final norm is a plain read, unfused)
+            assert launches["all_reduce"] == 0 and launches["finalize"] == 0
+        else:  # the MoE inputs keep the plain read; a MoE's handoff to an FP8 read combines in torch
+            assert launches["all_reduce"] > 0 and launches["finalize"] == 0 and report.finalize
+        assert all(torch.equal(a, b) for a, b in zip(res["unfused"], res["fused"]))
+    assert all(torch.equal(a, b) for a, b in zip(results[0]["fused"], results[1]["fused"]))
+
+
+def test_fp8_candidates_decline_where_the_plain_ones_do():
+    from layer_boundary_flashinfer.provider import AllReduceAddNormFp8, Fp8HandoffAddNorm
+
+    cand = AllReduceAddNormFp8()
+    handoff = Fp8HandoffAddNorm(cand)
+    group = _Group()
+    rows = torch.ones(5, 2, 16)
+    small = MoeFinalizeHandoff(rows[:3], torch.full((3, 2), 0.5), None, None, group, SumGroup.MOE_OUTPUT)
+    assert handoff(small, torch.ones(3, 16)) is None  # not bound
+    calls = []
+    cand.bind(lambda x, r, t: calls.append((x, t)) or ("q", r), limit=4, dtype=torch.float32, hidden=16, group=group, cuda=False)
+    big = MoeFinalizeHandoff(rows, torch.full((5, 2), 0.5), None, None, group, SumGroup.MOE_OUTPUT)
+    assert handoff(big, torch.ones(5, 16)) is None and not calls  # above the limit
+    assert handoff(small, torch.ones(3, 16, dtype=torch.float64)) is None  # another dtype
+    out = handoff(small, torch.ones(3, 16))
+    assert out[0] == "q" and len(calls) == 1 and calls[0][1] == 3
+    assert torch.equal(calls[0][0], torch.ones(3, 16))  # combined in torch: 0.5 + 0.5
+    handoff.unbind()
+    assert not cand.bound

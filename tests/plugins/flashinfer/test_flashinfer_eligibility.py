@@ -122,7 +122,55 @@ def test_sixteen_ranks_and_huge_messages():
 
 
 def test_workspace_size_matches_the_trtllm_layout():
-    # TP=2, hidden 8192, 2048 tokens, bf16: 64 MiB two-shot buffer + 3 x 64 MiB Lamport + flags
-    assert workspace_bytes(WorkspaceSpec(2048, 8192, torch.bfloat16), 2) == 4 * 64 * 2**20 + 2 * 2**20
-    assert workspace_bytes(WorkspaceSpec(2048, 4096, torch.float32), 2) == 4 * 64 * 2**20 + 2 * 2**20
+    # TP=2, hidden 8192, 2048 tokens, bf16: a 64 MiB two-shot buffer, flags and 3 x 64 MiB Lamport,
+    # each followed by a 2 KiB signal pad and rounded to the 2 MiB granularity: 66 + 2 + 194 MiB
+    assert workspace_bytes(WorkspaceSpec(2048, 8192, torch.bfloat16), 2) == 262 * 2**20
+    assert workspace_bytes(WorkspaceSpec(2048, 4096, torch.float32), 2) == 262 * 2**20
+    # a buffer that is an exact multiple of the granularity still gets its pad
+    assert workspace_bytes(WorkspaceSpec(64, 64, torch.bfloat16), 2) == 3 * 2 * 2**20
+    assert workspace_bytes(WorkspaceSpec(2048, 8192, torch.bfloat16), 2, granularity=1) == (
+        (64 * 2**20 + 2048) + (2048 + 2048) + (192 * 2**20 + 2048))
     assert WorkspaceSpec(2048, 8192, torch.bfloat16).capacity(4096) == 4096
+
+
+@pytest.mark.parametrize("hidden,dtype,ok", [
+    (64, torch.bfloat16, True), (4096, torch.bfloat16, True), (2880, torch.bfloat16, True), (65536, torch.bfloat16, True),
+    (32768, torch.float32, True), (32776, torch.float32, False), (4100, torch.bfloat16, False), (4098, torch.float32, False),
+    (65528, torch.bfloat16, False),  # 8191 vectors: no factor 2, one block of 8191 threads
+])
+def test_the_all_reduce_kernels_width_limits_per_dtype(hidden, dtype, ok):
+    assert (eligibility.kernel_width_reason(hidden, dtype) is None) is ok
+
+
+@pytest.mark.parametrize("hidden,dtype,why", [
+    (4096, torch.bfloat16, None), (2048, torch.float16, None), (7168, torch.bfloat16, None), (256, torch.bfloat16, None),
+    (64, torch.bfloat16, "not a multiple of 32"), (2880, torch.bfloat16, "not a multiple of 32"),
+    (4096, torch.float32, "no torch.float32 variant"), (32768, torch.float32, "no torch.float32 variant"),
+])
+def test_the_finalize_kernel_is_declined_where_it_computes_wrong_values_or_has_no_variant(hidden, dtype, why):
+    reason = eligibility.finalize_kernel_reason(hidden, dtype)
+    assert (reason is None) if why is None else why in reason
+
+
+def test_the_real_backend_applies_the_kernel_rules():
+    from layer_boundary_flashinfer.backend import FlashInferBackend
+
+    backend = FlashInferBackend()
+    assert backend.finalize_reason(64, torch.bfloat16) and backend.finalize_reason(4096, torch.float32)
+    assert backend.finalize_reason(4096, torch.bfloat16) is None
+    assert backend.width_reason(32776, torch.float32) and backend.width_reason(4096, torch.float32) is None
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_the_algorithm_setting_forces_two_shot_where_the_kernels_allow_it(world, monkeypatch):
+    two = oneshot_table(300, 4096, torch.bfloat16, world, "twoshot")
+    assert all(two[t] for t in range(1, world + 1)) and not any(two[world + 1:])  # two-shot needs tokens > ranks
+    one = oneshot_table(300, 4096, torch.bfloat16, world, "oneshot")
+    assert all(one)
+    big = MAX_COMM_SIZE // (4096 * 2 * world) + 1
+    assert not oneshot_table(big, 4096, torch.bfloat16, world, "oneshot")[big]  # past one Lamport buffer
+    monkeypatch.setenv(eligibility.ONESHOT_ENV, "twoshot")
+    assert settings().algorithm == "twoshot"
+    monkeypatch.setenv(eligibility.ONESHOT_ENV, "sometimes")
+    with pytest.raises(ValueError, match="choose one of auto, oneshot, twoshot"):
+        settings()

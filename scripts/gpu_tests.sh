@@ -1,0 +1,179 @@
+#!/usr/bin/env bash
+# Every GPU test and check of the core and all plugins, on a GPU machine that has nothing
+# installed but CPython, torch, pytest and hypothesis. Ranks outnumbering the GPUs share them
+# (gloo; correctness only); with a GPU a rank they run NCCL.
+#
+#   bash scripts/gpu_tests.sh stage             unpack what .gpu/ holds into /tmp (idempotent)
+#   bash scripts/gpu_tests.sh run [GROUP ...]   run groups (default: all), logs and JSON under $OUT
+#   bash scripts/gpu_tests.sh summary           the table of everything run on this machine so far
+#
+# Groups (each fits one 10-minute device command; `run all` is for a machine without that limit):
+#   core        the core's GPU tests (graph decode, ranks on the GPU, the CLI at TP=2), tbo's
+#   cutedsl     CuTe DSL kernels, the model with the plugin, the fused one-shot all-reduce
+#   flashinfer  the flashinfer check at 2 ranks (every step)
+#   flashinfer4 the flashinfer check at 4 ranks (boundary, finalize, models)
+#   contract    the provider contract suite's CUDA cases
+#
+# The archives do not fit one command (64 MiB a command), so a fresh machine is staged in three
+# commands sent back to back (the machine keeps /tmp while it stays warm), then the groups:
+#   1. carry .gpu/cutedsl.part1 .gpu/fijit.tgz   bash scripts/gpu_tests.sh stage
+#   2. carry .gpu/cutedsl.part2                  bash scripts/gpu_tests.sh stage
+#   3. carry .gpu/flashinfer.zip                 bash scripts/gpu_tests.sh stage run core
+#   4. ...                                       bash scripts/gpu_tests.sh run flashinfer
+# (.gpu/flashinfer.zip and the cutedsl parts: ../shared/gpu/bundle.sh; fijit.tgz: FlashInfer's
+# trtllm_comm JIT cache for the machine, which saves its ~5-minute build.)
+#
+# A group fails on a failed test or check, and on a skip no one expects (a missing package is a
+# failure here, not a skip). The summary table is printed last. Logs, junit XML and the checks'
+# JSON accumulate in /tmp/gpu_tests_work across the commands of one machine; each command leaves
+# them as one archive in $OUT (gpu_tests.tgz) beside summary.txt (the device returns few files).
+set -u
+RETURN=${OUT:-}
+OUT=/tmp/gpu_tests_work
+ROOT=$(cd "$(dirname "$0")/.." && pwd)
+cd "$ROOT"
+mkdir -p "$OUT"
+SITE=/tmp/lb_site
+export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
+export HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 LAYER_BOUNDARY_STRICT_PLUGINS=1
+export FLASHINFER_CUDA_ARCH_LIST=${FLASHINFER_CUDA_ARCH_LIST:-9.0} MAX_JOBS=${MAX_JOBS:-16}
+export FLASHINFER_WORKSPACE_BASE=${FLASHINFER_WORKSPACE_BASE:-/tmp/fiws}
+PLUGIN_PATHS=$(for p in plugins/*/; do printf '%s:' "$ROOT/${p%/}"; done)
+export PYTHONPATH=$ROOT/core:${PLUGIN_PATHS}$SITE:/tmp/site:/tmp/cute:/tmp/cute/nvidia_cutlass_dsl/dsl_packages${PYTHONPATH:+:$PYTHONPATH}
+RESULTS=/tmp/gpu_tests_results  # one line per group run on this machine: name rc seconds log
+touch "$RESULTS"
+
+log() { echo "[gpu_tests $(date +%H:%M:%S)] $*"; }
+
+stage() {
+  if [ -f .gpu/fijit.tgz ] && [ ! -d "$FLASHINFER_WORKSPACE_BASE/.cache/flashinfer" ]; then
+    mkdir -p "$FLASHINFER_WORKSPACE_BASE" && tar xzf .gpu/fijit.tgz -C "$FLASHINFER_WORKSPACE_BASE" && log "FlashInfer JIT cache restored"
+  fi
+  if [ -f .gpu/cutedsl.part1 ] && [ ! -d /tmp/cute/cutlass ]; then
+    mkdir -p /tmp/stage && cp .gpu/cutedsl.part1 /tmp/stage/ && log "cutedsl part 1 kept in /tmp/stage"
+  fi
+  if [ -f .gpu/cutedsl.part2 ] && [ -f /tmp/stage/cutedsl.part1 ] && [ ! -d /tmp/cute/cutlass ]; then
+    mkdir -p /tmp/cute && cat /tmp/stage/cutedsl.part1 .gpu/cutedsl.part2 | xz -d | tar xf - -C /tmp/cute && log "nvidia-cutlass-dsl unpacked"
+  fi
+  if [ -f .gpu/flashinfer.zip ] && [ ! -d /tmp/site/flashinfer ]; then
+    mkdir -p /tmp/site && python3 -c "import zipfile; zipfile.ZipFile('.gpu/flashinfer.zip').extractall('/tmp/site')" && log "flashinfer unpacked"
+  fi
+  # the core's and every plugin's entry point without pip: importlib.metadata reads dist-info folders
+  python3 - "$SITE" <<'EOF'
+import pathlib, sys, tomllib
+site = pathlib.Path(sys.argv[1])
+for project in [pathlib.Path("pyproject.toml")] + sorted(pathlib.Path("plugins").glob("*/pyproject.toml")):
+    meta = tomllib.loads(project.read_text())["project"]
+    info = site / f"{meta['name'].replace('-', '_')}-{meta['version']}.dist-info"
+    info.mkdir(parents=True, exist_ok=True)
+    (info / "METADATA").write_text(f"Metadata-Version: 2.1\nName: {meta['name']}\nVersion: {meta['version']}\n")
+    points = meta.get("entry-points", {}).get("layer_boundary", {})
+    (info / "entry_points.txt").write_text("[layer_boundary]\n" + "".join(f"{k} = {v}\n" for k, v in points.items()))
+EOF
+  {
+    nvidia-smi --query-gpu=name,memory.total,memory.used --format=csv
+    python3 -c "import torch; print('torch', torch.__version__, 'cuda', torch.version.cuda, 'gpus', torch.cuda.device_count())"
+    python3 -c "import flashinfer; print('flashinfer', flashinfer.__version__)" 2>&1 | tail -1
+    python3 -c "import cutlass; print('cutlass dsl ok')" 2>&1 | tail -1
+    timeout 60 python3 -m layer_boundary plugins 2>&1 | head -9
+  } > "$OUT/env.log" 2>&1
+  cat "$OUT/env.log"
+}
+
+# expected skips: none, except what this machine's GPU count makes irrelevant
+UNEXPECTED_SKIP_FILTER='needs 2 GPUs for timing'
+
+run_pytest() {  # name timeout pytest-args...
+  local name=$1 limit=$2; shift 2
+  local t0=$SECONDS
+  timeout "$limit" python3 -m pytest -q -p no:cacheprovider -m gpu -rs --junitxml="$OUT/$name.xml" "$@" > "$OUT/$name.log" 2>&1
+  local rc=$?
+  tail -4 "$OUT/$name.log"
+  if [ "$rc" = 0 ] && grep -E "^SKIPPED" "$OUT/$name.log" | grep -v -E "$UNEXPECTED_SKIP_FILTER" >/dev/null; then
+    log "$name: unexpected skips:"; grep -E "^SKIPPED" "$OUT/$name.log" | grep -v -E "$UNEXPECTED_SKIP_FILTER" | head -20
+    rc=3
+  fi
+  echo "$name $rc $((SECONDS - t0)) $OUT/$name.log" >> "$RESULTS"
+  return "$rc"
+}
+
+run_check() {  # name timeout command...
+  local name=$1 limit=$2; shift 2
+  local t0=$SECONDS
+  timeout "$limit" "$@" > "$OUT/$name.log" 2>&1
+  local rc=$?
+  grep -E "^FAIL|checks passed|correctness only" "$OUT/$name.log" | tail -15
+  echo "$name $rc $((SECONDS - t0)) $OUT/$name.log" >> "$RESULTS"
+  return "$rc"
+}
+
+group() {
+  case $1 in
+    core) run_pytest core 560 tests/models/test_static_decode.py tests/models/test_gpu_ranks.py tests/plugins/tbo ;;
+    cutedsl) run_pytest cutedsl 560 tests/plugins/cutedsl ;;
+    # FLASHINFER_CHECK_ARGS: more arguments for the check (e.g. "--only boundary models --watchdog 100")
+    flashinfer) run_check flashinfer2 "${FLASHINFER_CHECK_TIMEOUT:-570}" python3 -m layer_boundary_flashinfer.gpu_check --ranks 2 \
+                  --out "$OUT/flashinfer2" ${FLASHINFER_CHECK_ARGS:-} ;;
+    flashinfer4) run_check flashinfer4 570 python3 -m layer_boundary_flashinfer.gpu_check --ranks 4 --out "$OUT/flashinfer4" \
+                   --only boundary finalize models graph\ decode --models qwen3 qwen3_moe --graph-models qwen3 ;;
+    contract) run_pytest contract 560 tests/plugins/test_contract_plugins.py tests/plugins/test_contract_suite.py tests/test_example_provider.py ;;
+    *) log "unknown group $1 (core cutedsl flashinfer flashinfer4 contract all)"; return 2 ;;
+  esac
+}
+
+summary() {
+  python3 - "$RESULTS" "$OUT" <<'EOF'
+import json, pathlib, sys, xml.etree.ElementTree as ET
+rows = [line.split() for line in pathlib.Path(sys.argv[1]).read_text().splitlines() if line.strip()]
+out = pathlib.Path(sys.argv[2])
+print(f"{'group':<14}{'result':<8}{'seconds':>8}  details")
+ok = True
+for name, rc, seconds, log in rows:
+    detail = ""
+    xml = out / f"{name}.xml"
+    check = out / name / "gpu_check.json"
+    if xml.is_file():
+        suite = ET.parse(xml).getroot()
+        suite = suite if suite.tag == "testsuite" else suite.find("testsuite")
+        detail = f"tests {suite.get('tests')}, failures {suite.get('failures')}, errors {suite.get('errors')}, skipped {suite.get('skipped')}"
+    elif check.is_file():
+        data = json.loads(check.read_text())
+        passed = sum(c["ok"] for c in data["checks"])
+        detail = f"checks {passed}/{len(data['checks'])}, world {data['world']} on {data['gpus']} GPU(s){' (shared)' if data['shared_device'] else ''}"
+    result = "PASS" if rc == "0" else ("TIMEOUT" if rc in ("124", "137") else f"FAIL({rc})")
+    ok = ok and rc == "0"
+    print(f"{name:<14}{result:<8}{seconds:>8}  {detail}")
+print("all groups passed" if ok else "SOME GROUPS FAILED")
+sys.exit(0 if ok else 1)
+EOF
+}
+
+status=0
+steps=("$@")
+[ ${#steps[@]} -eq 0 ] && steps=(stage run)
+i=0
+while [ $i -lt ${#steps[@]} ]; do
+  step=${steps[$i]}
+  case $step in
+    stage) stage ;;
+    summary) ;;
+    run)
+      groups=()
+      while [ $((i + 1)) -lt ${#steps[@]} ] && [ "${steps[$((i + 1))]}" != stage ] && [ "${steps[$((i + 1))]}" != summary ]; do
+        i=$((i + 1)); groups+=("${steps[$i]}")
+      done
+      [ ${#groups[@]} -eq 0 ] && groups=(core cutedsl flashinfer flashinfer4 contract)
+      for g in "${groups[@]}"; do
+        log "group $g"
+        group "$g" || status=1
+      done ;;
+    *) log "unknown step $step (stage, run [GROUP ...], summary)"; exit 2 ;;
+  esac
+  i=$((i + 1))
+done
+summary > "$OUT/summary.txt" 2>&1 || status=1
+cat "$OUT/summary.txt"
+if [ -n "$RETURN" ] && [ "$RETURN" != "$OUT" ]; then
+  mkdir -p "$RETURN" && cp "$OUT/summary.txt" "$RETURN/" && tar czf "$RETURN/gpu_tests.tgz" -C "$OUT" .
+fi
+exit $status

@@ -1,0 +1,67 @@
+"""Several ranks on the GPU machine: one GPU a rank over NCCL, or ranks sharing a GPU over gloo
+(CUDA tensors staged through the host). Collectives, the CLI's `--device cuda --tp N`, and a
+whole model at TP=2 against a single rank. Run by scripts/gpu_tests.sh; skipped without CUDA."""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from layer_boundary import Topology
+
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
+
+ENV = {**os.environ, "NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1",
+       "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
+
+
+def _collectives(parallel):
+    group = parallel.groups["tp"]
+    dev = torch.device("cuda", torch.cuda.current_device())
+    r, n = group.rank, group.size
+    x = torch.full((4, 8), float(r + 1), device=dev, dtype=torch.bfloat16)
+    summed = group.all_reduce(x.clone())
+    scattered = group.reduce_scatter(torch.arange(4 * n * 2, device=dev, dtype=torch.float32).view(4 * n, 2))
+    gathered = group.all_gather(torch.full((2, 3), float(r), device=dev))
+    sizes = tuple(i + 1 for i in range(n))
+    gatheredv = group.all_gatherv(torch.full((sizes[r], 3), float(r), device=dev), sizes)
+    return {
+        "devices": {t.device.type for t in (summed, scattered, gathered, gatheredv)},
+        "sum": summed.float().unique().tolist(),
+        "scattered": scattered.cpu(),
+        "gathered": gathered[:, 0].cpu().tolist(),
+        "gatheredv": gatheredv[:, 0].cpu().tolist(),
+        "agree_all": group.agree(True),
+        "agree_one_no": group.agree(r != 0),
+        "host_staged": getattr(group, "host_staged", None),
+    }
+
+
+def test_collectives_move_cuda_tensors_between_ranks(gpu_world):
+    world = gpu_world(2)
+    results = world.run(_collectives, Topology(tp=2))
+    for rank, res in enumerate(results):
+        assert res["devices"] == {"cuda"}
+        assert res["sum"] == [3.0]
+        want = torch.arange(16, dtype=torch.float32).view(8, 2) * 2
+        assert torch.equal(res["scattered"], want[rank * 4 : rank * 4 + 4])
+        assert res["gathered"] == [0.0, 0.0, 1.0, 1.0] and res["gatheredv"] == [0.0, 1.0, 1.0]
+        assert res["agree_all"] is True and res["agree_one_no"] is False
+        assert res["host_staged"] is (world.backend == "gloo")
+
+
+@pytest.mark.parametrize("model", ["qwen3", "qwen3_moe"])
+def test_run_on_the_gpu_at_tp2_matches_a_single_rank(model):
+    proc = subprocess.run(
+        [sys.executable, "-m", "layer_boundary", "run", "--model", model, "--tp", "2", "--device", "cuda", "--check", "single",
+         "--json", "--decode-steps", "2"],
+        capture_output=True, text=True, timeout=300, env=ENV,
+    )
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+    out = json.loads(proc.stdout)
+    assert out["check"]["passed"] is True, out["check"]
+    if torch.cuda.device_count() < 2:
+        assert "2 ranks on 1 GPU: correctness only; timings are not representative" in proc.stderr
