@@ -38,6 +38,10 @@ PORT = 29613
 SKIP = 77
 
 
+class SetupError(RuntimeError):
+    """The machine would not make the namespaces or the veth pair (a container without the rights)."""
+
+
 class Nodes:
     """Two network namespaces joined by a veth pair; removed on exit."""
 
@@ -49,7 +53,9 @@ class Nodes:
         self.made: list[str] = []
 
     def _ip(self, *args: str) -> None:
-        subprocess.run(["ip", *args], check=True, capture_output=True, text=True)
+        done = subprocess.run(["ip", *args], capture_output=True, text=True)
+        if done.returncode:
+            raise SetupError(f"`ip {' '.join(args)}` failed: {done.stderr.strip()}")
 
     def __enter__(self) -> "Nodes":
         try:
@@ -204,10 +210,14 @@ def main(argv=None) -> int:
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
     result = {"uts": args.uts, "tp_per_node": args.tp, "dtype": args.dtype, "models": []}
-    with tempfile.TemporaryDirectory(prefix="two-nodes-") as tmp, Nodes(args.uts) as nodes:
-        for model in args.models:
-            result["models"].append(check_model(nodes, model, args, Path(tmp)))
-        result["decisions"] = check_decisions(nodes, args)
+    try:
+        with tempfile.TemporaryDirectory(prefix="two-nodes-") as tmp, Nodes(args.uts) as nodes:
+            for model in args.models:
+                result["models"].append(check_model(nodes, model, args, Path(tmp)))
+            result["decisions"] = check_decisions(nodes, args)
+    except SetupError as exc:
+        print(f"two_nodes: skipped: {exc}", file=sys.stderr)
+        return SKIP
     result["ok"] = all(m["ok"] for m in result["models"]) and result["decisions"]["ok"]
     if args.json:
         print(json.dumps(result, indent=2))
