@@ -53,11 +53,14 @@ def test_collectives_move_cuda_tensors_between_ranks(gpu_world):
         assert res["host_staged"] is (world.backend == "gloo")
 
 
-@pytest.mark.parametrize("model", ["qwen3", "qwen3_moe"])
-def test_run_on_the_gpu_at_tp2_matches_a_single_rank(model):
+#: a MoE in bf16 is checked in float32: a routing choice between two experts of nearly equal score
+#: can flip between the fused GPU sums and the CPU reference's rounding, and one flip moves logits
+#: far beyond the bf16 tolerance without anything being wrong
+@pytest.mark.parametrize("model,dtype", [("qwen3", "bfloat16"), ("qwen3_moe", "float32")])
+def test_run_on_the_gpu_at_tp2_matches_a_single_rank(model, dtype):
     proc = subprocess.run(
         [sys.executable, "-m", "layer_boundary", "run", "--model", model, "--tp", "2", "--device", "cuda", "--check", "single",
-         "--json", "--decode-steps", "2"],
+         "--json", "--decode-steps", "2", "--dtype", dtype],
         capture_output=True, text=True, timeout=300, env=ENV,
     )
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]

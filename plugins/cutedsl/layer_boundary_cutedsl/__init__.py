@@ -12,6 +12,7 @@ _LAZY = {
     "CuteDSLService": "service",
     "install_cutedsl_fusion": "service",
     "prepare_cutedsl_fusion": "service",
+    "release_cutedsl_fusion": "service",
     "services_of": "service",
     "KernelSet": "kernel_set",
     "CUTEDSL_KERNELS": "kernel_set",

@@ -11,12 +11,13 @@ from __future__ import annotations
 import functools
 import importlib.util
 from dataclasses import dataclass
-from typing import Callable
+from typing import Callable, Optional
 
 import torch
 
 from .kernels import fused_add_rmsnorm, moe_finalize, moe_finalize_add_rmsnorm, prepare_add_rmsnorm, prepare_moe_finalize
 from .kernels.tiling import MAX_HIDDEN, SUPPORTED_DTYPES
+from .oneshot import CUDA_ONESHOT, OneShotKernels
 
 __all__ = ["KernelSet", "CUTEDSL_KERNELS", "kernels_available", "MoeShape"]
 
@@ -50,6 +51,9 @@ class KernelSet:
     #: the norm statistic dtypes whose semantics the kernels reproduce
     norm_compute_dtypes: tuple = (torch.float32,)
     max_hidden: int = MAX_HIDDEN
+    #: the one-shot fused all-reduce over peer buffers (oneshot.py), or None: TP > 1 then runs
+    #: finalize -> the group's all-reduce -> add + norm
+    oneshot: Optional[OneShotKernels] = None
 
     def takes_rows(self, t, dtype, shape) -> bool:
         """A tensor the kernels can read as rows: that dtype and shape, on the device, contiguous,
@@ -87,4 +91,5 @@ CUTEDSL_KERNELS = KernelSet(
     prepare=_prepare_cutedsl,
     available=kernels_available,
     on_device=lambda t: t.is_cuda,
+    oneshot=CUDA_ONESHOT,
 )

@@ -26,6 +26,6 @@ def layer_boundary_fusion_providers():
         name="cutedsl.moe_finalize_ar_add_rmsnorm", factory=_factory, priority=Priority.ARCH_SPECIFIC,
         description=(
             f"MoE finalize / TP sum, then add + RMSNorm in CuTe DSL kernels (opt-in: {ENABLE_ENV}=1); "
-            "the one-shot fused all-reduce is still to come (issue 10)"
+            "under TP one launch of the one-shot all-reduce over CUDA IPC peer buffers once a service is prepared"
         ),
     )

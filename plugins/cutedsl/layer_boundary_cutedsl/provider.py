@@ -3,9 +3,11 @@
 A stage's fusion provider (core/layer_boundary/fusions.py). Its candidates take
 
 - a `MoeFinalizeHandoff` (a deferred MoE finalize): over one rank, one kernel does finalize +
-  residual add + RMSNorm; over several, `moe_finalize`, the handoff group's all-reduce, then
-  `fused_add_rmsnorm` (the one-shot fused collective is not built: docs/fused_allreduce.md);
-- an `UnreducedOutput` (a partial sum): its all-reduce, then `fused_add_rmsnorm`.
+  residual add + RMSNorm; over several, one launch of the one-shot all-reduce kernel when the
+  installed service holds a workspace and the batch fits it (oneshot.py), else `moe_finalize`,
+  the handoff group's all-reduce, then `fused_add_rmsnorm`;
+- an `UnreducedOutput` (a partial sum): the one-shot kernel likewise, else its all-reduce, then
+  `fused_add_rmsnorm`.
 
 Each candidate declines (returns None, touching nothing) unless everything is on the kernels'
 device in a dtype they take, with a core RMSNorm computing in fp32 and a supported width, so
@@ -25,7 +27,7 @@ from typing import Optional
 from layer_boundary.contracts import FusedMlpInput
 from layer_boundary.forward import BatchVariant
 
-from . import fused_paths
+from . import fused_paths, oneshot
 from .kernel_set import CUTEDSL_KERNELS, KernelSet, kernels_available
 
 __all__ = ["CuteDSLFusion", "kernels_available"]
@@ -33,6 +35,9 @@ __all__ = ["CuteDSLFusion", "kernels_available"]
 
 def finalize_add_norm(provider: "CuteDSLFusion", norm, owed, residual, forward=None):
     """Candidate for a `MoeFinalizeHandoff`: (normed, new_residual), or None to decline."""
+    fused = oneshot.finalize_candidate(provider.service, norm, owed, residual)  # one launch under TP
+    if fused is not None:
+        return fused
     kernels = provider.kernels
     args = fused_paths.norm_args(kernels, norm, residual)
     if args is None:
@@ -45,6 +50,9 @@ def finalize_add_norm(provider: "CuteDSLFusion", norm, owed, residual, forward=N
 
 def all_reduce_add_norm(provider: "CuteDSLFusion", norm, owed, residual, forward=None):
     """Candidate for an `UnreducedOutput`: its all-reduce, then the fused add + norm."""
+    fused = oneshot.all_reduce_candidate(provider.service, norm, owed, residual)  # one launch under TP
+    if fused is not None:
+        return fused
     kernels = provider.kernels
     args = fused_paths.norm_args(kernels, norm, residual)
     if args is None:

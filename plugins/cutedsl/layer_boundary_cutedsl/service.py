@@ -28,11 +28,11 @@ import torch
 from layer_boundary.residual.add_norm import is_rms_norm
 from layer_boundary.stage import StageBoundary, boundaries_of
 
-from . import fused_paths
+from . import fused_paths, oneshot
 from .kernel_set import CUTEDSL_KERNELS, KernelSet, MoeShape
 from .provider import CuteDSLFusion
 
-__all__ = ["CuteDSLService", "install_cutedsl_fusion", "prepare_cutedsl_fusion", "services_of"]
+__all__ = ["CuteDSLService", "install_cutedsl_fusion", "prepare_cutedsl_fusion", "release_cutedsl_fusion", "services_of"]
 
 
 class CuteDSLService:
@@ -69,6 +69,9 @@ class CuteDSLService:
         #: the kernels are usable on every rank of the group (agreed in prepare)
         self.usable = False
         self._partial: Optional[torch.Tensor] = None
+        #: the one-shot all-reduce workspace under TP (oneshot.py), on every rank or on none
+        self.oneshot: Optional[oneshot.OneShotWorkspace] = None
+        self.oneshot_reason = ""
 
     # workspace -------------------------------------------------------------------------------
     def _moe_shapes(self) -> list:
@@ -105,8 +108,17 @@ class CuteDSLService:
         # rank, so none is left waiting in a collective the others run elsewhere
         self.usable = self.group.agree(ok)
         self.max_tokens = max_tokens
+        if self.usable and self.group.size > 1 and self.kernels.oneshot is not None:  # collective, like the vote
+            self.oneshot, self.oneshot_reason = oneshot.create_for_service(self, max_tokens)
         if error is not None:
             raise RuntimeError(f"the CuTe DSL service of {self.label} could not prepare its kernels: {type(error).__name__}: {error}") from error
+
+    def release(self, *, barrier: bool = True) -> None:
+        """Give back the one-shot workspace (with `barrier`: a collective, every rank, before the
+        process group goes). Afterwards TP boundaries take the three-launch path."""
+        ws, self.oneshot = self.oneshot, None
+        if ws is not None:
+            ws.release(barrier=barrier)
 
     def supports(self, tokens: int) -> bool:
         """Whether a forward of `tokens` tokens may defer work to the fused path."""
@@ -126,6 +138,9 @@ class CuteDSLService:
         """(normed, new_residual) of a MoE finalize handoff at the final norm: finalize, the
         group's all-reduce, add, norm with `gamma` (the multiplier as applied) and this service's
         epsilon. Never declines."""
+        out = oneshot.finalize_add_norm(self.oneshot, handoff, residual, gamma, 0.0, self.rms_epsilon)
+        if out is not None:
+            return out
         out = fused_paths.finalize_add_norm(
             self.kernels, handoff, residual, gamma, 0.0, self.rms_epsilon, partial_out=self.partial_buffer(residual)
         )
@@ -135,6 +150,9 @@ class CuteDSLService:
 
     def all_reduce_add_rmsnorm(self, owed, residual, gamma):
         """(normed, new_residual) of an `UnreducedOutput`: its all-reduce, then add + norm. Never declines."""
+        out = oneshot.all_reduce_add_norm(self.oneshot, owed, residual, gamma, 0.0, self.rms_epsilon)
+        if out is not None:
+            return out
         out = fused_paths.all_reduce_add_norm(self.kernels, owed, residual, gamma, 0.0, self.rms_epsilon)
         if out is not None:
             return out
@@ -142,6 +160,8 @@ class CuteDSLService:
 
     def __repr__(self) -> str:
         prepared = f"max_tokens={self.max_tokens}, usable={self.usable}" if self.max_tokens is not None else "not prepared"
+        if self.oneshot is not None:
+            prepared += f", one-shot all-reduce up to {self.oneshot.capacity} tokens"
         return (
             f"CuteDSLService({self.label}: hidden={self.hidden_size}, rms_epsilon={self.rms_epsilon}, "
             f"tp={self.group.size}, kernels={self.kernels.name}, {prepared})"
@@ -310,4 +330,13 @@ def prepare_cutedsl_fusion(model, *, max_tokens: int) -> list:
         raise RuntimeError("prepare_cutedsl_fusion: no CuTe DSL service is installed on this model; call install_cutedsl_fusion(model) first")
     for s in services:
         s.prepare(max_tokens)
+    return services
+
+
+def release_cutedsl_fusion(model) -> list:
+    """Release what `prepare_cutedsl_fusion` made (the one-shot workspaces). Collective: every
+    rank, before the process group is destroyed. Returns the services."""
+    services = services_of(model)
+    for s in services:
+        s.release()
     return services

@@ -9,14 +9,21 @@ kernels do; it accepts any device and bf16/fp16/fp32/fp64 rows and fp32/fp64 nor
 
 from __future__ import annotations
 
-from typing import Optional
+import itertools
+import os
+import struct
+import threading
+import time
+from typing import Callable, Optional
 
 import torch
 
 from .kernel_set import KernelSet
 from .kernels.reference import add_rmsnorm_reference, moe_finalize_add_rmsnorm_reference, moe_finalize_reference
+from .oneshot import OneShotKernels, OneShotTimeout
+from .peer_memory import HostWords, PeerMemory
 
-__all__ = ["reference_kernels"]
+__all__ = ["reference_kernels", "reference_oneshot", "FakePeerMemory"]
 
 
 def _into(result: torch.Tensor, out: Optional[torch.Tensor]) -> torch.Tensor:
@@ -26,8 +33,9 @@ def _into(result: torch.Tensor, out: Optional[torch.Tensor]) -> torch.Tensor:
     return out
 
 
-def reference_kernels(calls: Optional[list] = None) -> KernelSet:
-    """The references as kernels; every launch appends (name, tokens, details) to `calls`."""
+def reference_kernels(calls: Optional[list] = None, *, oneshot: Optional[OneShotKernels] = None) -> KernelSet:
+    """The references as kernels; every launch appends (name, tokens, details) to `calls`.
+    `oneshot`: the one-shot all-reduce to use under TP (`reference_oneshot()`; default none)."""
 
     def record(*entry):
         if calls is not None:
@@ -60,4 +68,154 @@ def reference_kernels(calls: Optional[list] = None) -> KernelSet:
         on_device=lambda t: True,
         dtypes=(torch.bfloat16, torch.float16, torch.float32, torch.float64),
         norm_compute_dtypes=(torch.float32, torch.float64),
+        oneshot=oneshot,
+    )
+
+
+# ---------------------------------------------------------------------------------------------
+# the one-shot all-reduce on CPU ranks: fake peer memory and the protocol in torch
+# ---------------------------------------------------------------------------------------------
+
+
+class FakePeerMemory(PeerMemory):
+    """Peer memory of a threaded world: zeroed CPU bytes in this process; a "handle" is a
+    registry key, "mapping" it finds the same tensor. `fail` makes one step raise on this rank
+    ("allocate", "export" or "open"), for the fallback tests."""
+
+    name = "fake"
+    _lock = threading.Lock()
+    _keys = itertools.count(1)
+    _by_key: dict = {}
+    _by_address: dict = {}
+
+    def __init__(self, fail: Optional[str] = None):
+        self.fail = fail
+        self.opened: dict = {}
+        self.freed: list = []
+
+    def _maybe_fail(self, step: str) -> None:
+        if self.fail == step:
+            raise OSError(f"fake peer memory: {step} failed on purpose")
+
+    def allocate(self, nbytes, device):
+        self._maybe_fail("allocate")
+        t = torch.zeros(nbytes, dtype=torch.uint8)
+        with self._lock:
+            key = (os.getpid() << 24) | next(self._keys)  # unknown to any other process
+            self._by_key[key] = t
+            self._by_address[t.data_ptr()] = (key, t)
+        return t.data_ptr()
+
+    def export(self, address):
+        self._maybe_fail("export")
+        key, _ = self._by_address[address]
+        return struct.pack("<q", key)
+
+    def open(self, handle, device):
+        self._maybe_fail("open")
+        (key,) = struct.unpack("<q", handle[:8])
+        t = self._by_key[key]
+        self.opened[t.data_ptr()] = t
+        return t.data_ptr()
+
+    def close(self, address, device):
+        del self.opened[address]
+
+    def free(self, address, device):
+        with self._lock:
+            key, _ = self._by_address.pop(address)
+            del self._by_key[key]
+        self.freed.append(address)
+
+    def host_words(self, count, device):
+        words = torch.zeros(count, dtype=torch.int64)
+        return HostWords(count, words.data_ptr(), words.tolist, None)
+
+    def free_bytes(self, device):
+        """A pretend 1 TiB device: what the live buffers of this process leave."""
+        return (1 << 40) - sum(t.numel() for _, t in self._by_address.values())
+
+    @classmethod
+    def view(cls, address) -> torch.Tensor:
+        return cls._by_address[address][1]
+
+    @classmethod
+    def live(cls) -> int:
+        """Buffers allocated and not freed (all ranks of this process)."""
+        return len(cls._by_key)
+
+
+def _flags(buf, layout):
+    return buf[: layout.flags_bytes].view(torch.int64).view(layout.world, layout.capacity)
+
+
+def _staging(buf, layout, dtype, hidden):
+    ebytes = torch.empty((), dtype=dtype).element_size()
+    rows = buf[layout.staging_offset : layout.nbytes].view(2, layout.capacity, layout.row_stride)
+    return rows[..., : hidden * ebytes].view(dtype)
+
+
+def _exchange(ws, partial: torch.Tensor) -> torch.Tensor:
+    """The kernel's protocol, in torch: publish this rank's (rounded) partial rows in the staging
+    of the call's parity, raise the call's epoch in every peer's flags, wait for every peer's
+    flags, sum every rank's rows in rank order (float64). Returns the sum."""
+    layout, view = ws.layout, FakePeerMemory.view
+    tokens, hidden = partial.shape
+    epoch = int(ws.state[0]) + 1
+    parity = epoch % 2
+    own = view(ws.buffer)
+    _staging(own, layout, ws.dtype, hidden)[parity, :tokens] = partial
+    for p in range(ws.world):
+        if p != ws.rank:
+            _flags(view(ws.addresses[p]), layout)[ws.rank, :tokens] = epoch
+    mine = _flags(own, layout)
+    peers = [p for p in range(ws.world) if p != ws.rank]
+    deadline = time.monotonic() + ws.timeout_s
+    while bool((mine[peers, :tokens] < epoch).any()):
+        if time.monotonic() > deadline:
+            raise OneShotTimeout(f"reference one-shot on rank {ws.rank}: a peer did not publish call {epoch} within {ws.timeout_s} s")
+        time.sleep(0.0002)
+    total = torch.zeros(tokens, hidden, dtype=torch.float64)
+    for r in range(ws.world):
+        total += _staging(view(ws.addresses[r]), layout, ws.dtype, hidden)[parity, :tokens].to(torch.float64)
+    ws.state[0] = epoch
+    return total
+
+
+def reference_oneshot(calls: Optional[list] = None, *, memory: Optional[Callable] = None) -> OneShotKernels:
+    """The one-shot all-reduce on CPU ranks of a threaded world: `FakePeerMemory` (or `memory()`)
+    and the kernel's protocol in torch, float64 sums rounded once; launches are recorded."""
+
+    def record(*entry):
+        if calls is not None:
+            calls.append(entry)
+
+    def norm(total, residual, gamma, eps, weight_offset, out, residual_out):
+        normed, new_residual = add_rmsnorm_reference(total, residual, gamma, eps, weight_offset=weight_offset)
+        return _into(normed.to(residual.dtype), out), _into(new_residual, residual_out)
+
+    def all_reduce_add_rmsnorm(ws, partial, residual, gamma, eps, *, weight_offset=0.0, out=None, residual_out=None):
+        record("oneshot_all_reduce_add_rmsnorm", residual.shape[0], {"eps": eps, "weight_offset": weight_offset, "world": ws.world})
+        return norm(_exchange(ws, partial.to(ws.dtype)), residual, gamma, eps, weight_offset, out, residual_out)
+
+    def moe_finalize_all_reduce_add_rmsnorm(ws, rows, weights, residual, gamma, eps, *, shared=None, weight_offset=0.0, out=None, residual_out=None):
+        record(
+            "oneshot_moe_finalize_all_reduce_add_rmsnorm",
+            residual.shape[0],
+            {"eps": eps, "weight_offset": weight_offset, "world": ws.world, "top_k": rows.shape[1], "shared": shared is not None},
+        )
+        partial = moe_finalize_reference(rows, None, weights, shared)
+        return norm(_exchange(ws, partial), residual, gamma, eps, weight_offset, out, residual_out)
+
+    def prepare(dtype, hidden, world, weight_offsets, moe_shapes, device):
+        record("oneshot_prepare", 0, {"dtype": dtype, "hidden": hidden, "world": world, "offsets": weight_offsets, "moe": moe_shapes})
+
+    return OneShotKernels(
+        name="reference-oneshot",
+        memory=memory or FakePeerMemory,
+        prepare=prepare,
+        all_reduce_add_rmsnorm=all_reduce_add_rmsnorm,
+        moe_finalize_all_reduce_add_rmsnorm=moe_finalize_all_reduce_add_rmsnorm,
+        dtypes=(torch.bfloat16, torch.float16, torch.float32, torch.float64),
+        process_id=lambda: (os.getpid() << 24) ^ threading.get_ident(),
     )

@@ -22,7 +22,7 @@ from typing import Callable, Optional
 
 import torch
 
-from .eligibility import device_reason, finalize_kernel_reason, kernel_width_reason, settings
+from .eligibility import device_reason, finalize_kernel_reason, finalize_kernel_version_reason, kernel_width_reason, settings
 from .workspace import WorkspaceSpec
 
 __all__ = [
@@ -62,6 +62,16 @@ _ONESHOT_MIB = {2: 512, 4: 64, 8: 42}
 ALLOCATION_GRANULARITY = 2 << 20
 #: FlashInfer's symmetric device memory appends a signal pad to every buffer (kSIGNAL_PAD_SIZE)
 SIGNAL_PAD_BYTES = 2048
+
+
+def installed_version() -> Optional[str]:
+    """flashinfer-python's version, from its metadata (no import)."""
+    try:
+        from importlib.metadata import version
+
+        return version("flashinfer-python")
+    except Exception:  # noqa: BLE001 - not installed, or installed without metadata
+        return None
 
 
 def _elem(dtype: torch.dtype) -> int:
@@ -150,7 +160,7 @@ class FlashInferBackend:
         return kernel_width_reason(hidden, dtype)
 
     def finalize_reason(self, hidden: int, dtype) -> Optional[str]:
-        return finalize_kernel_reason(hidden, dtype)
+        return finalize_kernel_version_reason(installed_version()) or finalize_kernel_reason(hidden, dtype)
 
     def required_bytes(self, spec: WorkspaceSpec, world: int) -> int:
         return workspace_bytes(spec, world)
@@ -220,10 +230,12 @@ class FlashInferBackend:
         eps, bias = float(eps), float(weight_bias)
         empty_like = torch.empty_like
         op = get_trtllm_comm_module().trtllm_allreduce_fusion
+        order = slot.order
         if _params(op) == ALL_REDUCE_OP_PARAMS:
             self.fast_path["all_reduce"] = True
 
             def launch(x, residual, tokens):
+                order()
                 norm_out = empty_like(residual)
                 residual_out = empty_like(residual)
                 op(x, world, rank, tokens, hidden, ptrs, pdl, table[tokens], True, acc, pattern,
@@ -237,6 +249,7 @@ class FlashInferBackend:
         self.fast_path["all_reduce"] = False
 
         def launch_public(x, residual, tokens):
+            order()
             norm_out = empty_like(residual)
             residual_out = empty_like(residual)
             allreduce_fusion(
@@ -285,7 +298,10 @@ class FlashInferBackend:
         static_view = scale.reshape(()) if scale is not None else None
         empty, empty_like = torch.empty, torch.empty_like
 
+        order = slot.order
+
         def launch(x, residual, tokens):
+            order()
             quant = empty((tokens, hidden), dtype=FP8_DTYPE, device=device)
             residual_out = empty_like(residual)
             scale_out = scale_out_of(tokens) if scale_out_of is not None else None
@@ -314,7 +330,10 @@ class FlashInferBackend:
         if not fast:
             from flashinfer.comm import allreduce_fusion
 
+        order = slot.order
+
         def launch(rows):
+            order()
             tokens, width = rows.shape
             oneshot = choices.get((tokens, width))
             if oneshot is None:
@@ -355,7 +374,10 @@ class FlashInferBackend:
 
             pattern = int(AllReduceFusionPattern.kMoEFinalizeARResidualRMSNorm)
 
+        order = slot.order
+
         def launch(rows, scales, shared, residual):
+            order()
             tokens, k = rows.shape[0], rows.shape[1]
             index = maps.get((tokens, k))
             if index is None:

@@ -281,6 +281,16 @@ def _rank(rank: int, world: int, args) -> None:
     from .eligibility import settings
     from .service import default_manager, prepare_flashinfer_fusion
 
+    from .ranks import world_placement
+
+    placement = world_placement()
+    if placement is not None and placement.shared:
+        # the unfused baseline's process-group all-reduce is gloo here (not capturable) and the
+        # ranks' kernels time-slice: nothing this bench would print is a measurement
+        if rank == 0:
+            print(f"{placement.note}: bench fusion measures nothing here; run it with a GPU per rank "
+                  "(python -m layer_boundary_flashinfer.gpu_check checks correctness in this world)", flush=True)
+        return
     dtype = getattr(torch, args.dtype)
     parallel = Parallel.from_torch(Topology(tp=world))
     group = parallel.groups["tp"].group

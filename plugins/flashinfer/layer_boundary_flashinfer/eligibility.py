@@ -43,6 +43,8 @@ __all__ = [
     "kernel_width_reason",
     "finalize_kernel_reason",
     "FINALIZE_DTYPES",
+    "FINALIZE_KERNEL_SAFE_VERSIONS",
+    "finalize_kernel_version_reason",
     "READ_FORMATS",
     "ONESHOT_ENV",
 ]
@@ -154,6 +156,25 @@ def kernel_width_reason(hidden: int, dtype) -> Optional[str]:
     if threads // _cluster(threads) > 1024:
         return f"hidden size {hidden} in {dtype} needs more than 8 blocks of 1024 threads per token"
     return None
+
+
+#: flashinfer-python versions whose fused MoE finalize kernel reads only its own Lamport buffer
+#: (verified on a GPU); none yet: 0.7.2.post1's reads its peers' buffers (see below)
+FINALIZE_KERNEL_SAFE_VERSIONS: tuple = ()
+
+#: why the fused finalize kernel is not used with the installed FlashInfer
+FINALIZE_RACE = (
+    "FlashInfer {version}'s fused MoE finalize kernel reads its peers' Lamport buffers, which a faster rank's next "
+    "fused call already clears: a rank then waits forever (seen at TP=2: qwen3_moe hung at its second MoE layer) or "
+    "reads stale values; the MoE finalizes in torch and its sum takes the fused all-reduce + add + RMSNorm"
+)
+
+
+def finalize_kernel_version_reason(version: Optional[str]) -> Optional[str]:
+    """Why the installed FlashInfer's finalize kernel must not run at all (None: it may)."""
+    if version is not None and version in FINALIZE_KERNEL_SAFE_VERSIONS:
+        return None
+    return FINALIZE_RACE.format(version=version or "(unknown version)")
 
 
 def finalize_kernel_reason(hidden: int, dtype) -> Optional[str]:

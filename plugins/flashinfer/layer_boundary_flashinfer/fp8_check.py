@@ -4,18 +4,17 @@ with one scale per token) at an FP8-quantizing read, against the core's unfused 
 
 FlashInfer quantizes the norm after rounding it to the activation dtype and sums the ranks in
 fp32; the core rounds the cross-rank sum to the activation dtype and quantizes the fp32 norm. So
-the two agree up to one E4M3 step on values at a rounding edge: the check bounds the dequantized
-difference by one E4M3 step (1/8 relative) and asks almost every byte to be identical.
+the two agree up to one E4M3 code on values at a rounding edge: the check holds every fused value
+within half an E4M3 step of the exact fp32 norm (plus bf16's rounding) and most bytes identical.
 """
 
 from __future__ import annotations
 
 import torch
 
-#: at most this share of E4M3 bytes may differ between the fused and the unfused read
-FP8_BYTES_DIFFERING = 0.02
-#: one E4M3 mantissa step is 2^-3 of the value: the dequantized values agree within that
-FP8_STEP = 0.125
+#: at most this share of E4M3 bytes may differ from the unfused read's (the two round different
+#: inputs, and per token with slightly different scales: ~3% differ on H200, each by one code)
+FP8_BYTES_DIFFERING = 0.06
 
 
 class Fp8Pair:
@@ -55,12 +54,28 @@ class Fp8Pair:
         return self.attn1.prepare(out.finish(partial), fwd), fwd.residual_stream.residual
 
 
-def _compare(got, want) -> dict:
-    a, b = got.dequantize(torch.float32), want.dequantize(torch.float32)
-    scale = want.scale.float() if want.per_token else want.scale.float().reshape(1, 1)
-    step = (b.abs() * FP8_STEP).clamp_min(scale.expand_as(b) * 2.0**-9)  # a subnormal step near zero
+def _e4m3_half_step(q: torch.Tensor) -> torch.Tensor:
+    """Half the E4M3 spacing at each code's value (in code units): 2^(e - 4) for normal values,
+    2^-10 for subnormals (|q| < 2^-6)."""
+    mag = q.abs().clamp_min(2.0**-6)
+    return torch.exp2(torch.floor(torch.log2(mag)) - 4.0)
+
+
+def _compare(got, want, exact=None) -> dict:
+    """How the fused read's FP8 input relates to the unfused one and to the exact fp32 norm `exact`.
+
+    Each quantizer may round to either neighbour of its own input, and FlashInfer's input is the
+    norm already rounded to bf16 (relative 2^-9) with its own per-token scale: the contract is that
+    every fused value lies within half an E4M3 step (at its own scale) plus two bf16 roundings (the
+    new residual's and the norm's) of the core's fp32 norm; the byte agreement with the unfused read
+    is reported beside it."""
     differ = float((got.data.view(torch.uint8) != want.data.view(torch.uint8)).float().mean())
-    out = {"bytes_differing": differ, "max_dequant_diff_in_steps": float(((a - b).abs() / step).max())}
+    out = {"bytes_differing": differ}
+    if exact is not None:
+        q = got.data.to(torch.float32)
+        scale = got.scale.float() if got.per_token else got.scale.float().reshape(1, 1)
+        bound = _e4m3_half_step(q) * scale + exact.abs() * 2.0**-7 + 1e-12
+        out["max_err_over_bound"] = float(((q * scale - exact).abs() / bound).max())
     if want.per_token:
         out["scale_rel_diff"] = float(((got.scale.float() - want.scale.float()).abs() / want.scale.float()).max())
     return out
@@ -68,6 +83,7 @@ def _compare(got, want) -> dict:
 
 def check_fp8_reads(checks, parallel, rank, args):
     from layer_boundary.residual.add_norm import PLAIN_ADD
+    from layer_boundary.residual.quant import norm_fp32
 
     from .gpu_check import _device, _sync
     from .service import prepare_flashinfer_fusion
@@ -90,15 +106,18 @@ def check_fp8_reads(checks, parallel, rank, args):
                     device, torch.bfloat16)
                 summed = group.all_reduce(partial.clone())
                 want, want_residual = pair.read.update_and_read(PLAIN_ADD, summed, residual, pair.norm)
+                # the norm the core quantizes: of the cross-rank sum (rounded to bf16, as FlashInfer's
+                # is too) plus the residual, in fp32
+                exact = norm_fp32(pair.norm, summed.float() + residual.float())
                 got, got_residual = pair.run(residual, partial.clone())
                 _sync()
-                facts = {"tokens": tokens, "fused": type(got).__name__ == "Fp8Input", **_compare(got, want),
+                facts = {"tokens": tokens, "fused": type(got).__name__ == "Fp8Input", **_compare(got, want, exact.float()),
                          "residual_rel_err": float((got_residual.double() - want_residual.double()).norm()
                                                    / want_residual.double().norm())}
                 same = all(torch.equal(g, gathered) for g, gathered in
                            ((got.data.view(torch.uint8), group.all_gather(got.data.view(torch.uint8).unsqueeze(0))[0]),))
                 ok = (facts["fused"] and facts["bytes_differing"] <= FP8_BYTES_DIFFERING
-                      and facts["max_dequant_diff_in_steps"] <= 1.0 + 1e-6 and facts["residual_rel_err"] <= 2e-2
+                      and facts["max_err_over_bound"] <= 1.0 and facts["residual_rel_err"] <= 2e-2
                       and facts.get("scale_rel_diff", 0.0) <= 2e-2 and same)
-                checks.add(f"{label}: fused FP8 read equals the unfused quantizing read within one E4M3 step", ok,
+                checks.add(f"{label}: fused FP8 read within half an E4M3 step of the exact norm, like the unfused read", ok,
                            ranks_identical=same, **facts)

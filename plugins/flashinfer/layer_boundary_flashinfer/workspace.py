@@ -27,6 +27,8 @@ import torch
 
 from layer_boundary.nodes import node_hash
 
+from .ordering import LaunchOrder
+
 __all__ = [
     "WorkspaceSpec",
     "WorkspaceBackend",
@@ -142,6 +144,8 @@ class GroupWorkspace:
         self.workspace: Any = None
         self.spec: Optional[WorkspaceSpec] = None
         self._bound: "weakref.WeakSet" = weakref.WeakSet()
+        #: every launcher on this workspace calls it first (kernels on it must not overlap)
+        self.order = LaunchOrder()
 
     @property
     def available(self) -> bool:
@@ -229,6 +233,7 @@ class GroupWorkspace:
         exit, when peers may be gone), only this rank's own work is awaited.
         """
         self._unbind_all()
+        self.order.reset()
         workspace, self.workspace, self.spec = self.workspace, None, None
         if workspace is None:
             return

@@ -90,6 +90,27 @@ def test_ptx_uses_16_byte_vectors_for_sm_90a(variant, row_vectors, tmp_path):
     assert scalar == (2 * top_k if getattr(variant, "indexed", False) else top_k)
 
 
+def recording_executor(count: int):
+    """(a stand-in for the JitExecutor attributes FastCall reads, the packed pointer lists of its
+    calls, its CUDA error slot): each call records its first `count` argument pointers."""
+    import ctypes
+
+    seen = []
+    result = ctypes.c_int32(0)
+
+    class FakeExecutor:
+        _has_cuda_result = True
+        _cuda_result_addr = ctypes.addressof(result)
+        _kernel_ptrs = None
+        cuda_result = result
+
+        @staticmethod
+        def capi_func(packed):
+            seen.append([packed[i] for i in range(count)])
+
+    return FakeExecutor, seen, result
+
+
 @pytest.mark.parametrize("variant", [AddNormVariant(torch.bfloat16, 4096), MoeVariant(torch.bfloat16, 2880, 6, shared=True)], ids=lambda v: v.name)
 def test_fast_launch_packs_what_the_dsl_marshals(variant):
     """The wrappers' ctypes fast path passes the same argument values as the DSL's own
@@ -101,19 +122,7 @@ def test_fast_launch_packs_what_the_dsl_marshals(variant):
 
     compiled = compile_variant(variant, "sm_90a")
     n_addr = 5 if isinstance(variant, AddNormVariant) else 8
-    seen = []
-    result = ctypes.c_int32(0)
-
-    class FakeExecutor:  # the JitExecutor attributes FastCall reads
-        _has_cuda_result = True
-        _cuda_result_addr = ctypes.addressof(result)
-        _kernel_ptrs = None
-        cuda_result = result
-
-        @staticmethod
-        def capi_func(packed):
-            seen.append([packed[i] for i in range(n_addr + 5)])
-
+    FakeExecutor, seen, result = recording_executor(n_addr + 5)
     launcher = FastCall(FakeExecutor, pack_kinds(n_addr))
     probe = (*range(0x7F0000001000, 0x7F0000001000 + 16 * n_addr, 16), 4097, 1e-5, 2112, 0xABC0)
     assert launcher.matches(compiled.execution_args, probe)

@@ -5,7 +5,10 @@ There is no Hugging Face oracle for a Gemma final norm on qwen3_moe: both bf16 r
 against the same model in float64 (plugin off), and the plugin must stay within the project's
 bf16 bar (3e-2 relative logit error, as `layer-boundary run` uses against HF).
 
-TP=2 needs two GPUs (NCCL between two processes); it skips on a one-GPU machine.
+TP=2 runs two processes: one GPU each (NCCL) when there are two, else both on one GPU (a gloo
+process group; the one-shot all-reduce maps its peer buffers by CUDA IPC within the device), the
+core's `gpu_world` fixture. Either way every TP boundary and the terminal finalize run the
+one-shot kernel.
 """
 
 import importlib.util
@@ -49,11 +52,17 @@ def _counting(counts):
 
         return run
 
+    one = CUTEDSL_KERNELS.oneshot
     return replace(
         CUTEDSL_KERNELS,
         fused_add_rmsnorm=wrap("fused_add_rmsnorm", CUTEDSL_KERNELS.fused_add_rmsnorm),
         moe_finalize=wrap("moe_finalize", CUTEDSL_KERNELS.moe_finalize),
         moe_finalize_add_rmsnorm=wrap("moe_finalize_add_rmsnorm", CUTEDSL_KERNELS.moe_finalize_add_rmsnorm),
+        oneshot=replace(
+            one,
+            all_reduce_add_rmsnorm=wrap("oneshot_all_reduce_add_rmsnorm", one.all_reduce_add_rmsnorm),
+            moe_finalize_all_reduce_add_rmsnorm=wrap("oneshot_moe_finalize", one.moe_finalize_all_reduce_add_rmsnorm),
+        ),
     )
 
 
@@ -113,23 +122,34 @@ def test_cuda_graph_decode_with_the_plugin(setup):
 
 
 def _tp_rank(parallel, state, prompts, decode, plugin):
-    cutedsl = {} if plugin else None
-    logits, service, _ = run_decoder(parallel, GPU_CONFIG, state, prompts, decode, dtype=torch.bfloat16, device="cuda", cutedsl=cutedsl)
+    from layer_boundary_cutedsl.gpu_world import use_rank_device
+
+    device = use_rank_device(parallel)
+    counts = {}
+    cutedsl = {"kernels": _counting(counts)} if plugin else None
+    logits, service, _ = run_decoder(parallel, GPU_CONFIG, state, prompts, decode, dtype=torch.bfloat16, device=str(device), cutedsl=cutedsl)
+    reason = ""
     if plugin:
         assert service.usable and service.group.size == parallel.topology.tp
-    return logits
+        reason = service.oneshot_reason
+        service.release()  # every rank, before the next call's process-group work
+    return logits, counts, reason
 
 
-@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="TP=2 runs NCCL between two GPUs; this machine has fewer")
-def test_plugin_on_vs_off_tp2(setup):
-    """finalize -> NCCL all-reduce -> fused add + norm at every layer boundary and the final norm."""
-    from layer_boundary.launch import ProcessWorld
-
+def test_plugin_on_vs_off_tp2(setup, gpu_world):
+    """The one-shot all-reduce kernel at every TP boundary and at the terminal finalize (into the
+    Gemma final norm): logits within the bf16 bar of float64, as the plugin-off run is."""
     config, state, prompts, decode, exact = setup
-    env = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1"}
-    with ProcessWorld(2, backend="nccl", timeout=300, env=env) as world:
-        off = world.run(_tp_rank, Topology(tp=2), state, prompts, decode, False)
-        on = world.run(_tp_rank, Topology(tp=2), state, prompts, decode, True)
-    for rank_off, rank_on in zip(off, on):
+    world = gpu_world(2)
+    off = world.run(_tp_rank, Topology(tp=2), state, prompts, decode, False)
+    on = world.run(_tp_rank, Topology(tp=2), state, prompts, decode, True)
+    steps = 1 + len(decode)
+    for (rank_off, _, _), (rank_on, counts, reason) in zip(off, on):
         err_off, err_on = max_rel_diff(rank_off, exact), max_rel_diff(rank_on, exact)
         assert err_on < BF16_BAR, f"plugin on: {err_on:.3g} relative logit error (plugin off: {err_off:.3g})"
+        assert not reason, f"no one-shot workspace: {reason}"
+        # every MoE finalize (the terminal one included) was one one-shot launch; nothing took the
+        # three-launch path
+        assert counts.get("oneshot_moe_finalize") == len(config.sparse_layers) * steps, counts
+        assert counts.get("oneshot_all_reduce_add_rmsnorm", 0) > 0 and not counts.get("moe_finalize"), counts
+    assert on[0][1] == on[1][1]

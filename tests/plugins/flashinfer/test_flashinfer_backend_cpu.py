@@ -78,7 +78,8 @@ def test_the_public_api_the_plugin_relies_on():
 
 def _slot(dtype=torch.bfloat16):
     ws = types.SimpleNamespace(world_size=2, rank=1, workspace_tensor=torch.arange(7, dtype=torch.int64))
-    return types.SimpleNamespace(workspace=ws, dtype=dtype)
+    ordered = []
+    return types.SimpleNamespace(workspace=ws, dtype=dtype, order=lambda: ordered.append(1), ordered=ordered)
 
 
 def _recorder(params, calls):
@@ -110,6 +111,7 @@ def test_the_bound_launcher_calls_the_compiled_op_with_everything_resolved(monke
         assert got["rms_eps"] == 1e-5 and got["weight_bias"] == 1.0
         for unused in ("allreduce_out", "quant_out", "scale_out", "scale_factor", "layout_code", "block_quant_group_size"):
             assert got[unused] is None
+    assert len(slot.ordered) == 4  # every launch is ordered against launches from other streams first
 
 
 def test_another_compiled_signature_falls_back_to_the_public_api(monkeypatch):
@@ -196,3 +198,40 @@ def test_flashinfers_own_destroy_keeps_the_mappings_alive(monkeypatch):
     ws.destroy()
     trtllm_ar.trtllm_destroy_ipc_workspace_for_all_reduce_fusion(handles)
     assert all(r() is not None for r in refs)
+
+
+def test_launches_from_another_stream_wait_for_the_previous_one(monkeypatch):
+    """Two-batch overlap launches from two streams: the second waits for what the first queued."""
+    from layer_boundary_flashinfer import ordering
+
+    class Stream:
+        def __init__(self, name):
+            self.name, self.waited = name, []
+
+        def wait_event(self, event):
+            self.waited.append(event.recorded_on)
+
+    class Event:
+        def record(self, stream):
+            self.recorded_on = stream.name
+
+    streams = {"s0": Stream("s0"), "s1": Stream("s1")}
+    current = ["s0"]
+    capturing = [False]
+    monkeypatch.setattr(ordering.torch.cuda, "current_stream", lambda: streams[current[0]])
+    monkeypatch.setattr(ordering.torch.cuda, "is_current_stream_capturing", lambda: capturing[0])
+    monkeypatch.setattr(ordering.torch.cuda, "Event", Event)
+    order = ordering.LaunchOrder()
+    order()
+    order()  # the same stream: nothing to wait for
+    current[0] = "s1"
+    order()
+    current[0] = "s0"
+    order()
+    assert streams["s1"].waited == ["s0"] and streams["s0"].waited == ["s1"] and order.waits == 2
+    capturing[0] = True
+    current[0] = "s1"
+    order()  # the first launch in a capture does not wait for work outside it
+    assert streams["s1"].waited == ["s0"] and order.waits == 2
+    order.reset()
+    assert order.stream is None

@@ -157,8 +157,34 @@ def test_the_real_backend_applies_the_kernel_rules():
 
     backend = FlashInferBackend()
     assert backend.finalize_reason(64, torch.bfloat16) and backend.finalize_reason(4096, torch.float32)
-    assert backend.finalize_reason(4096, torch.bfloat16) is None
+    assert "reads its peers' Lamport buffers" in backend.finalize_reason(4096, torch.bfloat16)
     assert backend.width_reason(32776, torch.float32) and backend.width_reason(4096, torch.float32) is None
+
+
+def test_the_finalize_kernel_runs_only_with_a_flashinfer_verified_to_read_its_own_buffer(monkeypatch):
+    assert "FlashInfer 0.7.2.post1's fused MoE finalize" in eligibility.finalize_kernel_version_reason("0.7.2.post1")
+    assert "(unknown version)" in eligibility.finalize_kernel_version_reason(None)
+    monkeypatch.setattr(eligibility, "FINALIZE_KERNEL_SAFE_VERSIONS", ("9.9.9",))
+    assert eligibility.finalize_kernel_version_reason("9.9.9") is None
+
+
+def test_flashinfers_finalize_kernel_still_reads_the_buffers_the_next_call_clears():
+    """The installed FlashInfer's one-shot kernels: the all-reduce kernels read the peers' rows
+    from this rank's own Lamport buffer, which only this rank clears (after it is done with it);
+    the finalize kernel reads them from each peer's buffer, which that peer clears at its next
+    call, while this rank may still be reading. If this fails, FlashInfer changed the kernel:
+    verify the finalize on a GPU (scripts/gpu_tests.sh) and list the version as safe."""
+    flashinfer = pytest.importorskip("flashinfer")
+    from pathlib import Path
+
+    header = Path(flashinfer.__file__).parent / "data" / "include" / "flashinfer" / "comm" / "trtllm_moe_allreduce_fusion.cuh"
+    text = header.read_text()
+    finalize = text[text.index("moefinalize_allreduce_fusion_kernel_oneshot_lamport("):]
+    finalize = finalize[: finalize.index("cudaTriggerProgrammaticLaunchCompletion")]
+    assert "load_global_volatile(reinterpret_cast<T*>(comm.data_bufs[r])" in finalize
+    reduce_kernel = text[text.index("moereduce_allreduce_fusion_kernel_oneshot_lamport("):]
+    assert "load_global_volatile(reinterpret_cast<T*>(comm.data_bufs[params.rank])" in reduce_kernel[:6000]
+    assert flashinfer.__version__ not in eligibility.FINALIZE_KERNEL_SAFE_VERSIONS
 
 
 @pytest.mark.parametrize("world", [2, 4])

@@ -41,7 +41,7 @@ def _steps(parallel, args):
 
 
 def test_the_gpu_checks_steps_pass_on_the_reference_backend(on_cpu):
-    args = types.SimpleNamespace(hidden=64, max_tokens=256, models=["qwen3", "qwen3_moe"], graph_models=[])
+    args = types.SimpleNamespace(hidden=64, max_tokens=256, models=["qwen3", "qwen3_moe"], graph_models=[], model_sizes="check", dense_moe=False)
     results = run_threaded(_steps, Topology(tp=2), args, timeout=240)
     for items in results:
         failed = [c for c in items if not c["ok"]]
@@ -52,13 +52,17 @@ def test_the_gpu_checks_steps_pass_on_the_reference_backend(on_cpu):
     assert on_cpu.count("all_reduce_fp8") > 0 and on_cpu.count("finalize") > 0
 
 
-def test_fp8_tolerances_count_one_e4m3_step():
+def test_the_fp8_bound_is_half_a_step_of_the_exact_norm():
     from layer_boundary.residual.quant import quantize_fp8
 
-    y = torch.randn(4, 64, dtype=torch.float32)
-    a = quantize_fp8(y, torch.bfloat16, None)
-    b = quantize_fp8(y.to(torch.bfloat16).float(), torch.bfloat16, None)  # FlashInfer's rounding point
-    facts = fp8_check._compare(b, a)
-    assert facts["max_dequant_diff_in_steps"] <= 1.0 and facts["bytes_differing"] < 0.1
-    far = quantize_fp8(y * 1.5, torch.bfloat16, None)
-    assert fp8_check._compare(far, a)["scale_rel_diff"] > 0.4
+    y = torch.randn(4, 64, dtype=torch.float32) * 3
+    exact = quantize_fp8(y, torch.bfloat16, None)
+    flashinfers = quantize_fp8(y.to(torch.bfloat16).float(), torch.bfloat16, None)  # its rounding point
+    facts = fp8_check._compare(flashinfers, exact, y)
+    assert facts["max_err_over_bound"] <= 1.0 and facts["bytes_differing"] < 0.1
+    assert fp8_check._compare(exact, exact, y)["max_err_over_bound"] <= 1.0
+    off = quantize_fp8(y * 1.2, torch.bfloat16, None)  # a wrong read is far outside
+    assert fp8_check._compare(off, exact, y)["max_err_over_bound"] > 3
+    inside = y / 2  # within the fixed scale's range (|y| < 8): saturation is no rounding
+    static = quantize_fp8(inside, torch.bfloat16, torch.tensor(8.0 / 448.0))
+    assert fp8_check._compare(static, static, inside)["max_err_over_bound"] <= 1.0

@@ -86,8 +86,11 @@ class FastCall:
         return True
 
 
-def executor_for(key: tuple, device: torch.device, make_variant: Callable, n_addresses: int):
-    """(launcher, threads, num_sms) for variant `key` on `device`; compiled and bound once."""
+def executor_for(key: tuple, device: torch.device, make_variant: Callable, n_addresses: int, *, kinds=None, probe=None):
+    """(launcher, threads, num_sms) for variant `key` on `device`; compiled and bound once.
+
+    `kinds`/`probe`: the entry's C argument types and a probe tuple of that layout (CUstream
+    last), for entries whose scalars differ from `pack_kinds(n_addresses)`."""
     entry = _executors.get((key, device.index))
     if entry is None:
         with _lock:
@@ -100,8 +103,9 @@ def executor_for(key: tuple, device: torch.device, make_variant: Callable, n_add
                     compiled = get_compiled(variant, target_arch(device))
                     executor = compiled.to(device.index)
                     sms = torch.cuda.get_device_properties(device).multi_processor_count
-                launcher = FastCall(executor, pack_kinds(n_addresses))
-                probe = (*range(0x1000, 0x1000 + 16 * n_addresses, 16), 7, 0.5, 3, 0x5150)
+                launcher = FastCall(executor, kinds or pack_kinds(n_addresses))
+                if probe is None:
+                    probe = (*range(0x1000, 0x1000 + 16 * n_addresses, 16), 7, 0.5, 3, 0x5150)
                 if not launcher.matches(compiled.execution_args, probe):
                     warnings.warn("cutedsl: unexpected argument ABI; using the slower generic launch path")
                     launcher = _GenericCall(executor)

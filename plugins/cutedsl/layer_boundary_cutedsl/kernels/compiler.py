@@ -43,6 +43,8 @@ def target_arch(device=None) -> str:
 
 
 def _kernel_object(variant: Variant):
+    if hasattr(variant, "kernel_object"):  # variants that name their own kernel (allreduce_layout.py)
+        return variant.kernel_object()
     if isinstance(variant, AddNormVariant):
         from .add_rmsnorm_dsl import AddRMSNormKernel
 
@@ -58,6 +60,8 @@ def _example_args(variant: Variant):
     import cuda.bindings.driver as cuda
     from cutlass import Float32, Int32, Int64
 
+    if hasattr(variant, "example_args"):
+        return variant.example_args()
     n_addr = 5 if isinstance(variant, AddNormVariant) else 8
     return [Int64(0)] * n_addr + [Int32(1), Float32(1e-6), Int32(1), cuda.CUstream(0)]
 

@@ -1,0 +1,241 @@
+"""One-shot all-reduce over peer buffers + residual add + RMSNorm in CuTe DSL (imports cutlass).
+
+One launch per rank of the group; every rank runs the same rows in the same order. For each row
+`t` a CTA (a persistent grid: at most one CTA per SM, looping over rows):
+
+1. computes this rank's partial row (the input row, or the MoE finalize of its expert rows in
+   fp32) and rounds it once to the row dtype, keeps it in registers and stores it to its own
+   `staging[epoch % 2][t]`;
+2. `bar.sync`; threads p < world, p != rank: `fence.acq_rel.sys`, then a relaxed sys-scope store of
+   `epoch` into rank p's `flags[rank, t]` (a release: the staging row is visible before the flag);
+3. the same threads spin on this rank's `flags[p, t]` with `ld.acquire.sys` until it is >= epoch
+   (a faster peer may already have written epoch + 1), bounded by a timeout after which the
+   thread writes what it waited for to host memory and traps; `bar.sync`;
+4. reads row t of every rank's staging in rank order 0..world-1 with L1-bypassing loads
+   (`ld.global.cg`), sums in fp32 in that order (so every rank computes bit-identical values),
+   adds the residual and normalizes (`RowKernel.norm_and_store`).
+
+The epoch is `state[0] + 1`, read by every CTA at its start; the last CTA to finish (an atomic
+count in `state[1]`) stores it back, so the next launch on the stream, eager or a graph
+replay, uses the next epoch without any host argument changing. See docs/fused_allreduce.md for
+why two staging buffers are enough.
+"""
+
+from __future__ import annotations
+
+import cuda.bindings.driver as cuda
+import cutlass
+import cutlass.cute as cute
+from cutlass import Float32, Int32, Int64, const_expr
+from cutlass._mlir.dialects import llvm
+from cutlass.cutlass_dsl import dsl_user_op
+
+from .allreduce_layout import FLAG_BYTES, N_ADDRESSES, AllReduceVariant
+from .dsl_rows import RowKernel
+
+__all__ = ["AllReduceAddRMSNormKernel", "N_ADDRESSES"]
+
+
+@dsl_user_op
+def _trap(*, loc=None, ip=None):
+    llvm.inline_asm(None, [], "trap;", "", has_side_effects=True, loc=loc, ip=ip)
+
+
+class AllReduceAddRMSNormKernel(RowKernel):
+    def __init__(self, variant: AllReduceVariant):
+        super().__init__(variant.dtype, variant.tiling())
+        self.variant = variant
+        self.world = variant.world
+        self.top_k = variant.top_k
+        self.has_shared = variant.shared
+        self.weight_offset = float(variant.weight_offset)
+        self.row_stride = variant.row_stride
+
+    @cute.jit
+    def __call__(
+        self,
+        src: Int64,
+        weights: Int64,
+        shared: Int64,
+        residual: Int64,
+        gamma: Int64,
+        residual_out: Int64,
+        out: Int64,
+        state: Int64,
+        diag: Int64,
+        own: Int64,
+        b0: Int64,
+        b1: Int64,
+        b2: Int64,
+        b3: Int64,
+        b4: Int64,
+        b5: Int64,
+        b6: Int64,
+        b7: Int64,
+        rows: Int32,
+        rank: Int32,
+        capacity: Int32,
+        eps: Float32,
+        grid: Int32,
+        stream: cuda.CUstream,
+    ):
+        self.kernel(
+            src, weights, shared, residual, gamma, residual_out, out, state, diag, own,
+            b0, b1, b2, b3, b4, b5, b6, b7, rows, rank, capacity, eps,
+        ).launch(grid=[grid, 1, 1], block=[self.threads, 1, 1], stream=stream)
+
+    # ------------------------------------------------------------------------------- helpers
+    def _peer_atom(self):
+        """16-byte loads that bypass L1 (`ld.global.cg`): a peer's row is never served from a
+        line this SM cached before the peer's flag arrived."""
+        return cute.make_copy_atom(
+            cute.nvgpu.CopyG2ROp(), self.dtype, num_bits_per_copy=128, load_cache_mode=cute.nvgpu.LoadCacheMode.GLOBAL
+        )
+
+    @cute.jit
+    def _load_peer_row(self, addr: Int64, frag: cute.Tensor, tidx: Int32):
+        for i in cutlass.range_constexpr(self.vpt):
+            col = (i * self.threads + tidx) * self.vec
+            if const_expr(self.full) or col < self.hidden:
+                cute.copy(self._peer_atom(), self._vec_tensor(addr, Int64(col)), frag[None, i])
+
+    def _i64(self, addr: Int64):
+        return cute.make_ptr(Int64, addr, cute.AddressSpace.gmem, assumed_align=8)
+
+    @cute.jit
+    def _weight(self, weights: Int64, index: Int64) -> Float32:
+        w_ptr = cute.make_ptr(Float32, weights + index * 4, cute.AddressSpace.gmem, assumed_align=4)
+        return cute.make_tensor(w_ptr, cute.make_layout((1,)))[0]
+
+    @cute.jit
+    def _partial(self, src: Int64, weights: Int64, shared: Int64, row: Int32, row_elem: Int64, tidx: Int32):
+        """This rank's partial row in fp32: the input row, or sum_k w[t,k] * rows[t,k] (+ shared)."""
+        if const_expr(self.top_k == 0):
+            xf = self.new_frag()
+            self.load_row(src, row_elem, xf, tidx)
+            return xf.load().to(Float32)
+        else:
+            top_k = self.top_k
+            sf = None
+            if const_expr(self.has_shared):
+                sf = self.new_frag()
+                self.load_row(shared, row_elem, sf, tidx)
+            wts = cute.make_rmem_tensor((top_k,), Float32)
+            base = Int64(row) * top_k
+            for k in cutlass.range_constexpr(top_k):
+                wts[k] = self._weight(weights, base + k)
+            ef = cute.make_rmem_tensor((self.vec, self.vpt, top_k), self.dtype)
+            ef.fill(0.0)
+            for k in cutlass.range_constexpr(top_k):
+                self.load_row(src, (base + k) * self.hidden, ef[None, None, k], tidx)
+            acc = ef[None, None, 0].load().to(Float32) * wts[0]
+            for k in cutlass.range_constexpr(1, top_k):
+                acc = acc + ef[None, None, k].load().to(Float32) * wts[k]
+            if const_expr(self.has_shared):
+                acc = acc + sf.load().to(Float32)
+            return acc
+
+    @cute.jit
+    def _wait(self, flag: Int64, epoch: Int64, timeout: Int64, diag: Int64, rank: Int32, peer: Int32, row: Int32):
+        """Spin until flags word `flag` holds >= epoch; past `timeout` ns report and trap."""
+        fptr = self._i64(flag)
+        seen = cute.arch.load(fptr, Int64, sem="acquire", scope="sys")
+        if seen < epoch:
+            start = cute.arch.globaltimer()
+            while seen < epoch:
+                seen = cute.arch.load(fptr, Int64, sem="acquire", scope="sys")
+                waited = cute.arch.globaltimer() - start
+                if waited > timeout:
+                    dptr = self._i64(diag)
+                    cute.arch.store(dptr + 1, Int64(rank), sem="relaxed", scope="sys")
+                    cute.arch.store(dptr + 2, Int64(peer), sem="relaxed", scope="sys")
+                    cute.arch.store(dptr + 3, Int64(row), sem="relaxed", scope="sys")
+                    cute.arch.store(dptr + 4, epoch, sem="relaxed", scope="sys")
+                    cute.arch.store(dptr + 5, seen, sem="relaxed", scope="sys")
+                    cute.arch.store(dptr + 6, waited, sem="relaxed", scope="sys")
+                    cute.arch.store(dptr, Int64(1), sem="release", scope="sys")
+                    cute.arch.fence_acq_rel_sys()
+                    _trap()
+
+    # -------------------------------------------------------------------------------- kernel
+    @cute.kernel
+    def kernel(
+        self,
+        src: Int64,
+        weights: Int64,
+        shared: Int64,
+        residual: Int64,
+        gamma: Int64,
+        residual_out: Int64,
+        out: Int64,
+        state: Int64,
+        diag: Int64,
+        own: Int64,
+        b0: Int64,
+        b1: Int64,
+        b2: Int64,
+        b3: Int64,
+        b4: Int64,
+        b5: Int64,
+        b6: Int64,
+        b7: Int64,
+        rows: Int32,
+        rank: Int32,
+        capacity: Int32,
+        eps: Float32,
+    ):
+        tidx, _, _ = cute.arch.thread_idx()
+        bidx, _, _ = cute.arch.block_idx()
+        gdim, _, _ = cute.arch.grid_dim()
+        world = self.world
+        bases = [b0, b1, b2, b3, b4, b5, b6, b7][:world]
+        red = self.alloc_reduction()
+        gam = self.load_gamma(gamma, tidx, self.weight_offset)
+        sptr = self._i64(state)
+        epoch = cute.arch.load(sptr, Int64, sem="relaxed", scope="gpu") + Int64(1)
+        timeout = cute.arch.load(sptr + 2, Int64, sem="relaxed", scope="gpu")
+        parity = epoch % 2
+        cap = Int64(capacity)
+        flags_bytes = Int64(world) * cap * FLAG_BYTES
+        staging = (flags_bytes + 255) // 256 * 256 + parity * cap * self.row_stride
+        # the peer whose flag this thread writes and waits for (threads world.. do neither)
+        peer = Int32(tidx)
+        peer_base = bases[0]
+        for r in cutlass.range_constexpr(1, world):
+            peer_base = cutlass.select_(peer == r, bases[r], peer_base)
+        signals = tidx < world and peer != rank
+        red_parity = Int32(0)
+        for row in cutlass.range(bidx, rows, gdim):
+            row_elem = Int64(row) * self.hidden
+            rf = self.new_frag()
+            self.load_row(residual, row_elem, rf, tidx)
+            part = self._partial(src, weights, shared, row, row_elem, tidx)
+            pfrag = cute.make_rmem_tensor((self.vec, self.vpt), self.dtype)
+            pfrag.store(part.to(self.dtype))  # rounded once: what every rank sums
+            staged = staging + Int64(row) * self.row_stride
+            self.store_row(own + staged, Int64(0), pfrag, tidx)
+            cute.arch.sync_threads()  # the whole row is stored before any flag goes out
+            if signals:
+                cute.arch.fence_acq_rel_sys()
+                flag_out = peer_base + (Int64(rank) * cap + Int64(row)) * FLAG_BYTES
+                cute.arch.store(self._i64(flag_out), epoch, sem="relaxed", scope="sys")
+                flag_in = own + (Int64(peer) * cap + Int64(row)) * FLAG_BYTES
+                self._wait(flag_in, epoch, timeout, diag, rank, peer, row)
+            cute.arch.sync_threads()  # every peer's row t is published
+            peers = cute.make_rmem_tensor((self.vec, self.vpt, world), self.dtype)
+            peers.fill(0.0)
+            for r in cutlass.range_constexpr(world):
+                self._load_peer_row(bases[r] + staged, peers[None, None, r], tidx)
+            total = peers[None, None, 0].load().to(Float32)
+            for r in cutlass.range_constexpr(1, world):
+                total = total + peers[None, None, r].load().to(Float32)
+            total = total + rf.load().to(Float32)
+            self.norm_and_store(total, gam, eps, red, red_parity, residual_out, out, row_elem, tidx)
+            red_parity = 1 - red_parity
+        # the last CTA out stores the epoch for the next launch (every CTA read it before this)
+        cute.arch.sync_threads()
+        if tidx == 0:
+            arrived = cute.arch.atomic_add(sptr + 1, Int64(1), sem="acq_rel", scope="gpu")
+            if arrived == Int64(gdim) - 1:
+                cute.arch.store(sptr + 1, Int64(0), sem="relaxed", scope="gpu")
+                cute.arch.store(sptr, epoch, sem="relaxed", scope="gpu")

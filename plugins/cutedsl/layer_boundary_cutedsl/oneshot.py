@@ -1,0 +1,496 @@
+"""The one-shot fused all-reduce: a peer-mapped workspace per TP group, and the fused paths that
+replace `finalize -> all-reduce -> add + norm` with one launch.
+
+    ws, reason = create_workspace(group, kernels.oneshot, dtype=..., hidden=..., max_tokens=..., device=...)
+    normed, new_residual = ws.all_reduce_add_rmsnorm(partial, residual, gamma, eps)   # every rank
+    ws.release()                                                                          # every rank
+
+`CuteDSLService.prepare()` creates the workspace (after its kernels vote) and keeps it as
+`service.oneshot`; its `finalize()` and the provider's candidates call `finalize_add_norm` /
+`all_reduce_add_norm` here first and fall back to the three-launch path when they return None.
+
+Rank uniformity is the whole game: a rank that launches the kernel waits (on the GPU) for every
+peer to launch it too, so each decision to launch is taken only from facts every rank of the
+group shares:
+
+- the workspace exists on every rank or on none: creation runs the same collectives on every
+  rank whatever fails locally (one `all_gather` of a table of handles and settings, then one
+  vote on the mappings), and a rank that failed anywhere makes every rank give up;
+- per call: the workspace exists, the handoff's group is its group, the batch's token count is
+  within its capacity, the dtype and width are the model's. Tensors a kernel cannot read as they
+  are (strided, unaligned, expanded weights) are copied locally; that never makes a rank decline.
+
+Environment (read when the workspace is created, checked equal across the group):
+`LAYER_BOUNDARY_CUTEDSL_ONESHOT=0` turns the path off; `LAYER_BOUNDARY_CUTEDSL_ONESHOT_MAX_TOKENS`
+(default 256) caps the rows per call (above it the old path runs: one-shot traffic grows with
+tokens x world); `LAYER_BOUNDARY_CUTEDSL_ONESHOT_TIMEOUT_S` (default 30) bounds a kernel's wait
+for a peer, after which it reports to host memory and traps (an error, never a hung device).
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import struct
+import zlib
+from dataclasses import dataclass, field
+from typing import Callable, Optional
+
+import torch
+
+from layer_boundary.layers import MoeFinalizeHandoff
+from layer_boundary.output import UnreducedOutput
+from layer_boundary.residual.add_norm import is_rms_norm
+
+from .kernels.allreduce_layout import DIAG_WORDS, STATE_WORDS, WORLD_SIZES, AllReduceVariant, buffer_layout
+from .kernels.tiling import MAX_HIDDEN, MAX_TOP_K, SUPPORTED_DTYPES
+from .peer_memory import HANDLE_BYTES, CudaIpcMemory, HostWords, PeerMemory
+
+__all__ = [
+    "OneShotKernels",
+    "OneShotWorkspace",
+    "OneShotTimeout",
+    "CUDA_ONESHOT",
+    "create_workspace",
+    "oneshot_settings",
+    "all_reduce_add_norm",
+    "finalize_add_norm",
+    "all_reduce_candidate",
+    "finalize_candidate",
+    "DEFAULT_MAX_TOKENS",
+    "DEFAULT_TIMEOUT_S",
+]
+
+ENV_ENABLE = "LAYER_BOUNDARY_CUTEDSL_ONESHOT"
+ENV_MAX_TOKENS = "LAYER_BOUNDARY_CUTEDSL_ONESHOT_MAX_TOKENS"
+ENV_TIMEOUT = "LAYER_BOUNDARY_CUTEDSL_ONESHOT_TIMEOUT_S"
+DEFAULT_MAX_TOKENS = 256
+DEFAULT_TIMEOUT_S = 30.0
+
+
+class OneShotTimeout(RuntimeError):
+    """A one-shot kernel waited longer than its timeout for a peer's row and trapped."""
+
+
+@dataclass(frozen=True)
+class OneShotKernels:
+    """The launches and memory of a one-shot implementation (the CuTe DSL kernels over CUDA IPC,
+    or the CPU reference over fake peer memory in `testing.py`)."""
+
+    name: str
+    #: a new peer-memory backend for one workspace
+    memory: Callable[[], PeerMemory]
+    #: (dtype, hidden, world, weight_offsets, moe_shapes [(top_k, shared)], device) -> None:
+    #: compile and load ahead of time
+    prepare: Callable
+    #: (workspace, partial, residual, gamma, eps, *, weight_offset, out, residual_out) -> (normed, new_residual)
+    all_reduce_add_rmsnorm: Callable
+    #: (workspace, rows [T, k, H], weights [T, k], residual, gamma, eps, *, shared, weight_offset, out, residual_out)
+    moe_finalize_all_reduce_add_rmsnorm: Callable
+    dtypes: tuple = SUPPORTED_DTYPES
+    world_sizes: tuple = WORLD_SIZES
+    max_hidden: int = MAX_HIDDEN
+    #: wait for this rank's launches that may still touch the workspace
+    quiesce: Callable = field(default=lambda device: None)
+    #: what tells the ranks' address spaces apart (CUDA IPC maps between processes only)
+    process_id: Callable[[], int] = os.getpid
+
+
+def _cuda_quiesce(device) -> None:
+    torch.cuda.synchronize(device)
+
+
+def _prepare_cuda(dtype, hidden, world, weight_offsets, moe_shapes, device) -> None:
+    from .kernels.allreduce import prepare_allreduce
+
+    for o in sorted(set(weight_offsets)):
+        prepare_allreduce(AllReduceVariant(dtype, hidden, world, float(o)), device)
+        for top_k, shared in moe_shapes:
+            prepare_allreduce(AllReduceVariant(dtype, hidden, world, float(o), top_k=top_k, shared=shared), device)
+
+
+def _cuda_kernels() -> OneShotKernels:
+    from .kernels.allreduce import allreduce_add_rmsnorm, moe_finalize_allreduce_add_rmsnorm
+
+    return OneShotKernels(
+        name="cutedsl-ipc",
+        memory=CudaIpcMemory,
+        prepare=_prepare_cuda,
+        all_reduce_add_rmsnorm=allreduce_add_rmsnorm,
+        moe_finalize_all_reduce_add_rmsnorm=moe_finalize_allreduce_add_rmsnorm,
+        quiesce=_cuda_quiesce,
+    )
+
+
+CUDA_ONESHOT = _cuda_kernels()
+
+
+# -------------------------------------------------------------------------------------- settings
+
+
+def _env_int(name: str, default: int) -> int:
+    raw = os.environ.get(name, "").strip()
+    return int(raw) if raw else default
+
+
+def oneshot_settings() -> dict:
+    """(enabled, max tokens, timeout) from the environment."""
+    enabled = os.environ.get(ENV_ENABLE, "").strip().lower() not in ("0", "false", "no", "off")
+    raw_timeout = os.environ.get(ENV_TIMEOUT, "").strip()
+    return {
+        "enabled": enabled,
+        "max_tokens": _env_int(ENV_MAX_TOKENS, DEFAULT_MAX_TOKENS),
+        "timeout_s": float(raw_timeout) if raw_timeout else DEFAULT_TIMEOUT_S,
+    }
+
+
+_DTYPE_CODES = {torch.bfloat16: 1, torch.float16: 2, torch.float32: 3, torch.float64: 4}
+
+
+def _host_id() -> int:
+    return zlib.crc32(socket.gethostname().encode()) & 0x7FFFFFFF
+
+
+#: words per rank in the exchanged table: ok, host, pid, capacity, hidden, world, dtype, handle
+_TABLE_WORDS = 7 + HANDLE_BYTES // 8
+
+
+def _handle_words(handle: bytes) -> list:
+    if len(handle) > HANDLE_BYTES:
+        raise ValueError(f"a peer-memory handle has at most {HANDLE_BYTES} bytes, got {len(handle)}")
+    return list(struct.unpack(f"<{HANDLE_BYTES // 8}q", handle.ljust(HANDLE_BYTES, b"\0")))
+
+
+def _handle_bytes(words) -> bytes:
+    return struct.pack(f"<{HANDLE_BYTES // 8}q", *[int(w) for w in words])
+
+
+# ------------------------------------------------------------------------------------- workspace
+
+
+class OneShotWorkspace:
+    """This rank's part of a group's peer buffers (see kernels/allreduce_layout.py), the local
+    state and report words, and the launches over them. Made by `create_workspace`."""
+
+    def __init__(self, *, group, kernels, memory, device, dtype, hidden, capacity, buffer, addresses, state, diag, timeout_s):
+        self.group = group
+        self.ranks = tuple(group.ranks)
+        self.world = group.size
+        self.rank = group.rank
+        self.kernels = kernels
+        self.memory = memory
+        self.device = torch.device(device)
+        self.dtype = dtype
+        self.hidden = hidden
+        self.capacity = capacity
+        self.layout = buffer_layout(self.world, capacity, hidden, dtype)
+        self.buffer = buffer
+        self.addresses = tuple(addresses)
+        self.state = state
+        self.diag = diag
+        self.diag_address = diag.device_address
+        self.timeout_s = timeout_s
+        #: cap on CTAs per launch (None: one per SM); tests lower it to make CTAs loop over rows
+        self.max_ctas: Optional[int] = None
+        self.launches = 0
+        self.released = False
+
+    @property
+    def nbytes(self) -> int:
+        return self.layout.nbytes
+
+    def fits(self, tokens: int) -> bool:
+        return not self.released and 0 < tokens <= self.capacity
+
+    # launches (every rank of the group, same rows) -------------------------------------------
+    def all_reduce_add_rmsnorm(self, partial, residual, gamma, eps: float, weight_offset: float = 0.0, *, out=None, residual_out=None):
+        """(normed, new_residual) of sum over the group of each rank's `partial`, + `residual`, the
+        RMSNorm with `gamma + weight_offset`. `out` / `residual_out`: rows to write (readable
+        as they are), default new tensors."""
+        self._check_open()
+        partial, residual, gamma = (_readable(t, self.dtype) for t in (partial, residual, gamma))
+        self.launches += 1
+        return self.kernels.all_reduce_add_rmsnorm(
+            self, partial, residual, gamma, eps, weight_offset=weight_offset, out=out, residual_out=residual_out
+        )
+
+    def moe_finalize_all_reduce_add_rmsnorm(
+        self, rows, weights, shared, residual, gamma, eps: float, weight_offset: float = 0.0, *, out=None, residual_out=None
+    ):
+        """The same with this rank's partial = its MoE finalize: dense `rows` [T, top_k, H],
+        `weights` [T, top_k], optional `shared` [T, H]."""
+        self._check_open()
+        rows, residual, gamma = (_readable(t, self.dtype) for t in (rows, residual, gamma))
+        shared = None if shared is None else _readable(shared, self.dtype)
+        weights = _readable(weights, weights.dtype)  # the kernels take the dtype they need
+        self.launches += 1
+        return self.kernels.moe_finalize_all_reduce_add_rmsnorm(
+            self, rows, weights, residual, gamma, eps, shared=shared, weight_offset=weight_offset, out=out, residual_out=residual_out
+        )
+
+    def _check_open(self) -> None:
+        if self.released:
+            raise RuntimeError("the one-shot workspace was released")
+
+    # diagnostics -----------------------------------------------------------------------------
+    def report(self) -> Optional[str]:
+        """What a timed-out kernel of this rank wrote before it trapped (None: nothing)."""
+        words = self.diag.read() if self.diag is not None else []
+        if not words or words[0] != 1:
+            return None
+        _, rank, peer, row, epoch, seen, waited = words[:7]
+        return (
+            f"one-shot all-reduce on rank {rank} of {self.ranks}: waited {waited / 1e9:.1f} s for rank {peer}'s row {row} "
+            f"of call {epoch} (its flag says {seen}); that rank did not launch the same call (a rank-dependent decision, "
+            "a dead rank, or a call count that differs between ranks)"
+        )
+
+    def check(self) -> None:
+        """Raise OneShotTimeout if a kernel of this rank timed out."""
+        message = self.report()
+        if message is not None:
+            raise OneShotTimeout(message)
+
+    # release ---------------------------------------------------------------------------------
+    def release(self, *, barrier: bool = True) -> None:
+        """Give the memory back. With `barrier` (every rank calls it, in lock-step): wait for this
+        rank's kernels, then for every rank's (nobody reads this buffer or writes its flags any
+        more), unmap the peers, wait until every rank has unmapped this one, free it. Without it
+        (a failure path, peers may be gone) only the local part, in the same order."""
+        if self.released:
+            return
+        self.released = True
+        _safe(lambda: self.kernels.quiesce(self.device))
+        if barrier:
+            self.group.agree(True)
+        for r, address in enumerate(self.addresses):
+            if r != self.rank and address:
+                _safe(lambda a=address: self.memory.close(a, self.device))
+        if barrier:
+            self.group.agree(True)
+        _safe(lambda: self.memory.free(self.buffer, self.device))
+        if self.diag is not None:
+            _safe(self.diag.free)
+        self.addresses, self.state, self.diag = (), None, None
+
+    def __repr__(self) -> str:
+        state = "released" if self.released else f"{self.nbytes} bytes, {self.launches} launches"
+        return f"OneShotWorkspace({self.kernels.name}, rank {self.rank} of {self.ranks}, {self.dtype}, hidden={self.hidden}, capacity={self.capacity}, {state})"
+
+
+def _safe(fn) -> Optional[str]:
+    try:
+        fn()
+    except Exception as exc:  # noqa: BLE001 - release goes on with the rest
+        return f"{type(exc).__name__}: {exc}"
+    return None
+
+
+def _readable(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """`t` as rows back to back, 16-byte aligned, of `dtype` (a local copy when it is not)."""
+    if t.dtype != dtype:
+        t = t.to(dtype)
+    if not t.is_contiguous():
+        t = t.contiguous()
+    if t.data_ptr() % 16:
+        t = t.clone()  # a fresh allocation (the caching allocator aligns to 512 bytes)
+    return t
+
+
+def create_workspace(
+    group,
+    kernels: OneShotKernels,
+    *,
+    dtype: torch.dtype,
+    hidden: int,
+    max_tokens: int,
+    device,
+    weight_offsets=(0.0,),
+    moe_shapes=(),
+    local_reason: Optional[str] = None,
+):
+    """(workspace, "") on every rank of `group`, or (None, why) on every rank. Collective: every
+    rank calls it, with the same arguments; it runs the same collectives whatever fails locally.
+
+    `moe_shapes`: (top_k, shared) pairs whose MoE variants to compile now, with every offset."""
+    settings = oneshot_settings()
+    world = group.size
+    capacity = min(int(max_tokens), settings["max_tokens"])
+    reason = local_reason
+    if reason is None and not settings["enabled"]:
+        reason = f"{ENV_ENABLE}=0"
+    if reason is None and world not in kernels.world_sizes:
+        reason = f"the one-shot kernels are built for groups of {kernels.world_sizes} ranks, this one has {world}"
+    if reason is None and dtype not in kernels.dtypes:
+        reason = f"the one-shot kernels take {kernels.dtypes}, not {dtype}"
+    if reason is None and not 0 < hidden <= kernels.max_hidden:
+        reason = f"hidden size {hidden} is beyond the one-shot kernels' {kernels.max_hidden}"
+    if reason is None and capacity <= 0:
+        reason = f"no rows to hold ({ENV_MAX_TOKENS}={settings['max_tokens']}, max_tokens={max_tokens})"
+    if reason is None:
+        try:
+            kernels.prepare(dtype, hidden, world, tuple(weight_offsets), tuple(moe_shapes), device)
+        except Exception as exc:  # noqa: BLE001 - voted on below
+            reason = f"compiling the one-shot kernels failed: {type(exc).__name__}: {exc}"
+    memory, buffer, handle, state, diag = None, None, b"", None, None
+    if reason is None:
+        try:
+            memory = kernels.memory()
+            layout = buffer_layout(world, capacity, hidden, dtype)
+            buffer = memory.allocate(layout.nbytes, device)
+            handle = memory.export(buffer)
+            diag = _report_words(memory, device)
+            state = torch.zeros(STATE_WORDS, dtype=torch.int64, device=device)
+            state[2] = int(settings["timeout_s"] * 1e9)
+            kernels.quiesce(device)  # the state is in memory before any launch, on any stream
+        except Exception as exc:  # noqa: BLE001 - voted on below
+            reason = f"allocating the peer buffer failed: {type(exc).__name__}: {exc}"
+    # one table for the group: what each rank has and wants (identical on every rank afterwards)
+    row = [0 if reason is None else 1, _host_id(), kernels.process_id(), capacity, hidden, world, _DTYPE_CODES.get(dtype, 0)]
+    row += _handle_words(handle)
+    table = group.all_gather(torch.tensor([row], dtype=torch.int64, device=getattr(group, "device", "cpu"))).cpu().tolist()
+    why = _table_problem(table)
+    addresses = [0] * world
+    if why is None:
+        try:
+            for r in range(world):
+                addresses[r] = buffer if r == group.rank else memory.open(_handle_bytes(table[r][7:]), device)
+        except Exception as exc:  # noqa: BLE001 - voted on below
+            reason = f"mapping a peer's buffer failed: {type(exc).__name__}: {exc}"
+        if group.agree(reason is None):
+            ws = OneShotWorkspace(
+                group=group, kernels=kernels, memory=memory, device=device, dtype=dtype, hidden=hidden, capacity=capacity,
+                buffer=buffer, addresses=addresses, state=state, diag=diag, timeout_s=settings["timeout_s"],
+            )
+            return ws, ""
+        why = reason or "another rank of the group could not map a peer's buffer"
+        for r, address in enumerate(addresses):
+            if r != group.rank and address:
+                _safe(lambda a=address: memory.close(a, device))
+        group.agree(True)  # every rank has unmapped every buffer before any is freed
+    else:
+        why = reason or why
+    if buffer is not None:
+        _safe(lambda: memory.free(buffer, device))
+    if diag is not None:
+        _safe(diag.free)
+    return None, why
+
+
+def _report_words(memory, device) -> HostWords:
+    """Host words for a timed-out kernel's report; device words (no report, the trap stays)
+    where host memory cannot be mapped."""
+    try:
+        return memory.host_words(DIAG_WORDS, device)
+    except Exception:  # noqa: BLE001 - the report is a convenience, the trap is the guarantee
+        words = torch.zeros(DIAG_WORDS, dtype=torch.int64, device=device)
+        fallback = HostWords(DIAG_WORDS, words.data_ptr(), lambda: [], None)
+        fallback.keep = words  # alive as long as the workspace
+        return fallback
+
+
+def _table_problem(table) -> Optional[str]:
+    """Why the group cannot map its buffers, from the exchanged table (the same on every rank)."""
+    failed = [r for r, row in enumerate(table) if row[0] != 0]
+    if failed:
+        return f"rank(s) {failed} of the group could not prepare the one-shot workspace"
+    if len({row[1] for row in table}) != 1:
+        return "the group spans more than one host (CUDA IPC maps memory within one host)"
+    if len({row[2] for row in table}) != len(table):
+        return "two ranks of the group share a process (CUDA IPC maps memory between processes)"
+    if len({tuple(row[3:7]) for row in table}) != 1:
+        return "ranks of the group disagree on the workspace (capacity, hidden, world or dtype; check LAYER_BOUNDARY_CUTEDSL_ONESHOT_*)"
+    return None
+
+
+# ------------------------------------------------------------------------------------ the paths
+
+
+def _eligible(ws, group, residual) -> bool:
+    """Facts every rank of the group shares, nothing else."""
+    return (
+        ws is not None
+        and group is not None
+        and tuple(getattr(group, "ranks", ())) == ws.ranks
+        and isinstance(residual, torch.Tensor)
+        and residual.dim() == 2
+        and residual.dtype == ws.dtype
+        and residual.shape[1] == ws.hidden
+        and residual.device == ws.device
+        and ws.fits(residual.shape[0])
+    )
+
+
+def all_reduce_add_norm(ws, owed, residual, gamma, offset: float, eps: float):
+    """(normed, new_residual) of an `UnreducedOutput` in one launch, or None (untouched, on every
+    rank alike) when the one-shot path does not apply."""
+    if not isinstance(owed, UnreducedOutput) or not _eligible(ws, owed.group, residual):
+        return None
+    partial = owed.partial
+    if not isinstance(partial, torch.Tensor) or partial.shape != residual.shape or partial.dtype != ws.dtype or gamma.dtype != ws.dtype:
+        return None
+    return ws.all_reduce_add_rmsnorm(partial, residual, gamma, eps, offset)
+
+
+def finalize_add_norm(ws, owed, residual, gamma, offset: float, eps: float):
+    """(normed, new_residual) of a `MoeFinalizeHandoff` in one launch (finalize, exchange, add,
+    norm), or None (untouched, on every rank alike) when the one-shot path does not apply."""
+    if not isinstance(owed, MoeFinalizeHandoff) or not _eligible(ws, owed.group, residual) or gamma.dtype != ws.dtype:
+        return None
+    tokens, hidden = residual.shape
+    rows, weights, shared = owed.expert_rows, owed.weights, owed.shared
+    dense = (
+        isinstance(rows, torch.Tensor)
+        and rows.dim() == 3
+        and rows.shape[0] == tokens
+        and rows.shape[2] == hidden
+        and 1 <= rows.shape[1] <= MAX_TOP_K
+        and rows.dtype == ws.dtype
+        and isinstance(weights, torch.Tensor)
+        and tuple(weights.shape) == (tokens, rows.shape[1])
+        and weights.is_floating_point()
+        and (shared is None or (isinstance(shared, torch.Tensor) and shared.shape == residual.shape and shared.dtype == ws.dtype))
+    )
+    if dense:
+        return ws.moe_finalize_all_reduce_add_rmsnorm(rows, weights, shared, residual, gamma, eps, offset)
+    partial = owed.finalize_local()  # a layout the MoE kernel does not take: finalize here, then exchange
+    if not isinstance(partial, torch.Tensor) or partial.shape != residual.shape:
+        return None
+    return ws.all_reduce_add_rmsnorm(partial, residual, gamma, eps, offset)
+
+
+def _candidate(path, service, norm, owed, residual):
+    """`path` with the multiplier, offset and epsilon of a core RMSNorm computing as the kernels
+    do, over the service's workspace; None (untouched) when there is none or the norm differs."""
+    ws = getattr(service, "oneshot", None)
+    if ws is None or not is_rms_norm(norm) or getattr(norm, "compute_dtype", torch.float32) not in service.kernels.norm_compute_dtypes:
+        return None
+    return path(ws, owed, residual, norm.weight.detach(), float(getattr(type(norm), "offset", 0.0)), float(norm.eps))
+
+
+def finalize_candidate(service, norm, owed, residual):
+    """The provider's MoE-handoff candidate, one-shot: None unless the service's workspace takes it."""
+    return _candidate(finalize_add_norm, service, norm, owed, residual)
+
+
+def all_reduce_candidate(service, norm, owed, residual):
+    """The provider's partial-sum candidate, one-shot: None unless the service's workspace takes it."""
+    return _candidate(all_reduce_add_norm, service, norm, owed, residual)
+
+
+def create_for_service(service, max_tokens: int):
+    """`create_workspace` for a `CuteDSLService` (its group, dtype, width, norms and MoE shapes)."""
+    shapes = []
+    if service.top_k is not None:
+        shared = (False, True) if service.shared_expert is None else (bool(service.shared_expert),)
+        shapes = [(int(service.top_k), s) for s in shared]
+    return create_workspace(
+        service.group,
+        service.kernels.oneshot,
+        dtype=service.dtype,
+        hidden=service.hidden_size,
+        max_tokens=max_tokens,
+        device=service.device,
+        weight_offsets=service.weight_offsets,
+        moe_shapes=shapes,
+    )
