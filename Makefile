@@ -8,7 +8,7 @@ export HF_HUB_OFFLINE := 1
 export TRANSFORMERS_OFFLINE := 1
 export PIP_DISABLE_PIP_VERSION_CHECK := 1
 
-.PHONY: demo test test-full test-matrix env clean
+.PHONY: demo test lint test-full test-matrix env clean
 
 env: $(STAMP)
 
@@ -22,9 +22,12 @@ $(STAMP): pyproject.toml $(foreach p,$(PLUGINS),plugins/$(p)/pyproject.toml)
 demo: $(STAMP)
 	$(VENV)/bin/layer-boundary run --model qwen3 --tp 2 --check hf
 
-# The whole suite with every plugin, then the install matrix: the core alone and each plugin
-# alone on top of it (environments are reused between runs; see scripts/test_matrix.py).
-test: test-full test-matrix
+# The linter, the whole suite with every plugin, then the install matrix: the core alone and
+# each plugin alone on top of it (environments are reused between runs; see scripts/test_matrix.py).
+test: lint test-full test-matrix
+
+lint: $(STAMP)
+	$(VENV)/bin/ruff check .
 
 test-full: $(STAMP)
 	LAYER_BOUNDARY_STRICT_PLUGINS=1 $(PY) -m pytest -q

@@ -30,7 +30,6 @@ streams or boundary objects grew beyond the limits or the kill check failed.
 
 from __future__ import annotations
 
-import argparse
 import gc
 import json
 import os
@@ -61,8 +60,7 @@ GPU_CONFIG = {
 
 
 def _tracked():
-    from layer_boundary import Contribution, OwedOutput, ResidualStream
-    from layer_boundary.forward import Forward
+    from layer_boundary import Contribution, Forward, OwedOutput, ResidualStream
 
     return {"residual_streams": ResidualStream, "contributions": Contribution, "owed_outputs": OwedOutput, "forwards": Forward}
 
@@ -97,7 +95,7 @@ def _build(parallel, job: dict):
     """The model on this rank with random weights, every plugin prepared, and its static cache."""
     from layer_boundary.models import build_model, family, model_config
     from layer_boundary.models.weights import open_source
-    from layer_boundary.setup import prepare_model
+    from layer_boundary import prepare_model
 
     on_gpu = job["device"] == "cuda"
     device = f"cuda:{torch.cuda.current_device()}" if on_gpu else "cpu"
@@ -134,7 +132,7 @@ def soak_rank(parallel, job: dict) -> dict:
     from layer_boundary.collectives import CollectiveCounter, CountingCollectives
     from layer_boundary.models.decode import static_decode_step, static_prefill
     from layer_boundary.progress import progress
-    from layer_boundary.setup import release_model
+    from layer_boundary import release_model
 
     counter = CollectiveCounter()
     counted = parallel.with_groups(lambda g: CountingCollectives(g, counter))

@@ -25,7 +25,7 @@ from layer_boundary.launch import ProcessWorld
 from layer_boundary.models import family, model_config
 from layer_boundary.models.runner import RunJob, make_requests, run_rank
 from layer_boundary.plugin import get_registry, reset_registry
-from layer_boundary.plugin.manager import DISABLE_ENV
+from layer_boundary.plugin import DISABLE_ENV
 from layer_boundary.testing.contract import DEVICE_FREE_CHECKS, FUSION_CHECKS
 
 ROOT = Path(__file__).parents[1]

@@ -7,12 +7,12 @@ where they apply and correct unfused code where they do not.
 """
 
 from ._errors import Messages, MissingPluginError
-from .adapters import branch_input, branch_output, merge_branch, two_batch_overlap
+from ._features import branch_input, branch_output, merge_branch, two_batch_overlap
 from .collectives import Collectives, CollectiveCounter, CountingCollectives, SingleRankCollectives, TorchCollectives, split_sizes
-from .construction import StagePlan
-from .contracts import FusedMlpInput, ProducerReduction, ReductionPolicy, StageDescription, StageKind
-from .exit import FfnExit, MixerExit
-from .factories import (
+from ._planning import StagePlan
+from ._contracts import FusedMlpInput, ProducerReduction, ReductionPolicy, StageDescription, StageKind
+from ._exit import FfnExit, MixerExit
+from ._factories import (
     StageDeclaration,
     declare_attn,
     declare_ffn,
@@ -21,7 +21,7 @@ from .factories import (
     make_ffn_stage,
     make_stages,
 )
-from .forward import (
+from ._forward import (
     BatchFactsError,
     BatchVariant,
     ComputeFlags,
@@ -34,20 +34,21 @@ from .forward import (
     get_compute_rows,
     get_forward,
 )
-from .fusions import FusionError
-from .layers import ColumnParallelLinear, MoeFinalizeHandoff, RowParallelLinear, reduce_output
-from .layout import Layout, SumGroup, TokenAxis
-from .output import HandoffOutput, OutputTransform, UnreducedOutput
-from .parallel import Parallel, Topology, TopologyError
+from ._fusions import FusionError
+from ._layers import ColumnParallelLinear, MoeFinalizeHandoff, RowParallelLinear, reduce_output
+from ._layout import Layout, SumGroup, TokenAxis
+from ._output import HandoffOutput, OutputTransform, UnreducedOutput
+from ._parallel import Parallel, Topology, TopologyError
 from .placement import RankPlacement, current_placement, place_ranks
 from .plugin import Adapter, FusionProvider, Priority, ResidualKind, get_registry, hookimpl
-from .policy import resolve_reduction
-from .residual import ResidualOps, StageRead, StageUpdate, residual_kind
-from .residual import batch as residual_batch
-from .residual.add_norm import NORM_READ, PLAIN_ADD, PLAIN_RESIDUAL, GemmaRMSNorm, RMSNorm
-from .residual.stream import Contribution, OwedOutput, ResidualStream
-from .setup import ModelSetup, prepare_model, release_model
-from .stage import StageBoundary, boundaries_of
+from ._policy import resolve_reduction
+from ._residual import ResidualOps, StageRead, StageUpdate, residual_kind
+from ._residual import batch as residual_batch
+from ._residual.add_norm import NORM_READ, PLAIN_ADD, PLAIN_RESIDUAL, GemmaRMSNorm, RMSNorm
+from ._residual.stream import Contribution, OwedOutput, ResidualStream, StreamState
+from ._lifecycle import prepare_model, release_model
+from .plugin._legacy import ModelSetup
+from ._stage import StageBoundary, boundaries_of
 
 __version__ = "0.1.0"
 
@@ -92,6 +93,7 @@ __all__ = [
     "ResidualKind",
     "ResidualOps",
     "ResidualStream",
+    "StreamState",
     "RowLayout",
     "RowParallelLinear",
     "SingleRankCollectives",

@@ -21,7 +21,7 @@ import time
 import traceback
 from typing import Any, Callable, Optional
 
-from .parallel import Parallel, Topology
+from ._parallel import Parallel, Topology
 from .placement import NO_MULTICAST_ENV, PLACEMENT_ENV, RankPlacement, place_ranks
 
 __all__ = ["ProcessWorld", "RankError", "RankTimeout", "worker_parallel"]

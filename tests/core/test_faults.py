@@ -7,7 +7,6 @@ import torch
 
 from layer_boundary import (
     BatchFactsError,
-    CollectiveCounter,
     CountingCollectives,
     Forward,
     FusedMlpInput,
@@ -20,8 +19,8 @@ from layer_boundary import (
     make_stages,
     residual_batch,
 )
-from layer_boundary import debug as debug_module
-from layer_boundary.residual.add_norm import add_rms_norm
+from layer_boundary import _debug as debug_module
+from layer_boundary.plugin import add_rms_norm
 from layer_boundary.testing.threaded import CollectiveAborted, ThreadWorld, run_threaded
 
 H = 4

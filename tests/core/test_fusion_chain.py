@@ -19,9 +19,9 @@ from layer_boundary import (
     make_stages,
     residual_batch,
 )
-from layer_boundary import debug as debug_module
-from layer_boundary import fusions as fusions_module
-from layer_boundary.residual.add_norm import add_rms_norm
+from layer_boundary import _debug as debug_module
+from layer_boundary import _fusions as fusions_module
+from layer_boundary.plugin import add_rms_norm
 from layer_boundary.testing.grid import GridSpec, run_grid_rank
 from layer_boundary.testing.threaded import run_threaded
 

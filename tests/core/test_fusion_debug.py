@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from layer_boundary import FusedMlpInput, FusionError, Topology
-from layer_boundary import fusions as fusions_module
+from layer_boundary import _fusions as fusions_module
 from layer_boundary.testing.threaded import run_threaded
 
 from test_fusion_chain import _layer_run

@@ -26,8 +26,9 @@ from layer_boundary import (
     residual_batch,
 )
 from layer_boundary.cli.plan_cmd import PlanningCollectives
-from layer_boundary.forward import BatchVariant
-from layer_boundary.parallel import Parallel
+from layer_boundary.plugin import ExitRole, Owed
+from layer_boundary import BatchVariant
+from layer_boundary import Parallel
 from layer_boundary.testing.grid import GridModel, GridSpec, grid_inputs, reference, run_grid_rank
 from layer_boundary.testing.threaded import run_threaded
 
@@ -157,12 +158,12 @@ def test_both_neighbours_derive_the_same_decision(topology, producer, consumer):
         second = make_stages((KINDS[consumer], _norm()), previous=KINDS[producer], terminal=True)[0]
     exit_path = first.plan.paths[BatchVariant.ORDINARY].exit
     entry = second.plan.paths[BatchVariant.ORDINARY].entry
-    leaves_declared = exit_path.role == "declared" or exit_path.leaves_declared
-    assert (entry.expects == "declared") is leaves_declared
+    leaves_declared = exit_path.role is ExitRole.DECLARED or exit_path.leaves_declared
+    assert (entry.owed is Owed.DECLARED) is leaves_declared
     if exit_path.may_defer:  # whatever the producer may defer, the consumer is ready to complete
-        assert entry.expects == "dynamic"
+        assert entry.owed is Owed.DYNAMIC
     if producer == "tail" or topology.attn_dp > 1:  # nothing is deferred across this edge
-        assert not exit_path.may_defer and entry.expects in ("nothing", "declared")
+        assert not exit_path.may_defer and entry.owed in (Owed.NOTHING, Owed.DECLARED)
 
 
 # --- inconsistent neighbours are rejected at construction ------------------------------------

@@ -2,7 +2,7 @@ import pytest
 import torch
 
 from layer_boundary import ReductionPolicy, RMSNorm, Forward, Topology, declare_attn, declare_ffn, make_stages, residual_batch, resolve_reduction
-from layer_boundary.policy import ARCHITECTURE_DEFAULTS, architecture_of
+from layer_boundary._policy import ARCHITECTURE_DEFAULTS, architecture_of
 from layer_boundary.testing.threaded import run_threaded
 
 

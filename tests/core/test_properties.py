@@ -9,7 +9,7 @@ from hypothesis import given, note
 from hypothesis import strategies as st
 
 from layer_boundary import FusedMlpInput, Topology
-from layer_boundary.residual.add_norm import add_rms_norm
+from layer_boundary.plugin import add_rms_norm
 from layer_boundary.testing.grid import GridSpec, run_grid_rank
 from layer_boundary.testing.threaded import run_threaded
 

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from layer_boundary import Forward, FusedMlpInput, GemmaRMSNorm, RMSNorm, SumGroup, Topology, declare_attn, declare_ffn, make_stages, residual_batch
-from layer_boundary.residual.quant import FP8_MAX, Fp8Input, QuantNormRead, fp8_residual
+from layer_boundary._residual.quant import FP8_MAX, Fp8Input, QuantNormRead, fp8_residual
 from layer_boundary.testing.grid import quant
 from layer_boundary.testing.threaded import run_threaded
 

@@ -6,7 +6,7 @@ import gc
 import torch
 
 from layer_boundary import Contribution, OwedOutput, ResidualStream, Topology, UnreducedOutput
-from layer_boundary.forward import DpPadding, Forward, ForwardMode
+from layer_boundary import DpPadding, Forward, ForwardMode
 from layer_boundary.testing.grid import GridModel, GridSpec, grid_inputs
 from layer_boundary.testing.threaded import run_threaded
 

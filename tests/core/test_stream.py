@@ -14,7 +14,7 @@ from layer_boundary import (
     make_stages,
     residual_batch,
 )
-from layer_boundary.residual.add_norm import add_rms_norm
+from layer_boundary.plugin import add_rms_norm
 from layer_boundary.testing.threaded import run_threaded
 
 H = 4

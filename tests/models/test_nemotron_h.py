@@ -15,12 +15,13 @@ import torch
 
 from layer_boundary import Parallel, Topology
 from layer_boundary.cli.plan_cmd import PlanningCollectives
-from layer_boundary.forward import BatchVariant
+from layer_boundary.plugin import Owed
+from layer_boundary import BatchVariant
 from layer_boundary.models import build_model, family, model_config
 from layer_boundary.models.pipeline import pipeline_layers
 from layer_boundary.models.oracle import hf_from_state, hf_logits
 from layer_boundary.models.runner import RunJob, make_requests, run_rank
-from layer_boundary.stage import boundaries_of
+from layer_boundary import boundaries_of
 from layer_boundary.testing.threaded import run_threaded
 
 from model_cases import TOLERANCE, rel_error, setup
@@ -154,9 +155,9 @@ def test_every_layer_is_one_stage_and_neighbours_agree(topology):
         assert right.declaration.previous.facts() == left.declaration.facts()
         exit_path = left.paths[BatchVariant.ORDINARY].exit
         entry = right.paths[BatchVariant.ORDINARY].entry
-        assert (entry.expects == "declared") is exit_path.leaves_declared
+        assert (entry.owed is Owed.DECLARED) is exit_path.leaves_declared
         if exit_path.may_defer:
-            assert entry.expects == "dynamic"
+            assert entry.owed is Owed.DYNAMIC
         if left.kind.value == "mixer":
             # before an FFN always left; before a mixer deferred only without attention DP
             assert exit_path.leaves_declared is (right.kind.value == "ffn")

@@ -50,7 +50,7 @@ def test_static_cache_decode_matches_hf(name):
 @pytest.mark.parametrize("name", ["qwen3", "qwen3_moe"])
 @torch.inference_mode()
 def test_cuda_graph_decode_step_replays_the_eager_step(name):
-    from layer_boundary.cuda_graphs import CapturedStep
+    from layer_boundary._cuda_graphs import CapturedStep
 
     config, _, model = _model(name, torch.bfloat16, device="cuda")
     parallel = Parallel.single()

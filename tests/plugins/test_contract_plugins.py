@@ -8,6 +8,7 @@ import pytest
 from layer_boundary.testing.contract import ContractSettings
 
 from layer_boundary.plugin import get_registry
+from layer_boundary.plugin._manager import HOOKS
 from layer_boundary.testing.contract import contract_cases, contract_params
 
 PLUGIN_FOLDERS = sorted(p.name for p in (Path(__file__).parents[2] / "plugins").iterdir() if (p / "pyproject.toml").is_file())
@@ -45,7 +46,7 @@ HC_SETTINGS = ContractSettings(tolerances=(("float64", 1e-6), ("float32", 1e-5),
 
 def _params():
     registry = get_registry()
-    names = [r.name for hook in ("fusion_providers", "residual_kinds", "adapters") for r in registry.records(hook)]
+    names = [r.name for hook in HOOKS for r in registry.records(hook)]
     plain = [n for n in names if n not in HC_KINDS]
     hc = [n for n in names if n in HC_KINDS]
     return contract_params(*plain, options=RESIDUAL_OPTIONS) + (contract_params(*hc, options=RESIDUAL_OPTIONS, settings=HC_SETTINGS) if hc else [])
@@ -66,7 +67,6 @@ def test_every_plugin_folder_is_covered():
     for folder in PLUGIN_FOLDERS:
         report = registry.plugin(folder)
         assert report is not None and report.ok, f"plugin {folder!r} is not installed or failed to load: {report}"
-        records = [item.name for hook in ("fusion_providers", "residual_kinds", "adapters")
-                   for item in registry.records(hook) if item.plugin == folder]
+        records = [item.name for hook in HOOKS for item in registry.records(hook) if item.plugin == folder]
         assert records, f"plugin {folder!r} registers no record"
         assert set(records) <= covered

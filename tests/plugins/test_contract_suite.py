@@ -9,7 +9,7 @@ import torch
 
 from layer_boundary import FusedMlpInput, FusionProvider, Priority, ResidualKind, ResidualOps, Topology, hookimpl
 from layer_boundary.plugin import reset_registry
-from layer_boundary.residual.add_norm import NORM_READ, PLAIN_ADD, add_rms_norm
+from layer_boundary._residual.add_norm import NORM_READ, PLAIN_ADD, add_rms_norm
 from layer_boundary.testing.contract import (
     ContractSettings,
     ContractViolation,

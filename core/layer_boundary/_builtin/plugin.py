@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import functools
 
-from ..contracts import FusedMlpInput
-from ..plugin.hookspecs import hookimpl
-from ..plugin.records import FusionProvider, Priority, ResidualKind
-from ..residual.add_norm import PLAIN_ADD, PLAIN_RESIDUAL
+from .._contracts import FusedMlpInput
+from ..plugin._hookspecs import hookimpl
+from ..plugin._records import Benchmark, FusionProvider, Priority, ResidualKind
+from .._residual.add_norm import PLAIN_ADD, PLAIN_RESIDUAL
 
 
 def _complete_then_read(read, norm, owed, residual, forward):
@@ -53,4 +53,16 @@ def layer_boundary_residual_kinds():
         factory=lambda: PLAIN_RESIDUAL,
         priority=Priority.BUILTIN,
         description="residual + output, then the stage's RMSNorm",
+    )
+
+
+@hookimpl
+def layer_boundary_benchmarks():
+    yield Benchmark.of_module(
+        "layer_boundary.bench.host", name="core.host", command="host", priority=Priority.BUILTIN,
+        description="host overhead of a 32-layer stack through the boundaries against the same torch ops by hand",
+    )
+    yield Benchmark.of_module(
+        "layer_boundary.bench.decode", name="core.decode", command="decode", priority=Priority.BUILTIN,
+        description="decode step time of a Qwen3 through the boundaries, eager against CUDA-graph replay (GPU)",
     )

@@ -59,10 +59,10 @@ def _events_us(fn, repeats: int) -> float:
 
 @torch.inference_mode()
 def run(batches, layers: int, prompt: int, repeats: int, parallel=None) -> dict:
-    from ..cuda_graphs import CapturedStep
+    from .._cuda_graphs import CapturedStep
     from ..models import build_model, model_config
     from ..models.decode import static_decode_step, static_prefill
-    from ..parallel import Parallel
+    from .._parallel import Parallel
 
     parallel = parallel or Parallel.single()
     cfg = dict(REALISTIC, num_hidden_layers=layers)

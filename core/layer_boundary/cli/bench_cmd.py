@@ -1,12 +1,11 @@
-"""`layer-boundary bench NAME [--json] [-- options]`: run a benchmark; results go to
-benchmarks/results/ (JSON + PNG), or with `--json` to stdout as one JSON object (the benchmark's
-tables then go to stderr)."""
+"""`layer-boundary bench NAME [--json] [-- options]`: run a benchmark the core or a plugin
+registers (`layer_boundary_benchmarks`); results go to benchmarks/results/ (JSON + PNG), or with
+`--json` to stdout as one JSON object (the benchmark's tables then go to stderr)."""
 
 from __future__ import annotations
 
 import argparse
 import contextlib
-import importlib
 import json
 import os
 import sys
@@ -15,19 +14,13 @@ from pathlib import Path
 
 from .main import UsageError
 
-#: bench name -> (module, distribution that ships it)
-BENCHES = {
-    "host": ("layer_boundary.bench.host", "layer-boundary"),
-    "decode": ("layer_boundary.bench.decode", "layer-boundary"),
-    "cutedsl": ("layer_boundary_cutedsl.bench", "layer-boundary-cutedsl"),
-    "fusion": ("layer_boundary_flashinfer.bench", "layer-boundary-flashinfer"),
-}
-
 
 def add_parser(sub) -> None:
-    p = sub.add_parser("bench", help="run a benchmark (host, decode, cutedsl, fusion); JSON + PNG under benchmarks/results/")
+    p = sub.add_parser(
+        "bench", help="run a benchmark (host, decode; cutedsl and fusion with their plugins); JSON + PNG under benchmarks/results/"
+    )
     p.add_argument("--json", action="store_true", help="print the results as one JSON object on stdout (tables go to stderr)")
-    p.add_argument("name", choices=sorted(BENCHES))
+    p.add_argument("name", help="the benchmark's command (`layer-boundary plugins` lists them)")
     p.add_argument(
         "options", nargs=argparse.REMAINDER, help="the benchmark's own options, after --: bench host --json -- --layers 8"
     )
@@ -67,14 +60,25 @@ def _stdout_to_stderr():
         os.close(saved)
 
 
+def _benchmark(name: str):
+    from ..plugin._manager import get_registry
+
+    benches: dict = {}
+    for item in get_registry().benchmarks:
+        other = benches.setdefault(item.record.command, item)
+        if other is not item:
+            raise UsageError(f"two plugins register the benchmark {item.record.command!r}: {other.name} and {item.name}")
+    item = benches.get(name)
+    if item is None:
+        raise UsageError(
+            f"no installed plugin registers the benchmark {name!r} (installed: {', '.join(sorted(benches))}); "
+            "install the plugin that ships it (the fusion plugins ship theirs)"
+        )
+    return item
+
+
 def run(args) -> int:
-    module, dist = BENCHES[args.name]
-    try:
-        bench = importlib.import_module(module)
-    except ModuleNotFoundError as exc:
-        if exc.name and module.startswith(exc.name):
-            raise UsageError(f"bench {args.name} comes with {dist}: pip install {dist}") from None
-        raise
+    item = _benchmark(args.name)
     options, json_flag = _split(list(args.options))
     args.json = args.json or json_flag
     with tempfile.TemporaryDirectory(prefix="layer-boundary-bench-") as tmp:
@@ -84,7 +88,7 @@ def run(args) -> int:
             options += ["--out", out]
         try:
             with _stdout_to_stderr() if args.json else contextlib.nullcontext():
-                status = bench.main(options)
+                status = item.record.factory(options)
         except SystemExit as exc:
             if exc.code in (None, 0):
                 status = 0

@@ -6,8 +6,8 @@ from __future__ import annotations
 import json
 
 from ..collectives import CollectivesBase
-from ..parallel import Parallel, Topology, TopologyError
-from ..policy import resolve_reduction
+from .._parallel import Parallel, Topology, TopologyError
+from .._policy import resolve_reduction
 from .args import non_negative_int, positive_int
 from .main import UsageError
 
@@ -57,7 +57,7 @@ def build_plans(model_name: str, hf_config, topology: Topology, reduction: str, 
         model = build_model(config, parallel, reduction=policy, device="meta", lora=spec)
     except (ConfigError, TopologyError, MissingPluginError, ValueError, NotImplementedError) as exc:
         raise UsageError(str(exc)) from None
-    from ..stage import boundaries_of
+    from .._stage import boundaries_of
 
     return config, policy, [b.plan.describe() for b in boundaries_of(model)]
 

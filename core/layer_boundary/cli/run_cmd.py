@@ -14,8 +14,8 @@ from pathlib import Path
 
 import torch
 
-from ..parallel import Topology, TopologyError
-from ..policy import resolve_reduction
+from .._parallel import Topology, TopologyError
+from .._policy import resolve_reduction
 from ..progress import wanted
 from .args import non_negative_int, positive_float, positive_int
 from .main import UsageError
@@ -85,14 +85,14 @@ def _config(args):
 def _require_features(args, topology) -> None:
     from .._errors import MissingPluginError, missing_feature
     from ..models import check_requirements, family
-    from ..plugin.manager import get_registry
+    from ..plugin._manager import get_registry
 
     registry = get_registry()
-    if topology.attn_cp > 1 and not registry.adapters_of("cp"):
+    if topology.attn_cp > 1 and not registry.cp_paths:
         raise UsageError(str(missing_feature(f"--attn-cp {topology.attn_cp}", "cp")))
-    if args.tbo and not registry.adapters_of("tbo"):
+    if args.tbo and not registry.overlaps:
         raise UsageError(str(missing_feature("--tbo", "tbo")))
-    if args.lora and not registry.adapters_of("lora"):
+    if args.lora and not registry.row_publishers_of("lora"):
         raise UsageError(str(missing_feature(f"--lora {args.lora}", "lora")))
     try:
         check_requirements(family(args.model))
@@ -116,7 +116,7 @@ def _preflight(config, topology, policy, lora=None) -> None:
     error (a missing plugin, an impossible stage combination) is one line before any rank starts."""
     from .._errors import MissingPluginError
     from ..models import ConfigError, build_model
-    from ..parallel import Parallel
+    from .._parallel import Parallel
     from .plan_cmd import PlanningCollectives
 
     parallel = Parallel.create(topology, 0, lambda name, ranks: PlanningCollectives(name, ranks, 0))
@@ -125,8 +125,8 @@ def _preflight(config, topology, policy, lora=None) -> None:
     except (ConfigError, MissingPluginError, ValueError, NotImplementedError) as exc:
         raise UsageError(str(exc)) from None
     if topology.attn_cp > 1:  # prefill runs as a CP batch: every stage needs a CP path
-        from ..forward import BatchVariant
-        from ..stage import boundaries_of
+        from .._forward import BatchVariant
+        from .._stage import boundaries_of
 
         for boundary in boundaries_of(model):
             if BatchVariant.CONTEXT_PARALLEL not in boundary.plan.paths:
@@ -149,7 +149,7 @@ def _reference(args, config, job, dtype):
     """Per request: a list of per-step logits, or None for --check none."""
     from ..models import oracle
     from ..models.runner import run_rank
-    from ..parallel import Parallel
+    from .._parallel import Parallel
 
     if args.check == "none":
         return None
@@ -384,7 +384,7 @@ def _under_torchrun(job, topology):
     import torch.distributed as dist
 
     from ..models.runner import run_rank
-    from ..parallel import Parallel
+    from .._parallel import Parallel
     from ..placement import current_placement, place_ranks
 
     placement = current_placement(job.device) or place_ranks(int(os.environ.get("WORLD_SIZE", 1)), job.device)

@@ -102,18 +102,17 @@ def build_model(config, parallel, *, reduction="ar", fusions=None, dtype=None, d
     return fam.build(config, parallel, reduction=reduction, fusions=fusions, dtype=dtype, device=device, lora=lora)
 
 
+_POINTS = {"residual_kind": "residual kind", "branches": "prepared branches:", "overlaps": "two-batch overlap:"}
+
+
 def check_requirements(fam: ModelFamily) -> None:
     """Raise `MissingPluginError` naming the distribution when a required feature is absent."""
     from .._errors import missing_feature
-    from ..plugin.manager import get_registry
+    from ..plugin._manager import get_registry
 
     registry = get_registry()
-    for kind, name in fam.requires:
-        found = registry.residual_kinds_of(name) if kind == "residual_kind" else registry.adapters_of(name)
+    for point, name in fam.requires:  # (registry field or "residual_kind", feature name)
+        found = registry.residual_kinds_of(name) if point == "residual_kind" else registry.records(point)
         if not found:
-            raise missing_feature(f"model {fam.name!r} ({kind.replace('_', ' ')} {name!r})", name)
+            raise missing_feature(f"model {fam.name!r} ({_POINTS.get(point, point)} {name!r})", name)
 
-
-def family_of(config) -> ModelFamily:
-    _load()
-    return next(f for f in MODELS.values() if f.model_type == config.model_type)

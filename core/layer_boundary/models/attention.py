@@ -11,8 +11,8 @@ from typing import Optional
 import torch
 from torch import nn
 
-from ..layers import ColumnParallelLinear, Linear, RowParallelLinear
-from ..residual.add_norm import RMSNorm
+from .._layers import ColumnParallelLinear, Linear, RowParallelLinear
+from .._residual.add_norm import RMSNorm
 
 __all__ = ["RotaryEmbedding", "KVCache", "StaticKVCache", "TPAttention", "StepLayout", "DecodeLayout"]
 

@@ -275,14 +275,15 @@ def _dtype_problems(found: dict[str, TensorEntry], declared: Optional[str]) -> l
 def check_checkpoint(folder, config) -> None:
     """Raise `CheckpointError` (one problem a line, naming the file and the tensor) unless the
     checkpoint at `folder` loads into the model of `config` (a parsed model config)."""
-    from . import build_model, family_of
-    from ..parallel import Parallel
+    from . import MODELS, _load, build_model
+    from .._parallel import Parallel
 
     folder = Path(folder)
     found, problems = scan(folder)
     if problems and not found:
         raise CheckpointError(problems)
-    fam = family_of(config)
+    _load()
+    fam = next(f for f in MODELS.values() if f.model_type == config.model_type)
     with torch.device("meta"):
         expected = {k: tuple(v.shape) for k, v in fam.random_weights(config, torch.float32, 0).items()}
     source = _Recording(found, expected)

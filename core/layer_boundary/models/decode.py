@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import torch
 
-from ..forward import Forward, ForwardMode
+from .._forward import Forward, ForwardMode
 from .attention import DecodeLayout, StepLayout
 
 __all__ = ["static_prefill", "static_decode_step"]

@@ -11,7 +11,7 @@ import torch
 from torch import nn
 
 from .. import declare_attn, declare_ffn, layer_stack, make_stages, residual_batch
-from ..residual.add_norm import GemmaRMSNorm, RMSNorm
+from .._residual.add_norm import GemmaRMSNorm, RMSNorm
 from .attention import KVCache, RotaryEmbedding, StaticKVCache, StepLayout, TPAttention
 from .config import ConfigError, DecoderConfig
 from .lora_layers import LoraGatedMLP, attach_attention_lora
@@ -28,7 +28,7 @@ def _residuals(config: DecoderConfig, sparse: bool):
     FFN inputs (a MoE's router and experts keep the plain read)."""
     if config.fp8_reads is None:
         return None, None
-    from ..residual.quant import fp8_residual
+    from .._residual.quant import fp8_residual
     from .config import FP8_STATIC_SCALE
 
     scale = FP8_STATIC_SCALE if config.fp8_reads == "fp8_static" else None

@@ -23,7 +23,7 @@ import torch
 from torch import nn
 
 from .. import declare_attn, declare_ffn, layer_stack, make_stages, residual_batch, residual_kind
-from ..residual.add_norm import RMSNorm
+from .._residual.add_norm import RMSNorm
 from .attention import StepLayout
 from .deepseek_v4_attention import DeepseekV4Attention, InterleavedRope, SlidingKVCache
 from .deepseek_v4_config import DeepseekV4Config

@@ -20,8 +20,8 @@ from typing import Optional
 import torch
 from torch import nn
 
-from ..layers import ColumnParallelLinear
-from ..residual.add_norm import RMSNorm
+from .._layers import ColumnParallelLinear
+from .._residual.add_norm import RMSNorm
 from .attention import StepLayout
 
 __all__ = ["InterleavedRope", "SlidingKVCache", "DeepseekV4Attention"]

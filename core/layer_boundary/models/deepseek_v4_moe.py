@@ -12,7 +12,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from ..layers import reduce_output, shard_cols, shard_rows
+from .._layers import reduce_output, shard_cols, shard_rows
 from .mlp import activation
 
 __all__ = ["DeepseekV4MoE", "score_function"]

@@ -25,10 +25,10 @@ import torch
 from torch import nn
 
 from .. import branch_input, branch_output, declare_attn, declare_ffn, layer_stack, make_stages, merge_branch, residual_batch
-from ..forward import get_forward
-from ..layers import MoeFinalizeHandoff, reduce_output, shard_cols, shard_rows
-from ..layout import SumGroup
-from ..residual.add_norm import RMSNorm
+from .._forward import get_forward
+from .._layers import MoeFinalizeHandoff, reduce_output, shard_cols, shard_rows
+from .._layout import SumGroup
+from .._residual.add_norm import RMSNorm
 from . import ModelFamily, register_model
 from .attention import KVCache, RotaryEmbedding, StepLayout
 from .config import NO_PIPELINE, ConfigError
@@ -411,6 +411,6 @@ register_model(
         # HF routes in fp32 from a float64 model too: a decode step scores one row at a time there
         # (a CPU GEMV) and a batch here (a GEMM), which round differently (~1e-7 relative)
         tolerances={"float64": 1e-5},
-        requires=(("adapter", "branch"),),
+        requires=(("branches", "branch"),),
     )
 )

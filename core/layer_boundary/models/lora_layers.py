@@ -24,8 +24,8 @@ import attrs
 import torch
 from torch import nn
 
-from ..forward import get_compute_rows
-from ..layers import shard_cols, shard_rows
+from .._forward import get_compute_rows
+from .._layers import shard_cols, shard_rows
 from .mlp import TPGatedMLP
 
 __all__ = [

@@ -25,7 +25,7 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
-from ..layers import RowParallelLinear
+from .._layers import RowParallelLinear
 
 __all__ = ["MambaStates", "TPMamba2Mixer", "chunked_scan", "recurrent_step", "segment_sum"]
 

@@ -18,8 +18,8 @@ from typing import Optional
 import torch
 from torch import nn
 
-from ..layers import ColumnParallelLinear, RowParallelLinear
-from ..residual.add_norm import RMSNorm
+from .._layers import ColumnParallelLinear, RowParallelLinear
+from .._residual.add_norm import RMSNorm
 from .attention import KVCache, StepLayout
 
 __all__ = ["TPLatentAttention", "apply_rotary_interleaved"]

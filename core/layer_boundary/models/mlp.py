@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from ..layers import RowParallelLinear, linear, shard_rows
+from .._layers import RowParallelLinear, linear, shard_rows
 
 __all__ = ["TPGatedMLP", "activation"]
 

@@ -12,9 +12,9 @@ from typing import Optional
 import torch
 from torch import nn
 
-from ..forward import get_forward
-from ..layers import MoeFinalizeHandoff, reduce_output, shard_cols, shard_rows
-from ..layout import SumGroup
+from .._forward import get_forward
+from .._layers import MoeFinalizeHandoff, reduce_output, shard_cols, shard_rows
+from .._layout import SumGroup
 from .mlp import TPGatedMLP, activation
 
 __all__ = ["TPMoE"]

@@ -22,10 +22,10 @@ from torch import nn
 from torch.nn import functional as F
 
 from .. import ProducerReduction, declare_attn, declare_ffn, layer_stack, make_stages, residual_batch
-from ..forward import get_forward
-from ..layers import ColumnParallelLinear, MoeFinalizeHandoff, RowParallelLinear, reduce_output, shard_cols, shard_rows
-from ..layout import SumGroup
-from ..residual.add_norm import RMSNorm
+from .._forward import get_forward
+from .._layers import ColumnParallelLinear, MoeFinalizeHandoff, RowParallelLinear, reduce_output, shard_cols, shard_rows
+from .._layout import SumGroup
+from .._residual.add_norm import RMSNorm
 from .attention import KVCache, StepLayout, TPAttention
 from .config import ConfigError
 from .mamba import MambaStates, TPMamba2Mixer

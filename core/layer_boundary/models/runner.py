@@ -12,13 +12,13 @@ import attrs
 import torch
 
 from ..collectives import CollectiveCounter, CountingCollectives
-from ..forward import DpPadding, Forward, ForwardMode
+from .._forward import DpPadding, Forward, ForwardMode
 from . import build_model, family, model_config
 from . import lora_layers
 from .attention import StepLayout
+from .._lifecycle import prepare_model, release_model
 from ..nodes import node_hash, node_layout
 from ..progress import progress
-from ..setup import prepare_model, release_model
 from .weights import open_source
 
 __all__ = ["RunJob", "run_rank", "make_requests", "token_mapping", "DTYPES"]
@@ -58,14 +58,16 @@ def make_requests(vocab: int, batch: int, prompt_tokens: int, decode_steps: int,
 
 
 def token_mapping(parallel, lengths, order, device):
-    """The token mapping of a context-parallel batch, from the installed CP plugin (kind "cp_batch")."""
+    """The token mapping of a context-parallel batch, from the installed CP plugin
+    (`layer_boundary_token_mappings`)."""
     from .._errors import missing_feature
-    from ..plugin.manager import get_registry
+    from ..plugin._manager import get_registry
+    from ..plugin._requests import TokenMappingRequest
 
-    found = get_registry().adapters_of("cp_batch")
+    found = get_registry().token_mappings
     if not found:
         raise missing_feature(f"a context-parallel batch (attn_cp={parallel.topology.attn_cp})", "cp")
-    return found[0].record.factory({"parallel": parallel, "lengths": tuple(lengths), "order": order, "device": device})
+    return found[0].record.factory(TokenMappingRequest(parallel, lengths, order, device))
 
 
 def _sync(device: str) -> None:

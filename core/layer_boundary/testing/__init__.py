@@ -35,13 +35,14 @@ def assert_plugin_registers(name: str) -> list[str]:
     """The plugin `name` loads through its entry point (distribution layer-boundary-<name>) and
     registers at least one record, every one prefixed `<name>.`; returns the record names."""
     from ..plugin import get_registry, reset_registry
+    from ..plugin._manager import HOOKS
 
     reset_registry()
     registry = get_registry()
     report = registry.plugin(name)
     assert report is not None and report.ok, report
     assert report.distribution == f"layer-boundary-{name}"
-    names = [r.name for hook in ("fusion_providers", "residual_kinds", "adapters") for r in registry.records(hook) if r.plugin == name]
+    names = [r.name for hook in HOOKS for r in registry.records(hook) if r.plugin == name]
     assert names and all(n.startswith(f"{name}.") for n in names), names
     return names
 

@@ -6,7 +6,8 @@ listing every rule the record breaks::
     from layer_boundary.testing.contract import check_fusion_provider, check_residual_kind
 
     check_fusion_provider("acme.ar_add_rmsnorm")
-    check_residual_kind("acme.mix", options=[{"n_streams": 4}])
+    # a residual kind is built with the options its factory takes (mhc: streams and mappings)
+    check_residual_kind("mhc.torch", options=[{"streams": 4, "attn": attn_mapping, "ffn": ffn_mapping}])
 
 or, one pytest test per rule and device (CUDA cases are marked `gpu` and skip without CUDA)::
 
@@ -53,11 +54,11 @@ from typing import Any, Optional, Sequence
 import attrs
 import torch
 
-from ..plugin.manager import get_registry
-from ..plugin.records import Adapter, FusionProvider, ResidualKind
+from ..plugin._manager import get_registry
+from ..plugin._records import FusionProvider, ResidualKind
 from ._contract.fusion import runtime_report
 from ._contract.hardware import settings_from_json, without_hardware, without_hardware_here, without_hardware_subprocess
-from ._contract.records import check_record, kind_of, resolve
+from ._contract.records import check_record, kind_of, registered_entries, resolve
 from ._contract.report import (
     ADAPTER_CHECKS,
     DEVICE_FREE_CHECKS,
@@ -115,7 +116,7 @@ _PASSES: dict = {}
 
 
 def _checks_for(record, checks):
-    allowed = {FusionProvider: FUSION_CHECKS, ResidualKind: RESIDUAL_CHECKS, Adapter: ADAPTER_CHECKS}[type(record)]
+    allowed = {FusionProvider: FUSION_CHECKS, ResidualKind: RESIDUAL_CHECKS}.get(type(record), ADAPTER_CHECKS)
     checks = allowed if checks is None else tuple(checks)
     unknown = [c for c in checks if c not in allowed]
     if unknown:
@@ -195,15 +196,15 @@ class _HardwareBatch:
 def contract_cases(*records, options: Optional[dict] = None, devices: Sequence[str] = ("cpu", "cuda"),
                    settings: Optional[ContractSettings] = None) -> list[ContractCase]:
     """One `ContractCase` per (record, check, device). `records` are records or registered names
-    (none: every registered record; adapters get the record rules only); `options` maps a
+    (none: every registered record; records other than fusion providers and residual kinds get
+    the record rules only); `options` maps a
     residual kind's name to the option sets its ops are built with."""
     settings = settings or ContractSettings()
     options = dict(options or {})
     if not records:
-        registry = get_registry()
-        records = tuple(item.name for item in registry.fusion_providers + registry.residual_kinds + registry.adapters)
+        records = tuple(dict.fromkeys(item.name for item in registered_entries(get_registry())))
     resolved = [(resolve(r), r) for r in records]
-    registered_names = [rec.name for (rec, reg), _ in resolved if reg is not None and not isinstance(rec, Adapter)]
+    registered_names = [rec.name for (rec, reg), _ in resolved if reg is not None and isinstance(rec, (FusionProvider, ResidualKind))]
     batch = _HardwareBatch(registered_names, settings, {n: [dict(o) for o in options.get(n, [{}])] for n in registered_names})
     cases = []
     for (record, _), ref in resolved:

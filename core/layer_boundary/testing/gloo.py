@@ -1,9 +1,7 @@
 """The gloo world of the tests: `ProcessWorld` with the gloo backend."""
 
-from ..launch import ProcessWorld, RankError, RankTimeout, worker_parallel
+from ..launch import ProcessWorld, worker_parallel
 
 GlooWorld = ProcessWorld
-GlooRankError = RankError
-GlooTimeout = RankTimeout
 
-__all__ = ["GlooWorld", "GlooRankError", "GlooTimeout", "worker_parallel"]
+__all__ = ["GlooWorld", "worker_parallel"]

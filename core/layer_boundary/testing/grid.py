@@ -22,14 +22,14 @@ import attrs
 import torch
 from torch import nn
 
-from ..contracts import ProducerReduction, SumGroup
-from ..factories import declare_attn, declare_ffn, make_stages
-from ..forward import DpPadding, Forward, ForwardMode, get_forward
-from ..layers import ColumnParallelLinear, MoeFinalizeHandoff, RowParallelLinear, reduce_output, shard_cols, shard_rows
-from ..output import OutputTransform
-from ..parallel import Parallel
-from ..residual import batch as residual_batch
-from ..residual.add_norm import RMSNorm
+from .._contracts import ProducerReduction, SumGroup
+from .._factories import declare_attn, declare_ffn, make_stages
+from .._forward import DpPadding, Forward, ForwardMode, get_forward
+from .._layers import ColumnParallelLinear, MoeFinalizeHandoff, RowParallelLinear, reduce_output, shard_cols, shard_rows
+from .._output import OutputTransform
+from .._parallel import Parallel
+from .._residual import batch as residual_batch
+from .._residual.add_norm import RMSNorm
 
 __all__ = ["GridSpec", "GridModel", "quant", "grid_inputs", "reference", "run_grid_rank"]
 

@@ -6,7 +6,8 @@ Fixtures:
 - `gpu_world(size)`: `size` rank processes on the visible GPUs (NCCL with a GPU each, or sharing
   GPUs over gloo: correctness only), started once per session; skips the test without CUDA;
 - `fresh_registry`: forget the cached registry before and after the test;
-- `inline_plugin(obj, name=...)`: register hook implementations for the test's duration.
+- `inline_plugin(obj, name=...)`: register hook implementations for the test's duration
+  (`layer_boundary.plugin.register_inline`: the checks of an installed plugin apply).
 
 The provider contract suite a plugin's records must pass is `layer_boundary.testing.contract`
 (`contract_params(...)` for one pytest case per rule and device).
@@ -14,11 +15,9 @@ The provider contract suite a plugin's records must pass is `layer_boundary.test
 
 from __future__ import annotations
 
-import contextlib
-
 import pytest
 
-from ..plugin.manager import get_plugin_manager, reset_registry
+from ..plugin._manager import register_inline, reset_registry, unregister_inline
 from .threaded import ThreadWorld
 
 
@@ -71,25 +70,15 @@ def fresh_registry():
     reset_registry()
 
 
-@contextlib.contextmanager
-def registered(obj, name: str):
-    """Register `obj`'s hook implementations in this process's plugin manager for the block."""
-    from ..plugin.manager import get_registry
-
-    pm, _, provenance = get_plugin_manager()
-    pm.register(obj, name=name)
-    provenance[name] = ("test:" + name, None)
-    get_registry.cache_clear()
-    try:
-        yield
-    finally:
-        pm.unregister(name=name)
-        provenance.pop(name, None)
-        get_registry.cache_clear()
-
-
 @pytest.fixture
 def inline_plugin():
-    stack = contextlib.ExitStack()
-    yield lambda obj, name="inline": stack.enter_context(registered(obj, name))
-    stack.close()
+    names: list[str] = []
+
+    def register(obj, name: str = "inline"):
+        register_inline(obj, name=name, distribution=f"test:{name}")
+        names.append(name)
+        return obj
+
+    yield register
+    for name in reversed(names):
+        unregister_inline(name)

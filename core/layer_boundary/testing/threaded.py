@@ -13,7 +13,7 @@ from typing import Any, Callable, Optional
 import torch
 
 from ..collectives import CollectivesBase
-from ..parallel import Parallel, Topology
+from .._parallel import Parallel, Topology
 
 __all__ = ["ThreadWorld", "ThreadCollectives", "CollectiveAborted", "run_threaded"]
 

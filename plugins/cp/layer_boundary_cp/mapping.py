@@ -28,8 +28,7 @@ from typing import Sequence
 
 import torch
 
-from layer_boundary import split_sizes
-from layer_boundary.forward import BatchFactsError
+from layer_boundary import BatchFactsError, split_sizes
 
 __all__ = ["ORDERS", "TokenMapping", "request_pieces"]
 

@@ -68,7 +68,7 @@ def main(argv=None) -> int:
     if not torch.cuda.is_available():
         print("FAIL  no CUDA device visible")
         return 2
-    from layer_boundary.parallel import Topology
+    from layer_boundary import Topology
 
     from .gpu_world import gpu_world, world_note
 

@@ -18,9 +18,8 @@ from typing import Optional
 
 import torch
 
-from layer_boundary.layers import MoeFinalizeHandoff
-from layer_boundary.output import UnreducedOutput
-from layer_boundary.residual.add_norm import is_rms_norm
+from layer_boundary import MoeFinalizeHandoff, UnreducedOutput
+from layer_boundary.plugin import is_rms_norm
 
 from .kernels.tiling import MAX_TOP_K
 

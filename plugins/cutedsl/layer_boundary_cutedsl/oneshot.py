@@ -38,9 +38,8 @@ from typing import Callable, Optional
 
 import torch
 
-from layer_boundary.layers import MoeFinalizeHandoff
-from layer_boundary.output import UnreducedOutput
-from layer_boundary.residual.add_norm import is_rms_norm
+from layer_boundary import MoeFinalizeHandoff, UnreducedOutput
+from layer_boundary.plugin import is_rms_norm
 
 from .kernels.allreduce_layout import DIAG_WORDS, STATE_WORDS, WORLD_SIZES, AllReduceVariant, buffer_layout
 from .kernels.tiling import MAX_HIDDEN, MAX_TOP_K, SUPPORTED_DTYPES

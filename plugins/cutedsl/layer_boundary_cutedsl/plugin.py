@@ -2,18 +2,18 @@
 
 The registry's provider is opt-in: set LAYER_BOUNDARY_CUTEDSL=1 to give every stage a
 `CuteDSLFusion` (its candidates still decline off-GPU); or pass `CuteDSLFusion()` to a stage
-as its `fusions` option.
+as its `fusions` option. Either way `layer_boundary.prepare_model(model, max_tokens=...)`
+installs the model's service (`install_cutedsl_fusion`) and prepares it, and
+`layer_boundary.release_model(model)` releases it: the same life cycle as every fusion plugin.
 """
 
-import os
-
-from layer_boundary.plugin import FusionProvider, Priority, hookimpl
+from layer_boundary.plugin import Benchmark, FusionProvider, Priority, env_flag, hookimpl
 
 ENABLE_ENV = "LAYER_BOUNDARY_CUTEDSL"
 
 
 def _factory(description):
-    if os.environ.get(ENABLE_ENV, "").strip().lower() not in ("1", "true", "yes", "on"):
+    if not env_flag(ENABLE_ENV):
         return None
     from .provider import CuteDSLFusion
 
@@ -28,4 +28,29 @@ def layer_boundary_fusion_providers():
             f"MoE finalize / TP sum, then add + RMSNorm in CuTe DSL kernels (opt-in: {ENABLE_ENV}=1); "
             "under TP one launch of the one-shot all-reduce over CUDA IPC peer buffers once a service is prepared"
         ),
+    )
+
+
+@hookimpl
+def layer_boundary_prepare_model(request):
+    """Install the model's CuTe DSL service (when its stages have `CuteDSLFusion` providers and
+    none is installed yet) and prepare it for `request.max_tokens` (a vote over the TP group)."""
+    from .service import prepare_model_fusion
+
+    prepare_model_fusion(request.model, max_tokens=request.max_tokens)
+
+
+@hookimpl
+def layer_boundary_release_model(request):
+    """Release the workspaces of the model's CuTe DSL services; nothing defers until the next prepare."""
+    from .service import release_cutedsl_fusion
+
+    release_cutedsl_fusion(request.model)
+
+
+@hookimpl
+def layer_boundary_benchmarks():
+    yield Benchmark.of_module(
+        "layer_boundary_cutedsl.bench", name="cutedsl.kernels", command="cutedsl", priority=Priority.ARCH_SPECIFIC,
+        description="the CuTe DSL kernels checked, then timed against the copy bandwidth and unfused torch (one GPU)",
     )

@@ -24,8 +24,8 @@ from __future__ import annotations
 import functools
 from typing import Optional
 
-from layer_boundary.contracts import FusedMlpInput
-from layer_boundary.forward import BatchVariant
+from layer_boundary import FusedMlpInput
+from layer_boundary.plugin import defers_to_next_input
 
 from . import fused_paths, oneshot
 from .kernel_set import CUTEDSL_KERNELS, KernelSet, kernels_available
@@ -111,8 +111,7 @@ class CuteDSLFusion:
     # producer decisions (identical on every rank: plan facts, batch facts the TP group shares,
     # and the service's state, which prepare() agrees on over the group) -------------------------
     def _batch_ok(self, fwd) -> bool:
-        topo = fwd.parallel.topology
-        if fwd.variant is not BatchVariant.ORDINARY or topo.attn_dp > 1 or topo.attn_cp > 1 or fwd.num_tokens <= 0:
+        if not defers_to_next_input(fwd.parallel.topology, fwd.variant) or fwd.num_tokens <= 0:
             return False
         if self.service is not None:
             return self.service.supports(fwd.num_tokens)

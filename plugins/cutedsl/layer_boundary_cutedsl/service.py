@@ -25,14 +25,21 @@ from typing import Callable, Optional
 
 import torch
 
-from layer_boundary.residual.add_norm import is_rms_norm
-from layer_boundary.stage import StageBoundary, boundaries_of
+from layer_boundary import StageBoundary, boundaries_of
+from layer_boundary.plugin import is_rms_norm
 
 from . import fused_paths, oneshot
 from .kernel_set import CUTEDSL_KERNELS, KernelSet, MoeShape
 from .provider import CuteDSLFusion
 
-__all__ = ["CuteDSLService", "install_cutedsl_fusion", "prepare_cutedsl_fusion", "release_cutedsl_fusion", "services_of"]
+__all__ = [
+    "CuteDSLService",
+    "install_cutedsl_fusion",
+    "prepare_cutedsl_fusion",
+    "release_cutedsl_fusion",
+    "prepare_model_fusion",
+    "services_of",
+]
 
 
 class CuteDSLService:
@@ -115,10 +122,13 @@ class CuteDSLService:
 
     def release(self, *, barrier: bool = True) -> None:
         """Give back the one-shot workspace (with `barrier`: a collective, every rank, before the
-        process group goes). Afterwards TP boundaries take the three-launch path."""
+        process group goes) and the prepared state: nothing defers until `prepare` runs again."""
         ws, self.oneshot = self.oneshot, None
         if ws is not None:
             ws.release(barrier=barrier)
+        self.max_tokens = None
+        self.usable = False
+        self._partial = None
 
     def supports(self, tokens: int) -> bool:
         """Whether a forward of `tokens` tokens may defer work to the fused path."""
@@ -334,9 +344,38 @@ def prepare_cutedsl_fusion(model, *, max_tokens: int) -> list:
 
 
 def release_cutedsl_fusion(model) -> list:
-    """Release what `prepare_cutedsl_fusion` made (the one-shot workspaces). Collective: every
-    rank, before the process group is destroyed. Returns the services."""
+    """Release what `prepare_cutedsl_fusion` made (the one-shot workspaces, the prepared state;
+    see `CuteDSLService.release`). Collective: every rank, before the process group is destroyed.
+    Returns the services."""
     services = services_of(model)
     for s in services:
         s.release()
     return services
+
+
+def _terminal_finalize_fits(model, pairs) -> bool:
+    """Whether `install_cutedsl_fusion(model, terminal_finalize=True)` applies: a model that takes
+    a `handoff_norm`, whose final norm is a core RMSNorm matching the fused stages' epsilon and
+    width, and whose last MoE FFN has a provider."""
+    norm = getattr(model, "norm", None)
+    if not (isinstance(model, torch.nn.Module) and hasattr(model, "handoff_norm") and is_rms_norm(norm)):
+        return False
+    fused = [b.plan.norm for b, _ in pairs if is_rms_norm(b.plan.norm)]
+    if not fused or any(float(n.eps) != float(norm.eps) or n.hidden_size != norm.hidden_size for n in fused):
+        return False
+    return any(b.plan.terminal and b.plan.declaration.sparse for b, _ in pairs)
+
+
+def prepare_model_fusion(model, *, max_tokens: int) -> list:
+    """The plugin's `layer_boundary_prepare_model`: when `model`'s stages have `CuteDSLFusion`
+    providers (`fusions=CuteDSLFusion()`, or LAYER_BOUNDARY_CUTEDSL=1) and no service is
+    installed, `install_cutedsl_fusion(model)` (with the terminal finalize where the model takes
+    one: `_terminal_finalize_fits`); then `prepare_cutedsl_fusion(model, max_tokens=...)`.
+    A model without such providers is left alone. Returns the prepared services."""
+    boundaries = _boundaries(model)
+    pairs = [(b, p) for b in boundaries for p in _cutedsl_providers(b)]
+    if not pairs:
+        return []
+    if not services_of(model):
+        install_cutedsl_fusion(model, terminal_finalize=_terminal_finalize_fits(model, pairs))
+    return prepare_cutedsl_fusion(model, max_tokens=max(1, int(max_tokens)))

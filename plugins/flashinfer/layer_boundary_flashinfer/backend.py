@@ -268,7 +268,7 @@ class FlashInferBackend:
         1 / scale; per token for "fp8_dynamic": amax / 448, floored at the smallest subnormal's),
         in one kernel. FlashInfer quantizes the norm rounded to the activation dtype; the core's
         unfused read quantizes it in fp32, so a value on a rounding edge may land one E4M3 step apart."""
-        from layer_boundary.residual.quant import FP8_DTYPE, Fp8Input
+        from layer_boundary.plugin import FP8_DTYPE, Fp8Input
         from flashinfer.comm.trtllm_ar import get_trtllm_comm_module
 
         ws = slot.workspace

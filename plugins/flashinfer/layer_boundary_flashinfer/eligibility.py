@@ -22,7 +22,8 @@ from typing import Optional
 import attrs
 import torch
 
-from layer_boundary.contracts import StageKind
+from layer_boundary import StageKind
+from layer_boundary.plugin import env_flag
 
 __all__ = [
     "ENABLE_ENV",
@@ -79,13 +80,6 @@ SUPPORTED_CAPABILITY_MAJORS = (9, 10)
 MAX_HIDDEN = 65536
 
 
-def _flag(name: str, default: bool) -> bool:
-    raw = os.environ.get(name)
-    if raw is None or not raw.strip():
-        return default
-    return raw.strip().lower() not in ("0", "false", "no", "off")
-
-
 @attrs.frozen(kw_only=True)
 class FusionSettings:
     """Process configuration. It must be identical on every rank, like every other setting that
@@ -113,10 +107,10 @@ def settings() -> FusionSettings:
     if algorithm not in ALGORITHMS:
         raise ValueError(f"{ONESHOT_ENV}={algorithm!r}: choose one of {', '.join(ALGORITHMS)}")
     return FusionSettings(
-        enabled=_flag(ENABLE_ENV, True),
+        enabled=env_flag(ENABLE_ENV, True),
         max_tokens=max_tokens,
-        launch_with_pdl=_flag(PDL_ENV, True),
-        defer_finalize=_flag(FINALIZE_ENV, True),
+        launch_with_pdl=env_flag(PDL_ENV, True),
+        defer_finalize=env_flag(FINALIZE_ENV, True),
         algorithm=algorithm,
     )
 

@@ -22,7 +22,7 @@ class Fp8Pair:
 
     def __init__(self, parallel, hidden, dtype, device, fmt, static_scale, gemma=False):
         from layer_boundary import GemmaRMSNorm, RMSNorm, declare_attn, declare_ffn, make_stages
-        from layer_boundary.residual.quant import fp8_residual
+        from layer_boundary.plugin import fp8_residual
 
         gen = torch.Generator().manual_seed(hidden + 1)
         norms = []
@@ -82,8 +82,8 @@ def _compare(got, want, exact=None) -> dict:
 
 
 def check_fp8_reads(checks, parallel, rank, args):
-    from layer_boundary.residual.add_norm import PLAIN_ADD
-    from layer_boundary.residual.quant import norm_fp32
+    from layer_boundary import PLAIN_ADD
+    from layer_boundary.plugin import norm_fp32
 
     from .gpu_check import _device, _sync
     from .service import prepare_flashinfer_fusion

@@ -570,7 +570,7 @@ def _build(name, parallel, dtype, state):
 
 @torch.inference_mode()
 def _logits(model, parallel, prompts, decode_steps):
-    from layer_boundary.forward import Forward, ForwardMode
+    from layer_boundary import Forward, ForwardMode
     from layer_boundary.models.attention import StepLayout
 
     cache = model.new_cache()

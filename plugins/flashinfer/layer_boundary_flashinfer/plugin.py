@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import torch
 
-from layer_boundary.plugin import Adapter, FusionProvider, Priority, hookimpl
+from layer_boundary.plugin import Benchmark, FusionProvider, Priority, hookimpl
 
 from .eligibility import ENABLE_ENV, finalize_stage_reason, flashinfer_installed, settings, stage_reason
 
@@ -52,22 +52,25 @@ def layer_boundary_fusion_providers():
     )
 
 
-def _setup(request):
-    """`layer_boundary.prepare_model` / `release_model`: workspaces made or released on every rank."""
-    from .service import prepare_flashinfer_fusion, shutdown_flashinfer_fusion
+@hookimpl
+def layer_boundary_prepare_model(request):
+    """`layer_boundary.prepare_model()`: the fusion workspaces, made (rank-agreed) before the first forward."""
+    from .service import prepare_flashinfer_fusion
 
-    if request.phase == "prepare":
-        prepare_flashinfer_fusion(request.model, max_tokens=min(request.max_tokens, 2048) or None)
-    else:
-        shutdown_flashinfer_fusion()
-    return None
+    prepare_flashinfer_fusion(request.model, max_tokens=min(request.max_tokens, 2048) or None)
 
 
 @hookimpl
-def layer_boundary_adapters():
-    yield Adapter(
-        name="flashinfer.setup",
-        kind="setup",
-        factory=_setup,
-        description="prepare_model(): create the fusion workspaces (rank-agreed) before the first forward; release_model() frees them",
+def layer_boundary_release_model(request):
+    """`layer_boundary.release_model()`: every workspace released on every rank."""
+    from .service import shutdown_flashinfer_fusion
+
+    shutdown_flashinfer_fusion()
+
+
+@hookimpl
+def layer_boundary_benchmarks():
+    yield Benchmark.of_module(
+        "layer_boundary_flashinfer.bench", name="flashinfer.fusion", command="fusion", priority=Priority.VENDOR,
+        description="the fused all-reduce + add + RMSNorm against the unfused path and raw FlashInfer (2 GPUs)",
     )

@@ -21,10 +21,7 @@ from __future__ import annotations
 
 import torch
 
-from layer_boundary.contracts import FusedMlpInput
-from layer_boundary.layers import MoeFinalizeHandoff
-from layer_boundary.layout import SumGroup
-from layer_boundary.output import UnreducedOutput
+from layer_boundary import FusedMlpInput, MoeFinalizeHandoff, SumGroup, UnreducedOutput
 
 __all__ = [
     "FlashInferFusion",

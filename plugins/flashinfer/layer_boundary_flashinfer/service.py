@@ -18,8 +18,7 @@ from typing import Optional
 import attrs
 import torch
 
-from layer_boundary.residual.add_norm import GemmaRMSNorm, RMSNorm
-from layer_boundary.stage import StageBoundary, boundaries_of
+from layer_boundary import GemmaRMSNorm, RMSNorm, StageBoundary, boundaries_of
 
 from .collectives import wrapped_flashinfer_collectives
 from .eligibility import ENABLE_ENV, SUPPORTED_DTYPES, finalize_stage_reason, settings, stage_reason

@@ -1,9 +1,8 @@
-"""The LoRA row adapter bound to one stage."""
+"""The LoRA row publisher bound to one stage."""
 
 from __future__ import annotations
 
-from layer_boundary.contracts import StageKind
-from layer_boundary.forward import RowLayout
+from layer_boundary import RowLayout, StageKind
 
 from .rows import lora_rows
 
@@ -23,10 +22,10 @@ class LoraRowAdapter:
     def __init__(self, kind: StageKind):
         self.fused_consumer_only = kind is StageKind.FFN
 
-    def publish(self, plan, layout: RowLayout, forward):
+    def publish(self, layout: RowLayout, forward):
         return lora_rows(forward, layout)
 
-    def describe(self, plan, layout: RowLayout) -> str:
+    def describe(self, layout: RowLayout) -> str:
         if layout is RowLayout.DP_GATHERED:
             return "lora (adapter ids all_gatherv@attn_dp once per forward)"
         return "lora"
@@ -35,12 +34,12 @@ class LoraRowAdapter:
         return f"LoraRowAdapter(fused_consumer_only={self.fused_consumer_only})"
 
 
-def bind_lora_rows(plan):
-    """The adapter for `plan` (construction time); refuses what it cannot publish correctly."""
-    topo = plan.parallel.topology
+def bind_lora_rows(stage):
+    """The publisher for `stage` (construction time); refuses what it cannot publish correctly."""
+    topo = stage.parallel.topology
     if topo.attn_cp > 1:
         raise NotImplementedError(
-            f"stage {plan.label}: LoRA row publication does not support context parallel (attn_cp={topo.attn_cp}) "
+            f"stage {stage.label}: LoRA row publication does not support context parallel (attn_cp={topo.attn_cp}) "
             "yet, since the CP token order is not published to row adapters; run LoRA with attn_cp=1"
         )
-    return LoraRowAdapter(plan.kind)
+    return LoraRowAdapter(stage.kind)

@@ -1,17 +1,17 @@
-"""Hook implementations of the lora plugin (records only; the adapter is imported by its factory)."""
+"""Hook implementations of the lora plugin (records only; the publisher is imported by its factory)."""
 
-from layer_boundary.plugin import Adapter, Priority, hookimpl
+from layer_boundary.plugin import Priority, RowPublisher, hookimpl
 
 
-def _bind(plan):
+def _bind(request):
     from .adapter import bind_lora_rows
 
-    return bind_lora_rows(plan)
+    return bind_lora_rows(request.stage)
 
 
 @hookimpl
-def layer_boundary_adapters():
-    yield Adapter(
+def layer_boundary_row_publishers():
+    yield RowPublisher(
         name="lora.rows",
         kind="lora",
         factory=_bind,

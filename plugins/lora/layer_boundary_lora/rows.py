@@ -12,8 +12,8 @@ from __future__ import annotations
 
 import torch
 
-from layer_boundary.forward import Forward, RowLayout
-from layer_boundary.ops import dp_gather, take_slice
+from layer_boundary import Forward, RowLayout
+from layer_boundary.plugin import dp_gather, take_slice
 
 __all__ = ["IDS_KEY", "LoraRows", "lora_rows", "local_adapter_ids"]
 

@@ -24,14 +24,14 @@ branch plan has no sequence-parallel or input-scattered path.
 
 from __future__ import annotations
 
-from layer_boundary import Messages as CoreMessages, ResidualStream, StageKind
-from layer_boundary.ops import dp_gather, dp_scatter
-from layer_boundary.prepare import align_rows
-from layer_boundary.residual.stream import ATTENTION_ROWS
+from layer_boundary import Messages as CoreMessages, ResidualStream, RowLayout, StageKind
+from layer_boundary.plugin import align_rows, dp_gather, dp_scatter
 
 from .messages import Messages
 
 __all__ = ["BranchAdapter", "BranchOutput", "ForkedResidual"]
+
+ATTENTION_ROWS = RowLayout.DP_LOCAL
 
 
 class ForkedResidual:
@@ -66,10 +66,10 @@ class BranchOutput:
         return "BranchOutput()"
 
 
-def _input_rows(declaration, topology) -> str:
+def _input_rows(declaration, topology) -> RowLayout:
     # The rows a stage computes on in the ordinary variant: an FFN gathers over attention DP
     # (full rows), everything else computes on its rank's attention rows.
-    return "full" if declaration.kind is StageKind.FFN and topology.attn_dp > 1 else "attention"
+    return RowLayout.DP_GATHERED if declaration.kind is StageKind.FFN and topology.attn_dp > 1 else ATTENTION_ROWS
 
 
 def _stream(forward):
@@ -109,9 +109,9 @@ class BranchAdapter:
             )
         topology = plan.parallel.topology
         moves = (_input_rows(source, topology), _input_rows(plan.declaration, topology))
-        if moves == ("full", "attention"):
+        if moves == (RowLayout.DP_GATHERED, ATTENTION_ROWS):
             hidden_states = dp_scatter(hidden_states, forward)
-        elif moves == ("attention", "full"):
+        elif moves == (ATTENTION_ROWS, RowLayout.DP_GATHERED):
             hidden_states = dp_gather(hidden_states, forward)
         branch = ResidualStream()
         branch.write(align_rows(residual, stream.rows, ATTENTION_ROWS, forward), ATTENTION_ROWS)
@@ -124,7 +124,7 @@ class BranchAdapter:
         stream = branch_forward.residual_stream
         if stream is None:
             raise RuntimeError("branch_output: this Forward has no branch stream; pass the Forward branch_input returned, once")
-        pending, residual = stream.take(hidden_states)
+        _, pending, residual = stream.receive(hidden_states)
         if pending is None:
             raise RuntimeError("branch_output takes the output of the branch's last stage (after its finish()), not a written stream")
         value = align_rows(pending.complete(), pending.rows, stream.rows, branch_forward)

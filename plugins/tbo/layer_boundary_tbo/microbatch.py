@@ -17,14 +17,14 @@ from typing import Optional, Sequence
 import attrs
 import torch
 
-from layer_boundary import Contribution, Messages as CoreMessages, ResidualStream
-from layer_boundary.ops import move_residual
-from layer_boundary.prepare import align_rows
-from layer_boundary.residual.stream import ATTENTION_ROWS
+from layer_boundary import Contribution, Messages as CoreMessages, ResidualStream, RowLayout, StreamState
+from layer_boundary.plugin import align_rows, move_residual
 
 from .messages import Messages
 
 __all__ = ["SplitPlan", "Microbatch", "SplitStream", "plan_split", "split_batch", "merge_batch"]
+
+ATTENTION_ROWS = RowLayout.DP_LOCAL
 
 
 @attrs.frozen
@@ -117,20 +117,15 @@ def split_batch(hidden, forward, plan: SplitPlan) -> tuple[Microbatch, Microbatc
         forward.child(cut, dp_counts=plan.first, microbatch=0),
         forward.child(n - cut, dp_counts=plan.second, microbatch=1),
     )
-    state = stream.state
-    if state == "initial":  # the stack input: each microbatch enters on its own rows
+    state, contribution, residual = stream.receive(hidden)
+    if state is StreamState.INITIAL:  # the stack input: each microbatch enters on its own rows
         parts = [_rows(hidden, a, b) for a, b in bounds]
         for child in children:
             child.residual_stream = ResidualStream()
     else:
         rows = stream.rows
-        contribution = None
-        if state == "written":
-            stream.check(hidden)
-        else:
-            stream.complete(hidden)  # a partial sum cannot be cut by rows: complete it first
-            contribution = stream.pending
-        residual = stream.residual
+        if contribution is not None:
+            contribution.complete()  # a partial sum cannot be cut by rows: complete it first
         if residual is not None:
             residual = align_rows(residual, rows, ATTENTION_ROWS, forward)
         value = None if contribution is None else align_rows(contribution.value, contribution.rows, ATTENTION_ROWS, forward)
@@ -176,17 +171,13 @@ def merge_batch(microbatches: Sequence[Microbatch], outputs: Sequence, forward):
     pending: list[Optional[Contribution]] = []
     residuals, values = [], []
     for mb, stream, out in zip(microbatches, streams, outputs):
-        if stream.state == "initial":
+        state, contribution, residual = stream.receive(out)
+        if state is StreamState.INITIAL:
             raise RuntimeError(f"microbatch {mb.index} ran no stage; its stream is still at the stack input")
-        if stream.state == "written":
-            stream.check(out)
-            pending.append(None)
-        else:
-            stream.complete(out)
-            contribution = stream.pending
-            pending.append(contribution)
+        pending.append(contribution)
+        if contribution is not None:
+            contribution.complete()
             values.append(align_rows(contribution.value, contribution.rows, ATTENTION_ROWS, mb.forward))
-        residual = stream.residual
         residuals.append(None if residual is None else align_rows(residual, stream.rows, ATTENTION_ROWS, mb.forward))
     if (pending[0] is None) != (pending[1] is None):
         raise RuntimeError("one TBO microbatch ends with a pending output and the other with a written stream; both must run the same stages")

@@ -1,11 +1,11 @@
-"""Hook implementations of the tbo plugin: the two-batch-overlap and the branch adapters.
+"""Hook implementations of the tbo plugin: two-batch overlap and prepared branches.
 
 Both are pure torch; CUDA streams are only touched when a batch lives on a GPU.
 """
 
 import sys
 
-from layer_boundary.plugin import Adapter, Priority, hookimpl
+from layer_boundary.plugin import BranchProvider, OverlapProvider, Priority, disabled_plugins, get_registry, hookimpl, register_inline
 
 
 def _overlap(request):
@@ -24,25 +24,27 @@ _INSTANCES: dict = {}
 
 
 def _one(cls):
-    """One adapter object per process (they hold no per-batch state)."""
+    """One object per process (they hold no per-batch state)."""
     if cls not in _INSTANCES:
         _INSTANCES[cls] = cls()
     return _INSTANCES[cls]
 
 
 @hookimpl
-def layer_boundary_adapters():
-    yield Adapter(
+def layer_boundary_overlaps():
+    yield OverlapProvider(
         name="tbo.two_batch_overlap",
-        kind="tbo",
         factory=_overlap,
         priority=Priority.REFERENCE,
         description="split a batch into two microbatches with their own streams, interleave their stages "
         "(one CUDA stream each on a GPU), merge them back",
     )
-    yield Adapter(
+
+
+@hookimpl
+def layer_boundary_branches():
+    yield BranchProvider(
         name="tbo.branch",
-        kind="branch",
         factory=_branch,
         priority=Priority.REFERENCE,
         description="prepared branches: branch_input forks the stream, branch_output and merge_branch join it",
@@ -53,11 +55,6 @@ def register_in_process() -> None:
     """Register these hooks in this process when the distribution is not installed (a source
     checkout on a bare GPU machine); a no-op when the entry point already provides them or
     LAYER_BOUNDARY_DISABLE_PLUGINS names "tbo"."""
-    from layer_boundary.plugin.manager import _disabled, get_plugin_manager, get_registry
-
-    if get_registry().adapters_of("tbo") or "tbo" in _disabled():
+    if get_registry().overlaps or "tbo" in disabled_plugins():
         return
-    pm, _, provenance = get_plugin_manager()
-    pm.register(sys.modules[__name__], name="tbo")
-    provenance["tbo"] = ("layer-boundary-tbo (source tree)", None)
-    get_registry.cache_clear()
+    register_inline(sys.modules[__name__], name="tbo", distribution="layer-boundary-tbo (source tree)")

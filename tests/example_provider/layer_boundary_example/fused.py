@@ -18,7 +18,7 @@ from typing import Optional
 
 import torch
 
-from layer_boundary import FusedMlpInput
+from layer_boundary import FusedMlpInput, boundaries_of
 
 #: rows above which the candidate declines (a stand-in for a kernel's workspace size)
 MAX_ROWS_ENV = "LAYER_BOUNDARY_EXAMPLE_MAX_ROWS"
@@ -43,22 +43,31 @@ def fused_add_rmsnorm(contribution, residual, weight, eps: float, compute_dtype=
 
 
 class FusedAddRMSNorm:
-    """Provider: one consumer candidate for attention and FFN inputs."""
+    """Provider with the capabilities `AttentionInputFusion` and `FfnInputFusion`: one consumer
+    candidate for attention and FFN inputs."""
 
     def __init__(self, max_rows: int = 4096, trace_dir: Optional[str] = None):
-        self.max_rows = max_rows
+        self.limit = max_rows  #: the most rows the "kernel" takes (the environment's cap)
+        self.max_rows = max_rows  #: this model's workspace, set by prepare_model
         self.trace_dir = trace_dir
 
     @classmethod
     def from_environment(cls) -> "FusedAddRMSNorm":
         return cls(int(os.environ.get(MAX_ROWS_ENV, "4096")), os.environ.get(TRACE_ENV) or None)
 
-    def attention_input(self, plan):
+    def attention_input(self, stage):
         # asked once per stage at construction: bind the stage's norm now, not per forward
-        run = functools.partial(self.run, plan.norm)
+        run = functools.partial(self.run, stage.norm)
         return (FusedMlpInput(run=run, name=CANDIDATE_NAME, preserves_residual=True),)
 
     ffn_input = attention_input
+
+    def prepare(self, max_tokens: int) -> None:
+        """The model's largest batch (the same value on every rank, so every rank declines alike)."""
+        self.max_rows = min(self.limit, max_tokens)
+
+    def release(self) -> None:
+        self.max_rows = self.limit
 
     def run(self, norm, owed, residual, forward):
         partial = owed.partial
@@ -74,3 +83,13 @@ class FusedAddRMSNorm:
         if self.trace_dir:
             with open(os.path.join(self.trace_dir, f"{os.getpid()}.calls"), "a") as f:
                 f.write(f"{rows} {dtype}\n")
+
+
+def providers_of(model) -> list[FusedAddRMSNorm]:
+    """This plugin's providers on a model's stages (each once, in module order)."""
+    found = {}
+    for boundary in boundaries_of(model) if isinstance(model, torch.nn.Module) else ():
+        for provider, _ in boundary.plan.providers:
+            if isinstance(provider, FusedAddRMSNorm):
+                found.setdefault(id(provider), provider)
+    return list(found.values())

@@ -1,5 +1,6 @@
-"""The plugin module: one hook that yields one record. Importing it must stay cheap (no torch
-work, no kernel library), because `layer-boundary plugins` and every model build import it."""
+"""The plugin module: hooks that yield records, and the model life cycle. Importing it must stay
+cheap (no torch work, no kernel library), because `layer-boundary plugins` and every model
+build import it."""
 
 from layer_boundary.plugin import FusionProvider, Priority, hookimpl
 
@@ -28,3 +29,21 @@ def layer_boundary_fusion_providers():
         priority=Priority.REFERENCE,
         description="example: all-reduce, then add + RMSNorm in one pure-torch function (float32/bfloat16/float64)",
     )
+
+
+@hookimpl
+def layer_boundary_prepare_model(request):
+    """Size every provider of the model for its largest batch (a real backend allocates its
+    workspace here, before any CUDA-graph capture; every rank runs this)."""
+    from .fused import providers_of
+
+    for provider in providers_of(request.model):
+        provider.prepare(request.max_tokens)
+
+
+@hookimpl
+def layer_boundary_release_model(request):
+    from .fused import providers_of
+
+    for provider in providers_of(request.model):
+        provider.release()

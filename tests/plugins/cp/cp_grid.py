@@ -86,7 +86,7 @@ class CpGridModel(nn.Module):
 
 def _final_norm(spec, gen):
     # drawn after the stages, as the grid does, so the reference gets the same weights
-    from layer_boundary.residual.add_norm import RMSNorm
+    from layer_boundary import RMSNorm
     from layer_boundary.testing.grid import _weights
 
     norm = RMSNorm(spec.hidden, 1e-6, dtype=torch.float64, compute_dtype=torch.float64)

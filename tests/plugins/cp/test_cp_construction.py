@@ -6,13 +6,13 @@ import pytest
 import torch
 
 from layer_boundary import (
-    Adapter,
     BatchVariant,
     Forward,
     MissingPluginError,
     Priority,
     ProducerReduction,
     RMSNorm,
+    RowLayout,
     Topology,
     declare_attn,
     declare_ffn,
@@ -20,9 +20,9 @@ from layer_boundary import (
     make_stages,
     residual_batch,
 )
-from layer_boundary.plugin import reset_registry
-from layer_boundary.testing.threaded import run_threaded
+from layer_boundary.plugin import CpPathProvider, reset_registry
 from layer_boundary_cp import TokenMapping
+from layer_boundary_cp.stage import check_mapping
 
 from cp_grid import planning_parallel
 
@@ -46,7 +46,7 @@ def test_every_ordinary_stage_gets_a_cp_path_and_keeps_its_ordinary_one():
     for boundary in (attn, ffn):
         assert set(boundary.plan.paths) == {BatchVariant.ORDINARY, BatchVariant.CONTEXT_PARALLEL}
         cp = boundary.plan.paths[BatchVariant.CONTEXT_PARALLEL]
-        assert cp.entry.mode == "adapter" and cp.exit.role == "adapter"
+        assert cp.entry.residual_rows is cp.exit.output_rows is RowLayout.ATTN_CP_LOCAL and cp.entry.precheck is check_mapping
     described = ffn.describe()["variants"]["context_parallel"]
     assert any("all_gatherv@attn_cp" in step for step in described["entry"])
     assert any("compute all-reduces over TP" in step for step in described["exit"])
@@ -93,19 +93,19 @@ class _Refusing:
     """A CP adapter of higher priority that knows it cannot carry attention stages."""
 
     @hookimpl
-    def layer_boundary_adapters(self):
-        def factory(plan):
-            if plan.declaration.is_attention_like:
+    def layer_boundary_cp_paths(self):
+        def factory(request):
+            if request.stage.declaration.is_attention_like:
                 raise NotImplementedError("attention is not handled by test.refusing")
             return None
 
-        yield Adapter(name="test.refusing", kind="cp", factory=factory, priority=Priority.VENDOR)
+        yield CpPathProvider(name="test.refusing", factory=factory, priority=Priority.VENDOR)
 
 
 class _Broken:
     @hookimpl
-    def layer_boundary_adapters(self):
-        yield Adapter(name="test.broken", kind="cp", factory=lambda plan: "a path", priority=Priority.VENDOR)
+    def layer_boundary_cp_paths(self):
+        yield CpPathProvider(name="test.broken", factory=lambda request: "a path", priority=Priority.VENDOR)
 
 
 def test_adapters_are_asked_in_priority_order_and_every_reason_is_kept(inline_plugin):
@@ -131,7 +131,7 @@ def test_adapters_are_asked_in_priority_order_and_every_reason_is_kept(inline_pl
 
 def test_an_adapter_that_returns_something_else_is_an_error(inline_plugin):
     inline_plugin(_Broken(), name="broken")
-    with pytest.raises(TypeError, match="CP adapter 'test.broken' must return a StagePath"):
+    with pytest.raises(TypeError, match="CP path provider 'test.broken' must return a StagePath"):
         layer(planning(Topology(tp=2, attn_cp=2)))
 
 

@@ -7,7 +7,7 @@ returns all logits.
 
 import torch
 
-from layer_boundary.forward import Forward, ForwardMode
+from layer_boundary import Forward, ForwardMode
 from layer_boundary.models import build_model, family, model_config
 from layer_boundary.models.attention import StepLayout
 from layer_boundary.models.runner import make_requests

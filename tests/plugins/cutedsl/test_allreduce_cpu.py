@@ -8,19 +8,18 @@ The protocol itself (staging by epoch parity, flags, rank-order sum) runs here i
 
 import ctypes
 import importlib.util
-import threading
 import time
 from dataclasses import replace
 
 import pytest
 import torch
 
-from layer_boundary.forward import Forward
-from layer_boundary.layers import MoeFinalizeHandoff
-from layer_boundary.output import UnreducedOutput
-from layer_boundary.parallel import Parallel, Topology
+from layer_boundary import Forward
+from layer_boundary import MoeFinalizeHandoff
+from layer_boundary import UnreducedOutput
+from layer_boundary import Parallel, Topology
 from layer_boundary.testing.grid import GridModel, grid_inputs
-from layer_boundary.testing.threaded import CollectiveAborted, run_threaded
+from layer_boundary.testing.threaded import run_threaded
 from layer_boundary_cutedsl import CuteDSLFusion, install_cutedsl_fusion, prepare_cutedsl_fusion, release_cutedsl_fusion
 from layer_boundary_cutedsl import oneshot
 from layer_boundary_cutedsl.kernels.allreduce_layout import (

@@ -14,7 +14,7 @@ import importlib.util
 import pytest
 import torch
 
-from layer_boundary.parallel import Topology
+from layer_boundary import Topology
 
 pytestmark = [
     pytest.mark.gpu,

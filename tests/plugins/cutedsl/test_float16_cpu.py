@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from layer_boundary.models import family, model_config
-from layer_boundary.parallel import Parallel
+from layer_boundary import Parallel
 from layer_boundary_cutedsl.kernels.tiling import SUPPORTED_DTYPES
 from layer_boundary_cutedsl.testing import reference_kernels
 

@@ -16,8 +16,8 @@ import importlib.util
 import pytest
 import torch
 
-from layer_boundary.layers import MoeFinalizeHandoff
-from layer_boundary.residual.add_norm import GemmaRMSNorm, RMSNorm
+from layer_boundary import MoeFinalizeHandoff
+from layer_boundary import GemmaRMSNorm, RMSNorm
 from layer_boundary_cutedsl.kernels import (
     add_rmsnorm_reference,
     finalize_handoff_add_rmsnorm,
@@ -270,7 +270,7 @@ def test_moe_cuda_graph_capture():
 @pytest.mark.parametrize("norm_cls", [RMSNorm, GemmaRMSNorm])
 def test_provider_candidates_run_the_kernels(norm_cls):
     """The CuteDSLFusion candidates on real bf16 CUDA tensors (group of one rank)."""
-    from layer_boundary.output import UnreducedOutput
+    from layer_boundary import UnreducedOutput
     from layer_boundary_cutedsl.provider import CuteDSLFusion
 
     gen = torch.Generator(device="cuda").manual_seed(13)

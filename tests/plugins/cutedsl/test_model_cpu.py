@@ -13,8 +13,8 @@ import torch
 
 from layer_boundary.models import ConfigError, family, model_config
 from layer_boundary.models.oracle import build_hf_model
-from layer_boundary.parallel import Parallel, Topology
-from layer_boundary.residual.add_norm import GemmaRMSNorm, RMSNorm
+from layer_boundary import Parallel, Topology
+from layer_boundary import GemmaRMSNorm, RMSNorm
 from layer_boundary.testing.threaded import run_threaded
 from layer_boundary_cutedsl.testing import reference_kernels
 

@@ -8,10 +8,10 @@ the arguments it passes, the collective it runs, that it declines untouched othe
 import pytest
 import torch
 
-from layer_boundary.layers import MoeFinalizeHandoff
-from layer_boundary.output import UnreducedOutput
-from layer_boundary.parallel import Parallel, Topology
-from layer_boundary.residual.add_norm import GemmaRMSNorm, RMSNorm
+from layer_boundary import MoeFinalizeHandoff
+from layer_boundary import UnreducedOutput
+from layer_boundary import Parallel, Topology
+from layer_boundary import GemmaRMSNorm, RMSNorm
 from layer_boundary.testing.grid import GridSpec, grid_inputs, reference, run_grid_rank
 from layer_boundary.testing.threaded import run_threaded
 from layer_boundary_cutedsl.kernel_set import CUTEDSL_KERNELS, kernels_available
@@ -147,7 +147,7 @@ def test_without_gpu_nothing_defers():
     kernels_available.cache_clear()
     if kernels_available():
         pytest.skip("a GPU is visible")
-    from layer_boundary.forward import Forward
+    from layer_boundary import Forward
 
     fwd = Forward(Parallel.single(), 4)
     plan = type("Plan", (), {"terminal": False})()

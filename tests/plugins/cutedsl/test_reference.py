@@ -3,8 +3,8 @@
 import pytest
 import torch
 
-from layer_boundary.layers import MoeFinalizeHandoff
-from layer_boundary.residual.add_norm import GemmaRMSNorm, RMSNorm
+from layer_boundary import MoeFinalizeHandoff
+from layer_boundary import GemmaRMSNorm, RMSNorm
 from layer_boundary_cutedsl.kernels import (
     add_rmsnorm_reference,
     dense_indices,

@@ -8,10 +8,10 @@ compared with the single-rank unfused reference.
 import pytest
 import torch
 
-from layer_boundary.forward import Forward
-from layer_boundary.parallel import Parallel, Topology
-from layer_boundary.residual import batch as residual_batch
-from layer_boundary.residual.add_norm import GemmaRMSNorm
+from layer_boundary import Forward
+from layer_boundary import Parallel, Topology
+from layer_boundary import residual_batch
+from layer_boundary import GemmaRMSNorm
 from layer_boundary.testing.grid import GridModel, GridSpec, grid_inputs, reference
 from layer_boundary.testing.threaded import run_threaded
 from layer_boundary_cutedsl import CuteDSLFusion, CuteDSLService, install_cutedsl_fusion, prepare_cutedsl_fusion
@@ -203,7 +203,7 @@ def test_capture_at_a_fused_final_norm_is_rejected():
 def test_the_service_finishes_what_its_kernels_cannot_take():
     """finalize() never declines: rows the kernels cannot read go through torch code with the
     same semantics and the same single all-reduce."""
-    from layer_boundary.layers import MoeFinalizeHandoff
+    from layer_boundary import MoeFinalizeHandoff
 
     calls = []
     model, _ = _model(Parallel.single(), calls)

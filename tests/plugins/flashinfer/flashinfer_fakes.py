@@ -129,7 +129,7 @@ class ReferenceBackend:
 
     def bind_all_reduce_fp8(self, slot, gamma, eps, weight_bias, hidden, limit, fmt, static_scale=None):
         """The fused FP8 read as the core's unfused quantizing read computes it (fp32 norm)."""
-        from layer_boundary.residual.quant import quantize_fp8
+        from layer_boundary.plugin import quantize_fp8
 
         group, launches = uncounted(slot.group), self.launches
         assert (fmt == "fp8_static") == (static_scale is not None)
@@ -217,7 +217,7 @@ def prompt_batches(config, sizes=(5, 1, 3), seed=7):
 @torch.inference_mode()
 def model_logits(model, parallel, prompts):
     """Prefill `prompts` (one request each, batched) then one decode step; logits of both."""
-    from layer_boundary.forward import Forward, ForwardMode
+    from layer_boundary import Forward, ForwardMode
     from layer_boundary.models.attention import StepLayout
 
     cache = model.new_cache()

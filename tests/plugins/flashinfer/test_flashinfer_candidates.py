@@ -3,14 +3,15 @@ for the kernels): same logits with the plugin on and off, the fused path taken e
 it should be, declines that touch nothing, MoE finalize handoffs, and prepare's re-runs."""
 
 
+import attrs
 import pytest
 import torch
 
 from flashinfer_fakes import ReferenceBackend, hardware_present, model_logits, on_off_run, prompt_batches, tiny_model
 from layer_boundary import CollectiveCounter, CountingCollectives, Forward, Parallel, Topology, UnreducedOutput
-from layer_boundary.layers import MoeFinalizeHandoff
-from layer_boundary.layout import SumGroup
-from layer_boundary.stage import boundaries_of
+from layer_boundary import MoeFinalizeHandoff
+from layer_boundary import SumGroup
+from layer_boundary import boundaries_of
 from layer_boundary.testing.threaded import run_threaded
 from layer_boundary_flashinfer.provider import AllReduceAddNorm, FinalizeAddNorm, FlashInferFinalizeFusion, FlashInferFusion
 from layer_boundary_flashinfer.service import prepare_flashinfer_fusion
@@ -258,7 +259,8 @@ def _one_rank_without_providers(parallel):
         config, model = tiny_model("qwen3", parallel)
     if parallel.rank == 1:  # as if the factory had declined here (no GPU seen, plugin disabled on this rank)
         for boundary in boundaries_of(model):
-            boundary.plan.providers = [(p, s) for p, s in boundary.plan.providers if not isinstance(p, FlashInferFusion)]
+            kept = tuple((p, s) for p, s in boundary.plan.providers if not isinstance(p, FlashInferFusion))
+            boundary.plan = attrs.evolve(boundary.plan, providers=kept)  # plans are frozen: a plan without it
     prompts = prompt_batches(config)
     before = model_logits(model, parallel, prompts)
     report = prepare_flashinfer_fusion(model, manager=WorkspaceManager(backend))

@@ -60,7 +60,6 @@ def test_which_tensors_the_kernel_takes():
 
 def test_wrapping_is_idempotent_and_found_through_other_wrappers():
     from layer_boundary import CollectiveCounter, CountingCollectives
-    from layer_boundary.testing.threaded import ThreadWorld
 
     def rank(parallel):
         wrapped = flashinfer_collectives(parallel)

@@ -6,9 +6,9 @@ import torch
 
 from flashinfer_fakes import hardware_present
 from layer_boundary import Topology
-from layer_boundary.contracts import StageKind
-from layer_boundary.layout import SumGroup
-from layer_boundary.testing._contract.report import ContractSettings
+from layer_boundary import StageKind
+from layer_boundary import SumGroup
+from layer_boundary.testing.contract import ContractSettings
 from layer_boundary.testing._contract.stages import stage_descriptions
 from layer_boundary_flashinfer import eligibility
 from layer_boundary_flashinfer.backend import MAX_COMM_SIZE, oneshot_table, workspace_bytes

@@ -53,7 +53,7 @@ def test_the_gpu_checks_steps_pass_on_the_reference_backend(on_cpu):
 
 
 def test_the_fp8_bound_is_half_a_step_of_the_exact_norm():
-    from layer_boundary.residual.quant import quantize_fp8
+    from layer_boundary.plugin import quantize_fp8
 
     y = torch.randn(4, 64, dtype=torch.float32) * 3
     exact = quantize_fp8(y, torch.bfloat16, None)

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from layer_boundary import Topology
-from layer_boundary.testing._contract.report import ContractSettings
+from layer_boundary.testing.contract import ContractSettings
 from layer_boundary.testing._contract.stages import stage_descriptions
 from layer_boundary.testing.contract import contract_params
 from layer_boundary.testing.threaded import run_threaded

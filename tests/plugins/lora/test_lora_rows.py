@@ -17,9 +17,9 @@ from layer_boundary import (
     make_stages,
     residual_batch,
 )
-from layer_boundary.forward import publish_compute_rows
+from layer_boundary._forward import publish_compute_rows
 from layer_boundary.models.lora_layers import LoraSlots, random_lora_spec
-from layer_boundary.stage import PublishingStageBoundary, StageBoundary
+from layer_boundary._stage import PublishingStageBoundary, StageBoundary
 from layer_boundary.testing.threaded import run_threaded
 
 H = 4

@@ -35,7 +35,7 @@ from layer_boundary import (
     residual_batch,
     two_batch_overlap,
 )
-from layer_boundary.layers import shard_cols, shard_rows
+from layer_boundary._layers import shard_cols, shard_rows
 from layer_boundary.models.overlapped import run_operations
 from layer_boundary.testing.grid import quant
 

@@ -10,19 +10,23 @@ import torch
 
 from ..._builtin.plugin import UnfusedCompletion
 from ...collectives import CollectiveCounter, CountingCollectives
-from ...construction import arriving_sum
-from ...contracts import FusedMlpInput, StageKind
-from ...forward import Forward, ForwardMode
-from ...fusions import consumer_candidates
-from ...layers import MoeFinalizeHandoff
+from ..._planning import arriving_sum
+from ..._contracts import FusedMlpInput, StageKind
+from ..._forward import Forward, ForwardMode
+from ..._fusions import consumer_candidates
+from ..._layers import MoeFinalizeHandoff
 from ...launch import RankTimeout
-from ...layout import SumGroup
-from ...output import UnreducedOutput
-from ...residual.add_norm import add_rms_norm
+from ..._layout import SumGroup
+from ..._output import UnreducedOutput
+from ..._residual.add_norm import add_rms_norm
+from ...plugin._requests import AttentionInputFusion, DefersAllReduce, DefersFinalize, FfnInputFusion
 from ..threaded import CollectiveAborted, ThreadWorld
 from .records import resolve
 from .report import DTYPES, PROVIDER_HOOKS, ContractReport, ContractSettings, relative_error
 from .stages import NORM_KINDS, SITUATIONS, device_of, make_norm
+
+
+CAPABILITIES = (AttentionInputFusion, FfnInputFusion, DefersFinalize, DefersAllReduce)
 
 
 def _candidate_facts(candidates) -> list[tuple]:
@@ -43,15 +47,17 @@ def _build_provider(record, plan, report: ContractReport, builtin: bool, where: 
         report.stats["stages_declined"] += 1
         return None, ()
     report.stats["stages_accepted"] += 1
-    if not any(callable(getattr(provider, hook, None)) for hook in PROVIDER_HOOKS):
+    if not isinstance(provider, CAPABILITIES):
         report.add("construction", f"factory returned {type(provider).__name__}, which has none of {', '.join(PROVIDER_HOOKS)}")
         return None, ()
-    method = "ffn_input" if plan.kind is StageKind.FFN else "attention_input"
-    if getattr(provider, method, None) is None:
+    ffn = plan.kind is StageKind.FFN
+    method = "ffn_input" if ffn else "attention_input"
+    if not isinstance(provider, FfnInputFusion if ffn else AttentionInputFusion):
         return provider, ()
+    offer = provider.ffn_input if ffn else provider.attention_input
     try:
-        raw = list(getattr(provider, method)(plan) or ())
-        raw_again = list(getattr(provider, method)(plan) or ())
+        raw = list(offer(plan) or ())
+        raw_again = list(offer(plan) or ())
     except Exception as exc:  # noqa: BLE001
         report.add("construction", f"{method}(plan) raised on the {where} stage: {type(exc).__name__}: {exc}")
         return None, ()
@@ -165,10 +171,10 @@ class _RankRun:
     def _defer_hooks(self, provider, plan, tag):
         if plan.kind is not StageKind.FFN:
             return
-        for hook in ("can_defer_finalize", "can_defer_all_reduce"):
-            fn = getattr(provider, hook, None)
-            if fn is None:
+        for hook, capability in (("can_defer_finalize", DefersFinalize), ("can_defer_all_reduce", DefersAllReduce)):
+            if not isinstance(provider, capability):
                 continue
+            fn = getattr(provider, hook)
             for rows in self.settings.rows:
                 for mode in (ForwardMode.EXTEND, ForwardMode.DECODE):
                     fwd = Forward(self.parallel, rows, mode=mode)

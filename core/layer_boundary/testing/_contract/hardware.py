@@ -17,9 +17,9 @@ from typing import Callable, Iterable, Optional, Sequence
 import attrs
 import torch
 
-from ...parallel import Topology
-from ...plugin.manager import BUILTIN_PLUGINS, DISABLE_ENV, ENTRY_POINT_GROUP, reset_registry
-from ...plugin.records import FusionProvider, Registered
+from ..._parallel import Topology
+from ...plugin._manager import BUILTIN_PLUGINS, DISABLE_ENV, ENTRY_POINT_GROUP, reset_registry
+from ...plugin._records import FusionProvider, Registered
 from .records import kind_of
 from .report import ContractReport, ContractSettings
 from .stages import stage_descriptions

@@ -3,19 +3,28 @@
 from __future__ import annotations
 
 import inspect
+import re
 from typing import Any, Optional
 
-from ...plugin.manager import get_registry
-from ...plugin.records import Adapter, FusionProvider, Priority, Registered, ResidualKind
+from ...plugin._manager import HOOKS, get_registry
+from ...plugin._records import Adapter, FusionProvider, Priority, Registered, ResidualKind
 from .report import ContractReport
+
+#: what each record type is called in reports (by registry field); records other than fusion
+#: providers and residual kinds get the record rules only
+KINDS = {t: re.sub(r"(?<!^)(?=[A-Z])", " ", t.__name__).lower() for t in [t for _, t in HOOKS.values()] + [Adapter]}
+
+
+def registered_entries(registry) -> tuple[Registered, ...]:
+    """Every registered record: each extension point's, then the deprecated adapters as yielded."""
+    return tuple(item for key in HOOKS for item in registry.records(key)) + registry.adapters
 
 
 def resolve(ref) -> tuple[Any, Optional[Registered]]:
     """(record, its registry entry or None) for a record, a `Registered` or a registered name."""
     if isinstance(ref, Registered):
         return ref.record, ref
-    registry = get_registry()
-    entries = registry.fusion_providers + registry.residual_kinds + registry.adapters
+    entries = registered_entries(get_registry())
     if isinstance(ref, str):
         for item in entries:
             if item.name == ref:
@@ -23,13 +32,13 @@ def resolve(ref) -> tuple[Any, Optional[Registered]]:
         names = ", ".join(item.name for item in entries)
         raise LookupError(f"no record named {ref!r} is registered (registered: {names}); install the plugin or pass "
                           "the record itself")
-    if not isinstance(ref, (FusionProvider, ResidualKind, Adapter)):
-        raise TypeError(f"expected a FusionProvider, ResidualKind or Adapter record (or its name), got {type(ref).__name__}")
+    if type(ref) not in KINDS:
+        raise TypeError(f"expected a record (FusionProvider, ResidualKind, ...) or its name, got {type(ref).__name__}")
     return ref, next((item for item in entries if item.record is ref), None)
 
 
 def kind_of(record) -> str:
-    return {FusionProvider: "fusion provider", ResidualKind: "residual kind", Adapter: "adapter"}[type(record)]
+    return KINDS[type(record)]
 
 
 def check_record(record, registered: Optional[Registered], report: ContractReport) -> None:
@@ -43,13 +52,14 @@ def check_record(record, registered: Optional[Registered], report: ContractRepor
                              "never-declining candidate would always run first; use Priority.REFERENCE or above")
     if not record.description.strip():
         report.add("record", "description is empty; `layer-boundary plugins` shows it to users")
-    if isinstance(record, FusionProvider):
+    if not isinstance(record, ResidualKind):
         try:
             inspect.signature(record.factory).bind(None)
         except TypeError:
-            report.add("record", "factory must take exactly one argument, the stage description")
+            what = "the stage description" if isinstance(record, FusionProvider) else "its typed request"
+            report.add("record", f"factory must take exactly one argument, {what}")
         except ValueError:  # builtins without a signature
             pass
-    elif not (isinstance(record.kind, str) and record.kind):
+    if hasattr(record, "kind") and not (isinstance(record.kind, str) and record.kind):
         report.add("record", f"kind must be a non-empty string, got {record.kind!r}")
     report.stats["records_checked"] += 1

@@ -8,7 +8,7 @@ from typing import Iterable, Optional
 import attrs
 import torch
 
-from ...parallel import Topology
+from ..._parallel import Topology
 
 
 FUSION_CHECKS = ("record", "without_hardware", "construction", "none_rule", "rank_uniform", "parity")

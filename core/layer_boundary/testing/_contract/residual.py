@@ -6,8 +6,8 @@ from typing import Sequence
 
 import torch
 
-from ...residual import ResidualOps
-from ...residual.add_norm import PLAIN_ADD
+from ..._residual import ResidualOps
+from ..._residual.add_norm import PLAIN_ADD
 from .report import DTYPES, ContractReport, ContractSettings, relative_error
 from .stages import device_of, make_norm
 

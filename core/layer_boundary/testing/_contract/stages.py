@@ -9,9 +9,9 @@ from typing import Callable
 import attrs
 import torch
 
-from ...factories import declare_attn, declare_ffn, make_stages
-from ...parallel import Parallel
-from ...residual.add_norm import GemmaRMSNorm, RMSNorm
+from ..._factories import declare_attn, declare_ffn, make_stages
+from ..._parallel import Parallel
+from ..._residual.add_norm import GemmaRMSNorm, RMSNorm
 from .report import ContractSettings
 
 

@@ -4,41 +4,20 @@ and move the input, in the order the plan chose.
 
 from __future__ import annotations
 
-from . import debug
+from . import _debug as debug
+from ._checks import check_rows
 from ._errors import Messages
-from .checks import check_rows
-from .fusions import run_candidates
-from .ops import move_input, dp_partial_sum, dp_scatter, gather_slices, move_residual, reduce_scatter_slices, take_slice
-from .output import HandoffOutput, UnreducedOutput
-from .residual.stream import ATTENTION_ROWS, CP_ROWS, SLICE_ROWS
+from ._forward import RowLayout
+from ._fusions import run_candidates
+from ._ops import align_rows, dp_partial_sum, dp_scatter, move_input, reduce_scatter_slices
+from ._output import HandoffOutput, UnreducedOutput
+from ._paths import EntryMode
+from ._residual.stream import StreamState
 
-__all__ = ["run_entry", "run_local", "align_rows"]
+__all__ = ["run_entry", "run_local"]
 
-
-def align_rows(value, rows_from: str, rows_to: str, fwd):
-    """Move a tensor (or residual tuple) between attention rows and this rank's share of them
-    (its attention-TP slice, or its context-parallel partition through `fwd.cp`)."""
-    if rows_from == rows_to:
-        return value
-    if CP_ROWS in (rows_from, rows_to):
-        return _align_cp_rows(value, rows_from, rows_to, fwd)
-    if rows_to == SLICE_ROWS:
-        return move_residual(value, lambda t: take_slice(t, fwd))
-    return move_residual(value, lambda t: gather_slices(t, fwd))
-
-
-def _align_cp_rows(value, rows_from: str, rows_to: str, fwd):
-    """CP partition <-> attention rows, through the batch's token mapping (`take_local`, `gather`)."""
-    mapping = fwd.cp
-    if mapping is None:
-        raise RuntimeError(
-            "rows on a context-parallel partition need the batch's token mapping; build the Forward with cp=..."
-        )
-    if (rows_from, rows_to) == (ATTENTION_ROWS, CP_ROWS):
-        return move_residual(value, mapping.take_local)
-    if (rows_from, rows_to) == (CP_ROWS, ATTENTION_ROWS):
-        return move_residual(value, mapping.gather)
-    raise NotImplementedError(f"no row move from {rows_from} rows to {rows_to} rows")
+ATTENTION_ROWS = RowLayout.DP_LOCAL
+SLICE_ROWS = RowLayout.ATTN_TP_SLICE
 
 
 def _capture(callback, value, owned: bool) -> None:
@@ -81,10 +60,10 @@ def run_entry(plan, entry, hidden, fwd, capture_output=None, captured=None):
     stream = fwd.residual_stream
     if stream is None:
         raise RuntimeError(Messages.NOT_STARTED)
-    read = plan.declaration.read
+    read = plan.read
     norm = plan.norm
-    state = stream.state
-    if state == "initial":
+    state, contribution, residual = stream.receive(hidden)
+    if state is StreamState.INITIAL:
         if not plan.enters_stack:
             raise RuntimeError(
                 f"stage {plan.label} has a producer (previous=...) but the residual stream is empty; call "
@@ -98,16 +77,14 @@ def run_entry(plan, entry, hidden, fwd, capture_output=None, captured=None):
         inp, residual = read.read(read.enter(h), norm)
         stream.write(residual, entry.residual_rows)
         return _finish_entry(plan, entry, inp, residual, fwd, captured, owned=False)
-    if state == "written":
-        stream.check(hidden)
-        residual = align_rows(stream.residual, stream.rows, entry.residual_rows, fwd)
+    if state is StreamState.WRITTEN:
+        residual = align_rows(residual, stream.rows, entry.residual_rows, fwd)
         if capture_output is not None:
             _capture(capture_output, _to_producer_rows(residual, entry, fwd), owned=entry.capture_allocates)
         inp, residual = read.read(residual, norm)
         stream.write(residual, entry.residual_rows)
         return _finish_entry(plan, entry, inp, residual, fwd, captured, owned=False)
 
-    contribution, residual = stream.take(hidden)
     if entry.arrives_plain is not None and contribution.update.plain_add != entry.arrives_plain:
         raise RuntimeError(
             f"producer update does not match the boundary's capability at stage {plan.label}: "
@@ -117,7 +94,7 @@ def run_entry(plan, entry, hidden, fwd, capture_output=None, captured=None):
         contribution.complete()  # a capture completes the main output unfused
     mode = entry.mode
     owed = contribution.owed
-    if mode == "dp_partial" and isinstance(owed, UnreducedOutput) and owed.declared and contribution.transform is None:
+    if mode is EntryMode.DP_PARTIAL and isinstance(owed, UnreducedOutput) and owed.declared and contribution.transform is None:
         partial = owed.partial
         if fwd.parallel.attn_tp_rank == 0:
             partial = partial + residual
@@ -126,8 +103,8 @@ def run_entry(plan, entry, hidden, fwd, capture_output=None, captured=None):
         stream.write(residual, ATTENTION_ROWS)
         # the sum already sits on the gathered rows: the read runs there, no further move
         return _finish_entry(plan, entry, norm(full), residual, fwd, captured, owned=False, skip_move=True)
-    if mode == "scatter":
-        if isinstance(owed, UnreducedOutput) and contribution.rows == ATTENTION_ROWS:
+    if mode is EntryMode.SCATTER:
+        if isinstance(owed, UnreducedOutput) and contribution.rows is ATTENTION_ROWS:
             value = reduce_scatter_slices(owed.partial, fwd)
             contribution.owed = None
             if contribution.transform is not None:
@@ -141,16 +118,16 @@ def run_entry(plan, entry, hidden, fwd, capture_output=None, captured=None):
         if capture_output is not None:
             _capture(capture_output, _to_producer_rows(residual, entry, fwd), owned=True)
         return _finish_entry(plan, entry, inp, residual, fwd, captured, owned=False)
-    if mode in ("branch", "adapter"):  # pragma: no cover - dispatched by StageBoundary
+    if mode is EntryMode.BRANCH:  # pragma: no cover - dispatched by StageBoundary
         raise AssertionError(mode)
-    # "local" (and "dp_partial" when the sum arrived complete)
+    # LOCAL and ENTER (and DP_PARTIAL when the sum arrived complete)
     if owed is not None and entry.candidates and contribution.transform is None:
         inp, residual = run_candidates(entry.candidates, owed, residual, fwd, isinstance(owed, HandoffOutput))
     else:
         value = contribution.complete()
         inp, residual = read.update_and_read(contribution.update, value, residual, norm)
     stream.write(residual, entry.residual_rows)
-    if entry.residual_rows == ATTENTION_ROWS:
+    if entry.residual_rows is ATTENTION_ROWS:
         _capture(capture_output, residual, owned=plan.capture_owned)
         return _finish_entry(plan, entry, inp, residual, fwd, captured, owned=plan.capture_owned)
     if capture_output is not None:  # residual on a share of the rows: the capture gathers (allocates)
@@ -165,7 +142,7 @@ def _to_producer_rows(residual, entry, fwd):
 
 def _finish_entry(plan, entry, inp, residual, fwd, captured, *, owned, skip_move=False):
     if captured is not None:
-        if entry.residual_rows != ATTENTION_ROWS and entry.input_move is not None:
+        if entry.residual_rows is not ATTENTION_ROWS and entry.input_move is not None:
             # the compute input moves to attention rows: capture the residual on those rows
             _capture(captured, align_rows(residual, entry.residual_rows, ATTENTION_ROWS, fwd), owned=True)
         else:

@@ -1,13 +1,15 @@
 """The fusion-provider chain of a stage: explicit `fusions=` first, then the registry, then the
 core's unfused completion (registered by the built-in plugin, ranked last).
 
-Providers are plain objects with any of:
+Providers are plain objects with any of the capabilities of `layer_boundary.plugin`:
 
-- `attention_input(plan)` / `ffn_input(plan)`: ordered consumer candidates (callables or
-  `FusedMlpInput`), asked once when the plan is built;
-- `can_defer_finalize(plan, forward)`: may this FFN's MoE return a `HandoffOutput`;
-- `can_defer_all_reduce(plan, forward)`: may an FFN whose sum is not a single all-reduce leave
-  it to the next input.
+- `AttentionInputFusion` / `FfnInputFusion`: `attention_input(stage)` / `ffn_input(stage)`,
+  ordered consumer candidates (callables or `FusedMlpInput`), asked once when the stage is
+  planned;
+- `DefersFinalize`: `can_defer_finalize(plan, forward)`, may this FFN's MoE return a
+  `HandoffOutput`;
+- `DefersAllReduce`: `can_defer_all_reduce(plan, forward)`, may an FFN whose sum is not a
+  single all-reduce leave it to the next input.
 
 Every decision a provider makes per batch must be the same on all ranks.
 """
@@ -18,9 +20,10 @@ from typing import Any, Optional
 
 import attrs
 
-from . import debug
-from .contracts import FusedMlpInput, StageKind
-from .layout import SumGroup
+from . import _debug as debug
+from ._contracts import FusedMlpInput, StageKind
+from ._layout import SumGroup
+from .plugin._requests import AttentionInputFusion, FfnInputFusion
 
 __all__ = ["Candidate", "FusionError", "build_providers", "consumer_candidates"]
 
@@ -82,18 +85,19 @@ def read_format(read) -> Optional[str]:
     return "plain" if read.plain_norm else None
 
 
-def consumer_candidates(plan, providers) -> tuple[Candidate, ...]:
-    """The ordered consumer candidates of `plan`'s input; the last one never declines. Only
+def consumer_candidates(stage, providers) -> tuple[Candidate, ...]:
+    """The ordered consumer candidates of `stage`'s input; the last one never declines. Only
     candidates producing the read's own format are kept."""
-    method = "ffn_input" if plan.kind is StageKind.FFN else "attention_input"
-    groups = _equivalent_groups(plan.parallel.topology)
-    wanted = read_format(plan.read)
+    ffn = stage.kind is StageKind.FFN
+    capability = FfnInputFusion if ffn else AttentionInputFusion
+    groups = _equivalent_groups(stage.parallel.topology)
+    wanted = read_format(stage.read)
     out: list[Candidate] = []
     for provider, source in providers:
-        fn = getattr(provider, method, None)
-        if fn is None:
+        if not isinstance(provider, capability):
             continue
-        for raw in fn(plan) or ():
+        offered = provider.ffn_input(stage) if ffn else provider.attention_input(stage)
+        for raw in offered or ():
             fused = raw if isinstance(raw, FusedMlpInput) else FusedMlpInput(run=raw)
             if not fused.always and fused.output_format != wanted:
                 continue

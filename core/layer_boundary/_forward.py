@@ -67,10 +67,11 @@ class Forward:
 
     Derived row counts are computed once here, so boundaries only read attributes.
 
-    `cp` makes the batch a context-parallel one: a token mapping (the CP plugin builds it) that
-    says which of the batch's rows this attention-CP rank holds. The core relies on two of its
-    methods: `take_local(x)` (this rank's rows of attention rows) and `gather(x)` (every CP
-    rank's rows back to attention rows in token order, a collective over attention CP).
+    `cp` makes the batch a context-parallel one: a token mapping (a plugin builds it: see
+    `layer_boundary.plugin.CpTokenMapping`) that says which of the batch's rows this
+    attention-CP rank holds. The core relies on `take_local(x)` (this rank's rows of attention
+    rows), `gather(x)` (every CP rank's rows back to attention rows in token order, a collective
+    over attention CP) and `num_local`.
     """
 
     __slots__ = (
@@ -172,10 +173,6 @@ class Forward:
     def is_decode(self) -> bool:
         return self.mode is ForwardMode.DECODE
 
-    @property
-    def global_tokens(self) -> int:
-        return sum(self.dp_counts)
-
     def describe(self) -> dict:
         return {
             "num_tokens": self.num_tokens,
@@ -252,22 +249,44 @@ def publish_flags(flags: ComputeFlags) -> Iterator[ComputeFlags]:
 
 
 class RowLayout(enum.Enum):
-    """Which token rows a stage's compute input holds (each order is defined in `ops`)."""
+    """Which token rows a tensor holds: a residual, a compute input or output (each order is
+    defined in `_ops`). The one vocabulary of rows: plans, streams and row publishers use it."""
 
     DP_LOCAL = "dp_local"  #: this rank's attention rows: its attention-DP token set
     DP_GATHERED = "dp_gathered"  #: every DP token set in DP-rank order (MAX_LEN: each padded to slot_rows)
     ATTN_TP_SLICE = "attn_tp_slice"  #: this attention-TP rank's contiguous share of its attention rows
+    ATTN_CP_LOCAL = "attn_cp_local"  #: this attention-CP rank's rows of an active CP batch (`Forward.cp`)
 
-    def rows(self, fwd: Forward) -> int:
-        """The number of rows a compute input in this layout has for `fwd` on this rank."""
+    def rows(self, fwd: "Forward") -> int:
+        """The number of rows a tensor in this layout has for `fwd` on this rank."""
         if self is RowLayout.DP_GATHERED:
             return fwd.full_rows
         if self is RowLayout.ATTN_TP_SLICE:
             return fwd.slice_sizes[fwd.parallel.attn_tp_rank]
+        if self is RowLayout.ATTN_CP_LOCAL:
+            return fwd.cp.num_local
         return fwd.num_tokens
+
+    @property
+    def phrase(self) -> str:
+        """Whose rows, for plans: "this rank's attention-TP slice"."""
+        return _PHRASES[self][0]
+
+    @property
+    def short(self) -> str:
+        """The rows' short name, for plans: "CP rows"."""
+        return _PHRASES[self][1]
 
     def __repr__(self) -> str:
         return self.name
+
+
+_PHRASES = {
+    RowLayout.DP_LOCAL: ("this rank's attention rows", "attention rows"),
+    RowLayout.DP_GATHERED: ("every DP rank's rows", "full rows"),
+    RowLayout.ATTN_TP_SLICE: ("this rank's attention-TP slice", "attention-TP slices"),
+    RowLayout.ATTN_CP_LOCAL: ("this CP rank's rows", "CP rows"),
+}
 
 
 @attrs.frozen(eq=False)

@@ -236,8 +236,3 @@ class Parallel:
         """The same topology with every group wrapped (e.g. by CountingCollectives)."""
         return Parallel(topology=self.topology, rank=self.rank, groups={k: wrap(v) for k, v in self.groups.items()})
 
-
-def all_rank_layouts(topology: Topology) -> list[dict[str, int]]:
-    """Coordinates of every rank (for tables and tests)."""
-    return [topology.coordinates(r) for r in range(topology.world_size)]
-

@@ -9,10 +9,13 @@ from __future__ import annotations
 import torch
 
 from .._errors import Messages
-from ..output import HandoffOutput, UnreducedOutput
-from ..prepare import align_rows
+from .._forward import RowLayout
+from .._ops import align_rows
+from .._output import HandoffOutput, UnreducedOutput
 from .add_norm import is_rms_norm
-from .stream import ATTENTION_ROWS, ResidualStream
+from .stream import ResidualStream, StreamState
+
+ATTENTION_ROWS = RowLayout.DP_LOCAL
 
 __all__ = [
     "start",
@@ -104,23 +107,21 @@ def norm(
     streams) contracts it there before `layernorm`. Releases the stream.
     """
     stream = stream_of(forward)
-    state = stream.state
     if final_read is None and isinstance(stream.residual, tuple):
         raise ValueError(Messages.FINAL_READ)
-    if state == "initial":
+    state, contribution, residual = stream.receive(hidden_states)
+    if state is StreamState.INITIAL:
         if final_read is not None:
             normed, new_residual = final_read.read(final_read.enter(hidden_states), layernorm)
         else:
             normed, new_residual = layernorm(hidden_states), hidden_states
-    elif state == "written":
-        stream.check(hidden_states)
-        new_residual = stream.residual
+    elif state is StreamState.WRITTEN:
+        new_residual = residual
         if final_read is not None:
             normed, new_residual = final_read.read(new_residual, layernorm)
         else:
             normed = _maybe_empty(layernorm, new_residual, skip_empty)
     else:
-        contribution, residual = stream.take(hidden_states)
         owed = contribution.owed
         if isinstance(owed, HandoffOutput) and handoff_norm is not None and final_read is None:
             if capture_output is not None:
@@ -169,15 +170,13 @@ def to_pp(hidden_states, forward, *, preserve_declared: bool = True) -> dict:
     completed output) and refuses a partial it would otherwise take as complete.
     """
     stream = stream_of(forward)
-    state = stream.state
-    if state == "initial":
+    state, contribution, residual = stream.receive(hidden_states)
+    if state is StreamState.INITIAL:
         raise RuntimeError(Messages.NOT_STARTED)
     owes = False
-    if state == "written":
-        stream.check(hidden_states)
-        out = {"hidden_states": align_rows(stream.residual, stream.rows, ATTENTION_ROWS, forward), "residual": None}
+    if state is StreamState.WRITTEN:
+        out = {"hidden_states": align_rows(residual, stream.rows, ATTENTION_ROWS, forward), "residual": None}
     else:
-        contribution, residual = stream.take(hidden_states)
         update = contribution.update
         if not (update.plain_add or update.at_producer):
             raise NotImplementedError("pipeline boundaries require a plain add or a producer-written residual")

@@ -1,9 +1,13 @@
 """The per-forward residual stream: the residual and the producer's outstanding contribution.
 
-States:
+States (`StreamState`):
 - initial: no residual, nothing pending; the next consumer initialises the residual (`enter`);
 - written: a residual, nothing pending; the next consumer reads it without an update;
 - pending: a producer's contribution (maybe still owing a sum or a finalize) and its update.
+
+Every consumer (a stage's input, the final norm, a pipeline send, a microbatch split) starts
+with the one arrival operation, `receive(handle) -> (state, contribution, residual)`, and
+dispatches on the state; `arrive(...)` is its inverse, a stream rebuilt from handed-off parts.
 
 The model keeps the object each boundary call returns (`handle`) and passes exactly that object
 to the next call; anything else is rejected, so another microbatch's output or a rebound tensor
@@ -12,20 +16,31 @@ never picks up the wrong pending work. The check is by identity: in-place edits 
 
 from __future__ import annotations
 
+import enum
 from typing import Any, Optional
 
 import torch
 
 from .._errors import Messages
-from ..output import HandoffOutput, OutputTransform, UnreducedOutput
+from .._forward import RowLayout
+from .._output import HandoffOutput, OutputTransform, UnreducedOutput
 
-__all__ = ["Contribution", "OwedOutput", "ResidualStream", "ATTENTION_ROWS", "SLICE_ROWS", "CP_ROWS"]
+__all__ = ["Contribution", "OwedOutput", "ResidualStream", "StreamState"]
 
-#: where a stream's residual lives: the attention rows, this rank's attention-TP slice of them,
-#: or this rank's context-parallel partition of them (an active CP batch; `Forward.cp` maps it)
-ATTENTION_ROWS = "attention"
-SLICE_ROWS = "slice"
-CP_ROWS = "cp"
+_ATTENTION_ROWS = RowLayout.DP_LOCAL
+
+
+class StreamState(str, enum.Enum):
+    """A stream's state (a `str`, so it also compares equal to "initial", "written", "pending")."""
+
+    INITIAL = "initial"
+    WRITTEN = "written"
+    PENDING = "pending"
+
+    def __repr__(self) -> str:
+        return self.name
+
+    __str__ = str.__str__
 
 
 class Contribution:
@@ -37,7 +52,7 @@ class Contribution:
 
     __slots__ = ("value", "update", "owed", "transform", "rows")
 
-    def __init__(self, value, update, owed=None, transform: Optional[OutputTransform] = None, rows: str = "attention"):
+    def __init__(self, value, update, owed=None, transform: Optional[OutputTransform] = None, rows: RowLayout = _ATTENTION_ROWS):
         self.value = value
         self.update = update
         self.owed = owed
@@ -102,16 +117,16 @@ class ResidualStream:
 
     def __init__(self):
         self.residual = None
-        self.rows = ATTENTION_ROWS
+        self.rows = _ATTENTION_ROWS
         self.pending: Optional[Contribution] = None
         self.handle: Any = None
 
     # state --------------------------------------------------------------------------------
     @property
-    def state(self) -> str:
+    def state(self) -> StreamState:
         if self.pending is not None:
-            return "pending"
-        return "initial" if self.residual is None else "written"
+            return StreamState.PENDING
+        return StreamState.INITIAL if self.residual is None else StreamState.WRITTEN
 
     def check(self, hidden) -> None:
         if hidden is not self.handle or self.handle is None:
@@ -126,7 +141,7 @@ class ResidualStream:
         self.handle = contribution.value if contribution.complete_now else OwedOutput(contribution)
         return self.handle
 
-    def write(self, residual, rows: str = ATTENTION_ROWS, *, handle: Any = None) -> None:
+    def write(self, residual, rows: RowLayout = _ATTENTION_ROWS, *, handle: Any = None) -> None:
         """Make the stream written (nothing pending); `handle` is what the model passes next."""
         self.pending = None
         self.residual = residual
@@ -134,13 +149,22 @@ class ResidualStream:
         self.handle = handle
 
     # consumer side ------------------------------------------------------------------------
-    def take(self, hidden) -> tuple[Optional[Contribution], Any]:
-        """(pending contribution or None, residual) for a consumer; checks the handle."""
-        self.check(hidden)
+    def receive(self, hidden) -> tuple[StreamState, Optional[Contribution], Any]:
+        """The arrival operation: `(state, contribution, residual)` of what reached a consumer.
+
+        A pending contribution is taken (the stream keeps only its residual until the consumer
+        writes one); a written stream is left as it is. Both check that `hidden` is the handle
+        the stream gave out; the stack input of an initial stream is not checked.
+        """
         pending = self.pending
-        self.pending = None
-        self.handle = None
-        return pending, self.residual
+        if pending is not None:
+            self.check(hidden)
+            self.pending = self.handle = None
+            return StreamState.PENDING, pending, self.residual
+        if self.residual is None:
+            return StreamState.INITIAL, None, None
+        self.check(hidden)
+        return StreamState.WRITTEN, None, self.residual
 
     def complete(self, hidden) -> torch.Tensor:
         """Complete owed work unfused; the update stays pending on the returned tensor."""
@@ -151,23 +175,10 @@ class ResidualStream:
         self.handle = value
         return value
 
-    def fold(self, hidden):
-        """Complete and apply the pending update; the stream becomes written."""
-        self.check(hidden)
-        if self.pending is not None:
-            contribution = self.pending
-            value = contribution.complete()
-            if self.residual is None:
-                new_residual = value
-            else:
-                new_residual = contribution.update.apply(value, self.residual)
-            self.write(new_residual, self.rows, handle=new_residual)
-        return self.handle
-
     @classmethod
     def arrive(
-        cls, hidden, residual, update, *, owed_sum=None, transform=None, rows: str = ATTENTION_ROWS,
-        contribution_rows: str = ATTENTION_ROWS,
+        cls, hidden, residual, update, *, owed_sum=None, transform=None, rows: RowLayout = _ATTENTION_ROWS,
+        contribution_rows: RowLayout = _ATTENTION_ROWS,
     ) -> tuple["ResidualStream", Any]:
         """A stream rebuilt from handed-off parts (pipeline receive, TBO microbatches).
 
@@ -189,4 +200,4 @@ class ResidualStream:
         return stream, handle
 
     def __repr__(self) -> str:
-        return f"ResidualStream({self.state}, rows={self.rows})"
+        return f"ResidualStream({self.state.value}, rows={self.rows.value})"

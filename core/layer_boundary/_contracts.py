@@ -10,7 +10,7 @@ from typing import Any, Callable, Optional
 
 import attrs
 
-from .layout import SumGroup
+from ._layout import SumGroup
 
 __all__ = [
     "ProducerReduction",

@@ -5,14 +5,16 @@ Row orders:
 - slice rows: this attention-TP rank's contiguous share of the attention rows
   (`split_sizes(num_tokens, attn_tp)`, earlier ranks take the extra row);
 - full rows: every DP token set in DP-rank order, each exactly (SUM_LEN) or padded to
-  `slot_rows` with zeros (MAX_LEN).
+  `slot_rows` with zeros (MAX_LEN);
+- CP rows: this attention-CP rank's rows of an active CP batch, in the order of its token
+  mapping (`Forward.cp`).
 """
 
 from __future__ import annotations
 
 import torch
 
-from .forward import DpPadding, Forward
+from ._forward import DpPadding, Forward, RowLayout
 
 __all__ = [
     "dp_gather",
@@ -22,6 +24,9 @@ __all__ = [
     "take_slice",
     "gather_slices",
     "reduce_scatter_slices",
+    "move_input",
+    "move_residual",
+    "align_rows",
 ]
 
 
@@ -91,3 +96,29 @@ def move_residual(residual, fn):
     if isinstance(residual, tuple):
         return tuple(fn(r) for r in residual)
     return fn(residual)
+
+
+def align_rows(value, rows_from: RowLayout, rows_to: RowLayout, fwd):
+    """Move a tensor (or residual tuple) between attention rows and this rank's share of them
+    (its attention-TP slice, or its context-parallel rows through `fwd.cp`)."""
+    if rows_from is rows_to:
+        return value
+    if RowLayout.ATTN_CP_LOCAL in (rows_from, rows_to):
+        return _align_cp_rows(value, rows_from, rows_to, fwd)
+    if rows_to is RowLayout.ATTN_TP_SLICE:
+        return move_residual(value, lambda t: take_slice(t, fwd))
+    return move_residual(value, lambda t: gather_slices(t, fwd))
+
+
+def _align_cp_rows(value, rows_from: RowLayout, rows_to: RowLayout, fwd):
+    """CP rows <-> attention rows, through the batch's token mapping (`take_local`, `gather`)."""
+    mapping = fwd.cp
+    if mapping is None:
+        raise RuntimeError(
+            "rows on a context-parallel partition need the batch's token mapping; build the Forward with cp=..."
+        )
+    if (rows_from, rows_to) == (RowLayout.DP_LOCAL, RowLayout.ATTN_CP_LOCAL):
+        return move_residual(value, mapping.take_local)
+    if (rows_from, rows_to) == (RowLayout.ATTN_CP_LOCAL, RowLayout.DP_LOCAL):
+        return move_residual(value, mapping.gather)
+    raise NotImplementedError(f"no row move from {rows_from.short} to {rows_to.short}")

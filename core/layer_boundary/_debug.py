@@ -8,13 +8,13 @@
 
 from __future__ import annotations
 
-import os
-
 import torch
+
+from ._env import env_flag
 
 __all__ = ["DEBUG", "check_batch_facts"]
 
-DEBUG = os.environ.get("LAYER_BOUNDARY_DEBUG", "").strip().lower() in ("1", "true", "yes", "on")
+DEBUG = env_flag("LAYER_BOUNDARY_DEBUG")
 
 _VARIANTS = ("ordinary", "context_parallel", "input_scattered", "sequence_parallel")
 _MODES = ("extend", "decode", "idle")
@@ -23,7 +23,7 @@ _PADDINGS = ("sum_len", "max_len")
 
 def check_batch_facts(fwd) -> None:
     """Raise BatchFactsError on every rank when the TP group's ranks disagree on batch facts."""
-    from .forward import BatchFactsError
+    from ._forward import BatchFactsError
 
     group = fwd.parallel.groups["tp"]
     if group.size == 1:

@@ -10,14 +10,13 @@ from __future__ import annotations
 
 import torch
 
+from ._checks import check_rows
 from ._errors import Messages
-from .checks import check_rows
-from .forward import _FLAGS, BatchVariant, ComputeFlags, DpPadding
-from .ops import dp_reduce_scatter, dp_scatter, reduce_scatter_slices, take_slice
-from .output import HandoffOutput, UnreducedOutput
-from .residual.stream import Contribution
+from ._forward import _FLAGS, ComputeFlags, RowLayout
+from ._output import HandoffOutput, UnreducedOutput
+from ._residual.stream import Contribution
 
-__all__ = ["FfnExit", "MixerExit", "ExitDecision", "record_complete", "record_attention"]
+__all__ = ["FfnExit", "MixerExit", "ExitDecision", "COMPLETE_NOW", "record_complete", "record_attention", "complete_reduced"]
 
 
 class ExitDecision:
@@ -40,6 +39,8 @@ _NO_SKIP = ComputeFlags()
 
 #: the decision of an exit that can only let compute reduce: shared, never mutated
 COMPLETE_NOW = ExitDecision(_NO_SKIP)
+#: a mixer's decision to leave its declared sum to the next input: shared, never mutated
+_LEAVE_DECLARED = ExitDecision(ComputeFlags(fuse_mlp_allreduce=True), declared=True)
 
 
 def _stream(fwd):
@@ -60,36 +61,47 @@ def record_complete(plan, value, rows, fwd):
     return stream.record(Contribution(value, update, rows=rows))
 
 
-def record_attention(plan, out, fwd, ex=None):
+_DP_LOCAL = RowLayout.DP_LOCAL
+
+
+def compute_rows(ex, fwd) -> int:
+    """The rows compute returns on this rank for exit `ex`."""
+    layout = ex.compute_rows
+    return fwd.num_tokens if layout is _DP_LOCAL else layout.rows(fwd)
+
+
+def record_attention(plan, out, fwd, ex):
     """A PARTIAL attention output: its attention-TP sum is always left to the next input."""
-    ex = ex if ex is not None else plan.path_for(fwd).exit
-    check_rows(plan, out, fwd.num_tokens, fwd, "attention output")
+    layout = ex.compute_rows  # inlined compute_rows(): the common case reads one attribute
+    check_rows(plan, out, fwd.num_tokens if layout is _DP_LOCAL else layout.rows(fwd), fwd, "attention output")
     return _leave_sum(plan, ex, out, fwd, declared=True)
 
 
 def _leave_sum(plan, ex, out, fwd, *, declared: bool):
-    """Record an output whose sum over `ex.group` is left to the next input (complete at once
-    when the group has one rank: nothing is owed then)."""
+    """Record an output whose sum over `ex.group` is left to the next input, on the exit's
+    output rows (complete at once when the group has one rank: nothing is owed then)."""
     decl = plan.declaration
     stream = _stream(fwd)
+    move = ex.output_move
+    if move is not None:
+        out = move(out, fwd)  # taking rows commutes with the sum: the next input reduces fewer rows
     if ex.group.size == 1:
         transform = decl.output_transform
-        return stream.record(Contribution(out if transform is None else transform(out), decl.update))
+        return stream.record(Contribution(out if transform is None else transform(out), decl.update, rows=ex.output_rows))
     owed = UnreducedOutput(out, ex.group, ex.sum_group, declared=declared)
-    return stream.record(Contribution(None, decl.update, owed=owed, transform=decl.output_transform))
+    return stream.record(Contribution(None, decl.update, owed=owed, transform=decl.output_transform, rows=ex.output_rows))
 
 
 def complete_reduced(plan, path, out, fwd):
-    """Output that compute already reduced: transform, move back to the residual's rows, record."""
+    """Output that compute already reduced: transform, move to the output rows, record."""
     transform = plan.declaration.output_transform
     if transform is not None:
         out = transform(out)
-    move = path.exit.complete_move
-    if move == "dp_scatter":
-        out = dp_scatter(out, fwd)
-    elif move == "slice":
-        out = take_slice(out, fwd)
-    return record_complete(plan, out, path.exit.output_rows, fwd)
+    ex = path.exit
+    move = ex.output_move
+    if move is not None:
+        out = move(out, fwd)
+    return record_complete(plan, out, ex.output_rows, fwd)
 
 
 class _ExitScope:
@@ -151,19 +163,12 @@ class FfnExit(_ExitScope):
         ex = path.exit
         if ex.static_decision is not None:
             return cls(plan, path, fwd, ex.static_decision)
-        if ex.role == "adapter":
-            return ex.adapter.ffn_exit(plan, path, fwd)
+        scatter = ex.scatter
+        if scatter is not None:
+            return cls(plan, path, fwd, _scatter_decision(fwd, scatter.eligible(fwd)))
         defer_finalize = False
         if ex.handoff_ok and fwd.num_tokens > 0:
             defer_finalize = any(p.can_defer_finalize(plan, fwd) for p in plan.finalize_providers)
-        if ex.rs_kind == "dp":
-            padded = fwd.dp_padding is DpPadding.MAX_LEN
-            rs = (ex.rs_allowed and padded) or (ex.rsv_allowed and not padded)
-            return cls(plan, path, fwd, _scatter_decision(plan, fwd, rs))
-        if ex.rs_kind == "slice":
-            sizes = fwd.slice_sizes
-            rs = ex.rsv_allowed or (ex.rs_allowed and min(sizes) == max(sizes))
-            return cls(plan, path, fwd, _scatter_decision(plan, fwd, rs))
         defer = ex.may_defer and fwd.num_tokens > 0
         if defer and plan.fused_consumer_only:
             defer = any(p.can_defer_all_reduce(plan, fwd) for p in plan.all_reduce_providers)
@@ -176,7 +181,8 @@ class FfnExit(_ExitScope):
         self._begin_finish()
         plan, path, fwd, decision = self.plan, self.path, self.fwd, self.decision
         if type(out) is torch.Tensor:
-            check_rows(plan, out, fwd.full_rows if path.exit.compute_rows_full else fwd.num_tokens, fwd, "FFN output")
+            layout = path.exit.compute_rows
+            check_rows(plan, out, fwd.num_tokens if layout is _DP_LOCAL else layout.rows(fwd), fwd, "FFN output")
             if decision is COMPLETE_NOW:
                 return complete_reduced(plan, path, out, fwd)
         stream = _stream(fwd)
@@ -197,15 +203,12 @@ class FfnExit(_ExitScope):
             transform = decl.output_transform
             if transform is not None:
                 out = transform(out)  # allowed only when declared before_reduce_scatter
-            if path.exit.rs_kind == "dp":
-                value = dp_reduce_scatter(out, fwd)
-            else:
-                value = reduce_scatter_slices(out, fwd)
-            return record_complete(plan, value, path.exit.output_rows, fwd)
+            ex = path.exit
+            return record_complete(plan, ex.scatter.run(out, fwd, ex.group), ex.output_rows, fwd)
         return complete_reduced(plan, path, out, fwd)
 
 
-def _scatter_decision(plan, fwd, rs: bool) -> ExitDecision:
+def _scatter_decision(fwd, rs: bool) -> ExitDecision:
     if not rs:
         return COMPLETE_NOW
     owns_tail = fwd.parallel.tp_rank == 0
@@ -224,11 +227,9 @@ class MixerExit(_ExitScope):
         path = plan.path_for(fwd)
         _stream(fwd)
         ex = path.exit
-        if ex.role == "adapter":
-            return ex.adapter.mixer_exit(plan, path, fwd)
         if ex.leaves_declared:
-            return cls(plan, path, fwd, ExitDecision(ComputeFlags(fuse_mlp_allreduce=True), declared=True))
-        if ex.may_defer and fwd.num_tokens > 0 and fwd.variant is BatchVariant.ORDINARY:
+            return cls(plan, path, fwd, _LEAVE_DECLARED)
+        if ex.may_defer and fwd.num_tokens > 0:
             return cls(plan, path, fwd, ExitDecision(ComputeFlags(fuse_mlp_allreduce=True), defer_sum=True))
         return cls(plan, path, fwd, COMPLETE_NOW)
 
@@ -241,7 +242,8 @@ class MixerExit(_ExitScope):
         plan, path, fwd, decision = self.plan, self.path, self.fwd, self.decision
         if not isinstance(out, torch.Tensor):
             raise TypeError(f"stage {plan.label}: a mixer returns a tensor, got {type(out).__name__}")
-        check_rows(plan, out, fwd.num_tokens, fwd, "mixer output")
+        layout = path.exit.compute_rows
+        check_rows(plan, out, fwd.num_tokens if layout is _DP_LOCAL else layout.rows(fwd), fwd, "mixer output")
         if decision.declared or decision.defer_sum:
             return _leave_sum(plan, path.exit, out, fwd, declared=decision.declared)
         return complete_reduced(plan, path, out, fwd)

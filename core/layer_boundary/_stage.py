@@ -4,17 +4,21 @@ from __future__ import annotations
 
 from typing import Mapping
 
+from ._checks import check_rows
+from ._contracts import StageKind
 from ._errors import Messages
-from .contracts import StageKind
-from .checks import check_rows
-from .construction import StagePlan, arriving_sum, plan_stage
-from .forward import BatchVariant
-from .exit import FfnExit, MixerExit, complete_reduced, record_attention
-from .output import UnreducedOutput
-from .plugin.manager import get_registry
-from .prepare import align_rows, run_entry, run_local
-from .residual.stream import ATTENTION_ROWS, SLICE_ROWS, ResidualStream
-from .row_adapters import publish_rows
+from ._exit import FfnExit, MixerExit, complete_reduced, compute_rows, record_attention
+from ._forward import RowLayout
+from ._ops import align_rows
+from ._output import UnreducedOutput
+from ._paths import EntryMode, Owed
+from ._planning import StagePlan, arriving_sum, plan_stages
+from ._prepare import run_entry, run_local
+from ._residual.stream import ResidualStream
+from ._row_publishers import publish_rows
+from .plugin._manager import get_registry
+
+ATTENTION_ROWS = RowLayout.DP_LOCAL
 
 __all__ = ["StageBoundary", "build_boundaries", "boundaries_of"]
 
@@ -37,17 +41,19 @@ class StageBoundary:
         Returns the compute input in the consumer read's format.
         """
         entry = self._entries.get(forward.variant)
-        if entry is not None and entry.mode == "local" and capture_output is None and captured_last_layer_outputs is None:
+        capturing = capture_output is not None or captured_last_layer_outputs is not None
+        if entry is not None and entry.fast and not capturing:
             return run_local(self.plan, entry, hidden_states, forward)
         plan = self.plan
-        path = plan.path_for(forward)
-        entry = path.entry
-        if entry.mode == "branch":
+        entry = plan.path_for(forward).entry
+        if entry.mode is EntryMode.BRANCH:
             raise RuntimeError(Messages.BRANCH_PREPARE)
-        if (capture_output is not None or captured_last_layer_outputs is not None) and plan.kind is StageKind.FFN:
+        if capturing and plan.kind is StageKind.FFN:
             raise TypeError("FFN prepare() does not accept capture_output; capture at an attention input or the final norm")
-        if entry.mode == "adapter":
-            return entry.adapter.prepare(plan, path, hidden_states, forward, capture_output, captured_last_layer_outputs)
+        if entry.precheck is not None:
+            entry.precheck(forward)
+            if entry.mode is EntryMode.LOCAL and not capturing:
+                return run_local(plan, entry, hidden_states, forward)
         return run_entry(plan, entry, hidden_states, forward, capture_output, captured_last_layer_outputs)
 
     # producer side ----------------------------------------------------------------------------
@@ -59,10 +65,9 @@ class StageBoundary:
                 "`with boundary.exit(forward) as out: h = compute(h)` then `h = out.finish(h)`"
             )
         ex = self._exits.get(forward.variant)
-        if ex is not None and ex.role != "adapter":
-            return record_attention(self.plan, output, forward, ex)
-        path = self.plan.path_for(forward)  # raises for a variant without a path
-        return path.exit.adapter.finish_attention(self.plan, path, output, forward)
+        if ex is None:
+            ex = self.plan.path_for(forward).exit  # raises for a variant without a path
+        return record_attention(self.plan, output, forward, ex)
 
     def exit(self, forward):
         """Open the exit scope of an FFN (`FfnExit`) or a single-stage mixer (`MixerExit`)."""
@@ -79,16 +84,14 @@ class StageBoundary:
         if self.plan.kind is StageKind.ATTENTION:
             raise RuntimeError("postprocess() is for FFN and mixer stages; attention publishes with finish()")
         path = self.plan.path_for(forward)
-        if path.exit.role == "adapter":
-            return path.exit.adapter.postprocess(self.plan, path, output, forward)
-        check_rows(self.plan, output, forward.full_rows if path.exit.compute_rows_full else forward.num_tokens, forward, "output")
+        check_rows(self.plan, output, compute_rows(path.exit, forward), forward, "output")
         return complete_reduced(self.plan, path, output, forward)
 
     # capture and pipeline ---------------------------------------------------------------------
     def capture_output(self, hidden_states, forward):
         """(handle, snapshot): completes dynamic work on the main output, snapshots a declared sum
         on a copy (the main output still owes it)."""
-        from .residual import batch
+        from ._residual import batch
 
         stream = forward.residual_stream
         if stream is None:
@@ -113,7 +116,7 @@ class StageBoundary:
         path = plan.path_for(forward)
         owes = tensors.get("owes_declared_sum")
         owes = None if owes is None else bool(owes)  # a transported flag may arrive as a tensor
-        declared = path.entry.expects == "declared"
+        declared = path.entry.owed is Owed.DECLARED
         if owes and not declared:
             decl = plan.declaration
             raise ValueError(
@@ -124,7 +127,7 @@ class StageBoundary:
             )
         rows = path.entry.residual_rows
         # the slice entry reduce-scatters attention-row partials itself; others complete on the residual's rows
-        contribution_rows = ATTENTION_ROWS if rows == SLICE_ROWS else rows
+        contribution_rows = ATTENTION_ROWS if rows is RowLayout.ATTN_TP_SLICE else rows
         update = plan.declaration.previous.update
         if residual is None:
             stream, handle = ResidualStream.arrive(align_rows(hidden, ATTENTION_ROWS, rows, forward), None, None, rows=rows)
@@ -182,29 +185,10 @@ class PublishingStageBoundary(StageBoundary):
 
 
 def build_boundaries(items, *, parallel, policy, label: str, registry=None) -> tuple[StageBoundary, ...]:
-    """Plans for locally connected stages; the capture certificate flows producer-ward."""
+    """The boundaries of locally connected stages, from their plans (`plan_stages`)."""
     registry = registry if registry is not None else get_registry()
-    plans = []
-    for i, (decl, norm, options) in enumerate(items):
-        stage_label = label if len(items) == 1 else f"{label}.{i}:{decl.kind.value}"
-        plans.append(plan_stage(decl, norm, options, parallel=parallel, policy=policy, label=stage_label, registry=registry))
-    _check_mixer_neighbours(plans)
-    for current, nxt in zip(plans, plans[1:]):
-        # the residual `current` reads is consumed next by `nxt`'s input path (after current's compute)
-        entry = nxt.paths[BatchVariant.ORDINARY].entry
-        current.capture_owned = entry.mode == "local" and entry.preserves_residual
-    return tuple((PublishingStageBoundary if p.row_adapters else StageBoundary)(p) for p in plans)
-
-
-def _check_mixer_neighbours(plans) -> None:
-    last = plans[-1]
-    decl = last.declaration
-    if decl.kind is StageKind.MIXER and not decl.terminal and decl.following is None:
-        raise ValueError(
-            f"stage {last.label}: a mixer that ends its make_stages call needs following= (the declaration of the next "
-            "stage), unless it is terminal; the next stage derives whether the mixer's sum is left to it from the same fact"
-        )
-
+    plans = plan_stages(items, parallel=parallel, policy=policy, label=label, registry=registry)
+    return tuple((PublishingStageBoundary if p.row_publishers else StageBoundary)(p) for p in plans)
 
 
 def boundaries_of(model) -> list[StageBoundary]:

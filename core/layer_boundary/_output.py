@@ -6,7 +6,7 @@ cheap, and tracing tools handle plain classes best.
 
 from __future__ import annotations
 
-from typing import Callable, Optional
+from typing import Callable
 
 import torch
 
@@ -83,7 +83,3 @@ class HandoffOutput:
     def rows(self) -> int:  # pragma: no cover - abstract
         raise NotImplementedError
 
-
-def complete_owed(owed) -> Optional[torch.Tensor]:
-    """The unfused completion of an owed value."""
-    return owed.complete()

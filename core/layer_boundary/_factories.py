@@ -11,15 +11,15 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
-from typing import Any, Iterator, Optional, Sequence
+from typing import Any, Iterator, Optional
 
 import attrs
 
 from ._errors import Messages
-from .contracts import ProducerReduction, ReductionPolicy, StageKind
-from .output import OutputTransform
-from .residual import READ_FLAGS, UPDATE_FLAGS, ResidualOps, check_capabilities
-from .residual.add_norm import PLAIN_RESIDUAL
+from ._contracts import ProducerReduction, ReductionPolicy, StageKind
+from ._output import OutputTransform
+from ._residual import READ_FLAGS, UPDATE_FLAGS, ResidualOps, check_capabilities
+from ._residual.add_norm import PLAIN_RESIDUAL
 
 __all__ = [
     "StageDeclaration",
@@ -191,7 +191,7 @@ class LayerStack:
     """
 
     def __init__(self, parallel, reduction):
-        from .policy import require_resolved
+        from ._policy import require_resolved
 
         self.parallel = parallel
         self.reduction = require_resolved(reduction)
@@ -253,7 +253,7 @@ def _context(parallel, reduction) -> tuple[Any, ReductionPolicy, Optional[LayerS
         parallel = stack.parallel
     if reduction is None:
         reduction = stack.reduction if stack is not None else "ar"
-    from .policy import require_resolved
+    from ._policy import require_resolved
 
     return parallel, require_resolved(reduction), stack
 
@@ -300,7 +300,7 @@ def make_stages(
     the consumer after the last; `terminal=True` when the last item ends the model's stack.
     `prepared_from` starts a branch from another stage's already-read input.
     """
-    from .stage import build_boundaries
+    from ._stage import build_boundaries
 
     if not items:
         raise ValueError("make_stages needs at least one stage")
@@ -354,7 +354,7 @@ def _check_edges(first: StageDeclaration, last: StageDeclaration) -> None:
 
 
 def _single(declaration: StageDeclaration, norm, options, parallel, reduction, label):
-    from .stage import build_boundaries
+    from ._stage import build_boundaries
 
     _check_edges(declaration, declaration)
     parallel, policy, stack = _context(parallel, reduction)
@@ -384,6 +384,3 @@ def make_ffn_stage(declaration: StageDeclaration, norm, options: Optional[dict] 
         raise TypeError(f"unsupported ffn stage options: {unknown}")
     return _single(declaration, norm, options, parallel, reduction, label)
 
-
-def stage_sequence(declarations: Sequence[StageDeclaration]) -> str:
-    return " -> ".join(d.describe() for d in declarations)

@@ -12,8 +12,8 @@ from typing import Optional
 import torch
 from torch import nn
 
-from .forward import get_forward
-from .output import HandoffOutput
+from ._forward import get_forward
+from ._output import HandoffOutput
 
 __all__ = ["Linear", "ColumnParallelLinear", "RowParallelLinear", "reduce_output", "MoeFinalizeHandoff", "shard_rows", "shard_cols", "linear"]
 
@@ -29,7 +29,7 @@ def linear(x, weight: torch.Tensor, module: Optional[nn.Module] = None) -> torch
     if x.data.is_cuda and hasattr(torch, "_scaled_mm"):
         cached = getattr(module, "_fp8_weight", None) if module is not None else None
         if cached is None or cached[0] is not weight:
-            from .residual.quant import quantize_fp8
+            from ._residual.quant import quantize_fp8
 
             wq = quantize_fp8(weight.float(), weight.dtype, weight.float().abs().amax() / 448.0)
             cached = (weight, wq.data.t(), wq.scale.reshape(1, 1))

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from typing import Any, Mapping, Optional
 
-from .contracts import ReductionPolicy
+from ._contracts import ReductionPolicy
 
 __all__ = ["ARCHITECTURE_DEFAULTS", "resolve_reduction", "require_resolved", "architecture_of"]
 

@@ -93,7 +93,7 @@ def residual_kind(kind: str, **options) -> ResidualOps:
     The highest-priority registered record of that kind wins. A kind no installed plugin
     provides raises an error naming the distribution to install.
     """
-    from ..plugin.manager import get_registry
+    from ..plugin._manager import get_registry
     from .._errors import missing_feature
 
     candidates = get_registry().residual_kinds_of(kind)

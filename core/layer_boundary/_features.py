@@ -1,0 +1,66 @@
+"""Entry points for handoffs a sequential `prepare()` cannot express: two-batch overlap (TBO)
+and prepared branches.
+
+The core only names these features; plugins implement them through the extension points
+`layer_boundary_overlaps` and `layer_boundary_branches`. Without one, each entry point raises
+an error naming the distribution to install. Model code calls these functions and never
+imports a plugin.
+"""
+
+from __future__ import annotations
+
+from ._errors import missing_feature
+from .plugin._manager import get_registry
+from .plugin._requests import BranchRequest, BranchTransport, Overlap, OverlapRequest
+
+__all__ = ["two_batch_overlap", "branch_input", "branch_output", "merge_branch"]
+
+
+def _first(records, request, what: str, feature: str, capability):
+    """The object of the first record (by priority) whose factory accepts `request`.
+
+    No record raises `MissingPluginError` naming the distribution; records that all decline
+    raise `NotImplementedError`."""
+    if not records:
+        raise missing_feature(what, feature)
+    for item in records:
+        found = item.record.factory(request)
+        if found is not None:
+            if not isinstance(found, capability):
+                raise TypeError(f"{item.name!r} returned {found!r}, which is not a {capability.__name__}")
+            return found
+    names = ", ".join(item.name for item in records)
+    raise NotImplementedError(f"no installed {feature} provider supports {what} here (tried {names})")
+
+
+def two_batch_overlap(forward) -> Overlap:
+    """The two-batch-overlap scheduler for this batch: `.run(stages, hidden_states, forward, ...)`
+    splits the batch into two microbatches, interleaves their stages and merges them back."""
+    return _first(get_registry().overlaps, OverlapRequest(forward), "two-batch overlap", "tbo", Overlap)
+
+
+def _branches(boundary, what: str) -> BranchTransport:
+    return _first(get_registry().branches, BranchRequest(boundary), what, "branch", BranchTransport)
+
+
+def branch_input(boundary, hidden_states, forward):
+    """Enter a prepared branch (a stage declared with `prepared_from=`) from the input its source
+    stage already prepared: move that input to the branch's rows and fork the residual stream.
+
+    Returns `(branch_input, branch_forward)`: run the branch's stages on `branch_forward`, which
+    carries the branch's own residual stream.
+    """
+    return _branches(boundary, "prepared branches (branch_input)").branch_input(boundary, hidden_states, forward)
+
+
+def branch_output(hidden_states, branch_forward):
+    """Complete the branch's last contribution on the handoff rows and apply it to the branch's
+    residual; releases the branch's stream. Pass the result to `merge_branch()`."""
+    return _branches(None, "prepared branches (branch_output)").branch_output(hidden_states, branch_forward)
+
+
+def merge_branch(hidden_states, branch, forward):
+    """Join a `branch_output()` with the main line's output (`hidden_states`, the source stage's
+    handle): the main line's contribution stays pending over the branch's residual, so the next
+    stage adds it once. Returns the handle the next stage takes."""
+    return _branches(None, "prepared branches (merge_branch)").merge_branch(hidden_states, branch, forward)

@@ -1,0 +1,37 @@
+"""The model life cycle of plugins: workspaces and compiled kernels a fusion needs before the
+first forward (and before any CUDA-graph capture), and their release.
+
+An engine (or `layer-boundary run`) calls `prepare_model()` on every rank after the weights are
+in place, and `release_model()` on every rank before destroying process groups. They call the
+hooks `layer_boundary_prepare_model` / `layer_boundary_release_model` of every plugin, in
+plugin-name order (release in reverse), identically on every rank.
+"""
+
+from __future__ import annotations
+
+from .plugin._manager import get_registry
+from .plugin._requests import PrepareRequest, ReleaseRequest
+
+__all__ = ["prepare_model", "release_model"]
+
+
+def prepare_model(model, *, max_tokens: int = 2048) -> list[str]:
+    """Let every installed plugin prepare `model` for forwards of up to `max_tokens` tokens
+    (collective: call on all ranks). Returns the names of the plugins (and deprecated setup
+    records) that ran, in order."""
+    request = PrepareRequest(model, max_tokens)
+    done = []
+    for name, hook in get_registry().prepare_hooks:
+        hook(request)
+        done.append(name)
+    return done
+
+
+def release_model(model) -> list[str]:
+    """Release what `prepare_model` created (collective: call on all ranks)."""
+    request = ReleaseRequest(model)
+    done = []
+    for name, hook in get_registry().release_hooks:
+        hook(request)
+        done.append(name)
+    return done

@@ -1,0 +1,156 @@
+"""The values a plan is made of: entry and exit paths per batch variant, and their vocabulary.
+
+Every path is a frozen value, bound once at construction; at forward time a boundary only
+selects the path of the batch's variant and runs it. Modes, roles and what an arriving output
+owes are enums; rows are `RowLayout` members; moves are plain functions `(x, forward) -> x`
+with a name for plans.
+"""
+
+from __future__ import annotations
+
+import enum
+from typing import Any, Callable, Optional
+
+import attrs
+
+from ._exit import COMPLETE_NOW
+from ._forward import BatchVariant, RowLayout
+from ._layout import SumGroup
+
+__all__ = ["EntryMode", "ExitRole", "Owed", "ReduceScatter", "EntryPath", "ExitPath", "StagePath", "defers_to_next_input"]
+
+
+def defers_to_next_input(topology, variant: BatchVariant) -> bool:
+    """The deferral rule, written once: a producer leaves a sum or a MoE finalize for the next
+    stage's input to complete only on ordinary rows, without attention DP or CP (elsewhere rows
+    move at the boundary, and the exit completes the output on its way). Producer exits and
+    consumer entries both decide with it, so a sum never runs twice or never."""
+    return variant is BatchVariant.ORDINARY and topology.attn_dp == 1 and topology.attn_cp == 1
+
+
+class EntryMode(enum.Enum):
+    """How a stage's input is prepared."""
+
+    ENTER = "enter"  #: stack entry (initial or written stream): read without an update
+    #: complete what is owed on the residual's rows (fused candidates first when eligible),
+    #: then update and read; an optional input move then moves the input
+    LOCAL = "local"
+    DP_PARTIAL = "dp_partial"  #: one TP all-reduce completes the attention-TP sum and gathers over DP
+    SCATTER = "scatter"  #: reduce-scatter onto attention-TP slices, update and read on the slice
+    BRANCH = "branch"  #: a prepared branch, entered through `branch_input` only
+
+
+class ExitRole(enum.Enum):
+    """How a stage's output leaves it."""
+
+    DECLARED = "declared"  #: attention (PARTIAL): the output always leaves its attention-TP sum
+    #: a SCOPED token mixer: leaves the sum before an FFN, may defer it before another mixer,
+    #: else its compute reduces
+    MIXER = "mixer"
+    #: an FFN: defers its sum to the next input, reduce-scatters it, or lets compute reduce, per batch
+    FFN = "ffn"
+
+
+class Owed(enum.Enum):
+    """What an output arriving at a stage's input may still owe."""
+
+    NOTHING = "nothing"
+    DECLARED = "declared"  #: the sum the producer's contract always leaves (attention, a mixer before an FFN)
+    DYNAMIC = "dynamic"  #: a sum or a finalize the producer's exit may defer, per batch
+
+
+@attrs.frozen(kw_only=True)
+class ReduceScatter:
+    """An FFN exit's optional reduce-scatter: compute leaves its sum (`mlp_reduce_scatter`) and
+    the exit scatters it straight onto the output rows.
+
+    `eligible(forward)` decides per batch from facts every rank shares; `run(partial, forward,
+    group)` returns the complete output on this rank's output rows; `name` is the plan's line.
+    """
+
+    name: str
+    eligible: Callable[[Any], bool]
+    run: Callable[[Any, Any, Any], Any]
+
+
+@attrs.frozen(kw_only=True, eq=False)
+class EntryPath:
+    """The consumer half of a boundary for one batch variant."""
+
+    mode: EntryMode
+    #: where the residual lives once this stage has read it
+    residual_rows: RowLayout = RowLayout.DP_LOCAL
+    #: the rows the compute input holds (published to the stage's row publishers, such as LoRA)
+    compute_rows: RowLayout = RowLayout.DP_LOCAL
+    #: moves the compute input from the residual's rows to the compute rows, `(x, forward) -> x`
+    input_move: Optional[Callable] = None
+    input_move_name: str = ""
+    #: what an arriving output may owe here
+    owed: Owed = Owed.NOTHING
+    #: the producer's update is a plain add (None: no producer)
+    arrives_plain: Optional[bool] = None
+    #: fused consumer candidates, in order (the last never declines)
+    candidates: tuple = ()
+    #: the norm's own fused add + norm when the read is a plain norm of an RMSNorm (bound once)
+    add_norm: Optional[Callable] = None
+    #: a capture of the residual on the producer's rows allocates (it gathers rows)
+    capture_allocates: bool = False
+    #: checks the batch before anything moves, `(forward) -> None` (a CP token mapping, say)
+    precheck: Optional[Callable] = None
+    #: the common case, run by the lean entry: local mode, nothing to check first
+    fast: bool = attrs.field(init=False)
+
+    def __attrs_post_init__(self):
+        object.__setattr__(self, "fast", self.mode is EntryMode.LOCAL and self.precheck is None)
+
+    @property
+    def preserves_residual(self) -> bool:
+        return all(c.fused.preserves_residual for c in self.candidates)
+
+
+@attrs.frozen(kw_only=True, eq=False)
+class ExitPath:
+    """The producer half: how a stage's output reaches the residual's rows."""
+
+    role: ExitRole
+    sum_group: SumGroup
+    group: Any
+    #: where the complete output (or the contribution still owing its sum) lands
+    output_rows: RowLayout = RowLayout.DP_LOCAL
+    #: the rows compute returns
+    compute_rows: RowLayout = RowLayout.DP_LOCAL
+    #: compute rows -> output rows, `(x, forward) -> x`: after compute reduced, and before a sum is left
+    output_move: Optional[Callable] = None
+    output_move_name: str = ""
+    #: a mixer that always leaves its attention-TP sum (before an FFN; on attention-TP slices)
+    leaves_declared: bool = False
+    #: the sum may be deferred to the next input (per batch: it has tokens, providers accept)
+    may_defer: bool = False
+    #: a provider may let the MoE hand its finalize to the next input
+    handoff_ok: bool = False
+    #: the optional reduce-scatter onto the output rows
+    scatter: Optional[ReduceScatter] = None
+    #: the decision of an FFN exit that no batch fact can change (exits then share it)
+    static_decision: Any = attrs.field(init=False)
+
+    def __attrs_post_init__(self):
+        static = self.role is ExitRole.FFN and not (self.may_defer or self.handoff_ok or self.scatter is not None)
+        object.__setattr__(self, "static_decision", COMPLETE_NOW if static else None)
+
+    @classmethod
+    def of(cls, stage, **fields) -> "ExitPath":
+        """A path builder: the exit of `stage` over its own output sum group, its role from the
+        stage's kind unless given."""
+        sum_group = fields.pop("sum_group", stage.output_sum)
+        role = fields.pop("role", _ROLES[stage.kind.value])
+        return cls(role=role, sum_group=sum_group, group=stage.group(sum_group), **fields)
+
+
+_ROLES = {"attention": ExitRole.DECLARED, "mixer": ExitRole.MIXER, "ffn": ExitRole.FFN}
+
+
+@attrs.frozen(eq=False)
+class StagePath:
+    variant: BatchVariant
+    entry: EntryPath
+    exit: ExitPath

@@ -1,0 +1,178 @@
+"""Typed registration records (frozen, keyword-only), one per extension point, and the
+provenance wrapper the registry adds.
+
+Every record has a dotted `name` prefixed by its plugin, a `factory` the core calls with the
+extension point's typed request (see `_requests`), a `priority` (higher is asked first; ties
+by name, never by install order) and a one-line `description`. A factory returns None when it
+does not apply; raising means "mine, but broken".
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Any, Callable, Generic, Optional, TypeVar
+
+import attrs
+
+
+_NAME = re.compile(r"^[a-z][a-z0-9_]*(\.[a-z][a-z0-9_]*)+$")
+_KIND = re.compile(r"^[a-z][a-z0-9_]*$")
+
+
+def _valid_name(instance, attribute, value):
+    if not isinstance(value, str) or not _NAME.match(value):
+        raise ValueError(
+            f"{type(instance).__name__}.name must be a dotted lowercase name prefixed by its plugin "
+            f"(for example 'flashinfer.ar_add_rmsnorm'), got {value!r}"
+        )
+
+
+def _valid_kind(instance, attribute, value):
+    if not isinstance(value, str) or not _KIND.match(value):
+        raise ValueError(f"{type(instance).__name__}.kind must be a lowercase word such as 'lora', got {value!r}")
+
+
+def _callable(instance, attribute, value):
+    if not callable(value):
+        raise TypeError(f"{type(instance).__name__}.{attribute.name} must be callable, got {value!r}")
+
+
+class Priority:
+    """Priority bands. Higher runs first; ties are broken by name, never by install order."""
+
+    BUILTIN = -1000  #: the core's unfused defaults, always applicable, always last
+    REFERENCE = 0  #: pure-torch implementations
+    GENERIC = 100
+    VENDOR = 200  #: vendor libraries (FlashInfer)
+    ARCH_SPECIFIC = 300  #: kernels for one GPU family (CuTe DSL on Hopper)
+
+
+@attrs.frozen(kw_only=True)
+class _Record:
+    name: str = attrs.field(validator=_valid_name)
+    factory: Callable[..., Any] = attrs.field(validator=_callable)
+    priority: int = 0
+    description: str = ""
+
+
+@attrs.frozen(kw_only=True)
+class FusionProvider(_Record):
+    """Hook `layer_boundary_fusion_providers`: a backend that completes what a stage's input owes
+    together with the add + norm (and may let producers defer work to it).
+
+    `factory(stage: StageDescription)` runs once per stage at construction and returns a
+    provider object with any of the capabilities `AttentionInputFusion`, `FfnInputFusion`,
+    `DefersFinalize`, `DefersAllReduce`, or None when the stage is outside what it handles.
+    It must not import heavy libraries before deciding.
+    """
+
+
+@attrs.frozen(kw_only=True)
+class ResidualKind(_Record):
+    """Hook `layer_boundary_residual_kinds`: named residual semantics. Model code asks for
+    them by `kind` (`residual_kind(kind, **options)`); `factory(**options)` returns a
+    `ResidualOps`. The record with the highest priority of a kind wins."""
+
+    kind: str = attrs.field(validator=_valid_kind)
+
+
+@attrs.frozen(kw_only=True)
+class CpPathProvider(_Record):
+    """Hook `layer_boundary_cp_paths`: the context-parallel path of a stage.
+
+    `factory(request: CpPathRequest)` returns the stage's `StagePath` for
+    `BatchVariant.CONTEXT_PARALLEL` (built from `request.ordinary` with the public path
+    builders), None when it does not apply, or raises `NotImplementedError(reason)` for a
+    stage it knows it cannot carry (the reason is shown by `layer-boundary plan`)."""
+
+
+@attrs.frozen(kw_only=True)
+class TokenMappingProvider(_Record):
+    """Hook `layer_boundary_token_mappings`: `factory(request: TokenMappingRequest)` returns
+    the token mapping of a context-parallel batch (a `CpTokenMapping`), for `Forward(cp=...)`."""
+
+
+@attrs.frozen(kw_only=True)
+class OverlapProvider(_Record):
+    """Hook `layer_boundary_overlaps`: `factory(request: OverlapRequest)` returns the
+    two-batch-overlap scheduler (an `Overlap`) of a batch, or None."""
+
+
+@attrs.frozen(kw_only=True)
+class BranchProvider(_Record):
+    """Hook `layer_boundary_branches`: `factory(request: BranchRequest)` returns the transport
+    of prepared branches (a `BranchTransport`), or None."""
+
+
+@attrs.frozen(kw_only=True)
+class RowPublisher(_Record):
+    """Hook `layer_boundary_row_publishers`: a stage built with `publish_rows=(kind, ...)`
+    binds the first publisher of each kind whose `factory(request: RowPublisherRequest)`
+    returns an object (`PublishesRows`); after every `prepare()` it says, per row of the
+    compute input, what that stage's compute needs to know (LoRA: each row's adapter)."""
+
+    kind: str = attrs.field(validator=_valid_kind)
+
+
+@attrs.frozen(kw_only=True)
+class Benchmark(_Record):
+    """Hook `layer_boundary_benchmarks`: `layer-boundary bench COMMAND [options]` calls
+    `factory(options)` (the option strings); a benchmark prints a table and writes its results
+    (JSON + PNG under benchmarks/results/). Import the benchmark's code inside the factory."""
+
+    command: str = attrs.field(validator=_valid_kind)
+
+    @classmethod
+    def of_module(cls, module: str, **fields) -> "Benchmark":
+        """The benchmark whose code is `module`'s `main(argv)`, imported only when it runs."""
+        return cls(factory=_ModuleMain(module), **fields)
+
+
+@attrs.frozen
+class _ModuleMain:
+    """`main(argv)` of a module, imported on the first call (a benchmark's heavy imports)."""
+
+    module: str
+
+    def __call__(self, argv):
+        import importlib
+
+        return importlib.import_module(self.module).main(argv)
+
+
+@attrs.frozen(kw_only=True)
+class Adapter(_Record):
+    """Deprecated (hook `layer_boundary_adapters`): one catch-all record for six kinds. The
+    registry still accepts it, warns, and maps each kind onto its extension point:
+    "cp" -> `CpPathProvider`, "cp_batch" -> `TokenMappingProvider`, "tbo" ->
+    `OverlapProvider`, "branch" -> `BranchProvider`, "setup" -> the life-cycle hooks
+    `layer_boundary_prepare_model` / `layer_boundary_release_model`, any other kind ->
+    `RowPublisher` of that kind. Each factory keeps receiving what it received before."""
+
+    kind: str
+
+
+T = TypeVar("T")
+
+
+@attrs.frozen
+class Registered(Generic[T]):
+    """A record with where it came from."""
+
+    record: T
+    plugin: str
+    distribution: Optional[str]
+    version: Optional[str]
+
+    @property
+    def name(self) -> str:
+        return self.record.name
+
+    @property
+    def priority(self) -> int:
+        return self.record.priority
+
+
+def selection_key(item: Registered) -> tuple[int, str]:
+    """(-priority, name): a total order, since names are unique."""
+    return (-item.record.priority, item.record.name)

@@ -1,0 +1,156 @@
+"""The typed requests each extension point's factory receives, and the capabilities (typed
+Protocols) of the objects factories return.
+
+Requests are frozen and built by the core; a factory reads them and never keeps a mutable
+reference into the core. Capabilities are checked once, at construction, with `isinstance`.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any, Optional, Protocol, Sequence, runtime_checkable
+
+import attrs
+
+if TYPE_CHECKING:  # annotations only: importing this module stays cheap
+    import torch
+
+    from .._forward import Forward, RowLayout
+    from .._planning import Stage, StagePath
+    from .._stage import StageBoundary
+
+
+
+# requests --------------------------------------------------------------------------------------
+
+
+@attrs.frozen
+class CpPathRequest:
+    """A stage's facts and its ordinary path, from which its context-parallel path derives."""
+
+    stage: "Stage"
+    ordinary: "StagePath"
+
+
+@attrs.frozen
+class TokenMappingRequest:
+    """One context-parallel batch: the new tokens of every request, in batch row order."""
+
+    parallel: Any
+    lengths: tuple[int, ...] = attrs.field(converter=lambda v: tuple(int(n) for n in v))
+    order: Optional[str] = None  #: the plugin's token order ("zigzag", "contiguous"); None: its default
+    device: Any = None
+
+
+@attrs.frozen
+class OverlapRequest:
+    """The batch a two-batch-overlap scheduler is asked to split."""
+
+    forward: "Forward"
+
+
+@attrs.frozen
+class BranchRequest:
+    """The boundary a prepared branch enters (`branch_input`), or None (`branch_output`,
+    `merge_branch`)."""
+
+    boundary: Optional["StageBoundary"] = None
+
+
+@attrs.frozen
+class RowPublisherRequest:
+    """The stage whose compute rows are to be published."""
+
+    stage: "Stage"
+
+
+@attrs.frozen
+class PrepareRequest:
+    """`prepare_model(model, max_tokens=...)`: a model whose weights are in place, before its
+    first forward and before any CUDA-graph capture. Called on every rank."""
+
+    model: Any
+    #: the largest token count one forward will carry (sizes workspaces)
+    max_tokens: int
+
+
+@attrs.frozen
+class ReleaseRequest:
+    """`release_model(model)`: free what prepare made, on every rank, before the process
+    groups are destroyed."""
+
+    model: Any
+
+
+# capabilities -----------------------------------------------------------------------------------
+
+
+@runtime_checkable
+class AttentionInputFusion(Protocol):
+    """A fusion provider's consumer candidates for an attention (or mixer) input, asked once
+    when the stage is planned: `FusedMlpInput` values (or bare callables), in order."""
+
+    def attention_input(self, stage: "Stage") -> Sequence[Any]: ...
+
+
+@runtime_checkable
+class FfnInputFusion(Protocol):
+    """The same for an FFN input."""
+
+    def ffn_input(self, stage: "Stage") -> Sequence[Any]: ...
+
+
+@runtime_checkable
+class DefersFinalize(Protocol):
+    """May this FFN's MoE return its unfinalized output (a `HandoffOutput`) for a fused
+    consumer? Asked per batch; the answer must be the same on every rank."""
+
+    def can_defer_finalize(self, plan: Any, forward: "Forward") -> bool: ...
+
+
+@runtime_checkable
+class DefersAllReduce(Protocol):
+    """May an FFN whose sum is not one all-reduce (LoRA, a TP=1 shared expert) leave it to the
+    next input? Asked per batch; the answer must be the same on every rank."""
+
+    def can_defer_all_reduce(self, plan: Any, forward: "Forward") -> bool: ...
+
+
+@runtime_checkable
+class CpTokenMapping(Protocol):
+    """What the core needs of a context-parallel batch's token mapping (`Forward(cp=...)`):
+    this rank's rows of the batch's token-order rows, and back (a collective over attention CP)."""
+
+    num_local: int
+
+    def take_local(self, x: "torch.Tensor") -> "torch.Tensor": ...
+
+    def gather(self, x: "torch.Tensor") -> "torch.Tensor": ...
+
+
+@runtime_checkable
+class Overlap(Protocol):
+    """`two_batch_overlap(forward)`: runs a model's stages as two interleaved microbatches."""
+
+    def run(self, stages: Any, hidden_states: Any, forward: "Forward", **options: Any) -> Any: ...
+
+
+@runtime_checkable
+class BranchTransport(Protocol):
+    """`branch_input` / `branch_output` / `merge_branch` of prepared branches."""
+
+    def branch_input(self, boundary: "StageBoundary", hidden_states: Any, forward: "Forward") -> tuple[Any, "Forward"]: ...
+
+    def branch_output(self, hidden_states: Any, branch_forward: "Forward") -> Any: ...
+
+    def merge_branch(self, hidden_states: Any, branch: Any, forward: "Forward") -> Any: ...
+
+
+@runtime_checkable
+class PublishesRows(Protocol):
+    """A bound row publisher. `publish(layout, forward)` returns its per-row facts for a compute
+    input in `layout`; every rank of the stage calls it at the same point, so it may run a
+    collective over a group whose ranks all run the stage. Optional attributes:
+    `fused_consumer_only` (FFN: leave the output sum to the next input only when a fusion
+    provider accepts the batch) and `describe(layout) -> str` (a line for `layer-boundary plan`)."""
+
+    def publish(self, layout: "RowLayout", forward: "Forward") -> Any: ...
