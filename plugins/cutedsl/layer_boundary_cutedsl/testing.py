@@ -19,6 +19,8 @@ from typing import Callable, Optional
 
 import torch
 
+from layer_boundary.testing.shared import shared_env
+
 from .kernel_set import CUTEDSL_KERNELS, KernelSet
 from .kernels.reference import add_rmsnorm_reference, moe_finalize_add_rmsnorm_reference, moe_finalize_reference
 from .oneshot import OneShotKernels, OneShotTimeout
@@ -226,37 +228,14 @@ class ContractPreparation:
     """How the provider contract suite (`layer_boundary.testing.contract`) readies this plugin's
     record without a GPU: the opt-in switch is on for the pass, so the factory builds providers,
     and each provider computes with the float64 references instead of the CuTe DSL kernels (the
-    candidates' own declines, rank uniformity and parity are what the suite then checks).
-    Ranks of a threaded world share the process: the first in sets the switch, the last out
-    restores it."""
-
-    _lock = threading.Lock()
-    _depth = 0
-    _saved: Optional[str] = None
+    candidates' own declines, rank uniformity and parity are what the suite then checks)."""
 
     def __enter__(self):
-        from .plugin import ENABLE_ENV
-
-        cls = type(self)
-        with cls._lock:
-            if cls._depth == 0:
-                cls._saved = os.environ.get(ENABLE_ENV)
-                os.environ[ENABLE_ENV] = "1"
-            cls._depth += 1
+        _OPT_IN.__enter__()
         return self
 
     def __exit__(self, *exc):
-        from .plugin import ENABLE_ENV
-
-        cls = type(self)
-        with cls._lock:
-            cls._depth -= 1
-            if cls._depth == 0:
-                if cls._saved is None:
-                    os.environ.pop(ENABLE_ENV, None)
-                else:
-                    os.environ[ENABLE_ENV] = cls._saved
-        return False
+        return _OPT_IN.__exit__(*exc)
 
     def bind(self, provider, plan) -> None:
         from .provider import CuteDSLFusion
@@ -267,3 +246,7 @@ class ContractPreparation:
             provider._kernels = dataclasses.replace(
                 reference_kernels(), dtypes=CUTEDSL_KERNELS.dtypes, norm_compute_dtypes=CUTEDSL_KERNELS.norm_compute_dtypes,
                 max_hidden=CUTEDSL_KERNELS.max_hidden)
+
+
+#: the plugin's opt-in switch, on while any rank of a contract pass is inside
+_OPT_IN = shared_env("LAYER_BOUNDARY_CUTEDSL", "1")

@@ -22,6 +22,7 @@ import types
 import torch
 
 from layer_boundary.plugin import quantize_fp8
+from layer_boundary.testing.shared import SharedSetting
 
 from . import plugin as plugin_module
 from .backend import workspace_bytes
@@ -174,30 +175,19 @@ class ReferenceBackend:
         return sum(1 for k, r, _ in self.launches if k == kind and (rank is None or r == rank))
 
 
-class hardware_present:
-    """Make the plugin's factory see a GPU and flashinfer (its candidates still need prepare).
-    Re-entrant across the threads of a threaded world: the first in patches, the last out restores."""
+def _present():
+    saved = plugin_module.hardware_ready
+    plugin_module.hardware_ready = lambda: True
+    return saved
 
-    _lock = threading.Lock()
-    _depth = 0
-    _saved = None
 
-    def __enter__(self):
-        cls = type(self)
-        with cls._lock:
-            if cls._depth == 0:
-                cls._saved = plugin_module.hardware_ready
-                plugin_module.hardware_ready = lambda: True
-            cls._depth += 1
-        return self
+_HARDWARE = SharedSetting(_present, lambda saved: setattr(plugin_module, "hardware_ready", saved))
 
-    def __exit__(self, *exc):
-        cls = type(self)
-        with cls._lock:
-            cls._depth -= 1
-            if cls._depth == 0:
-                plugin_module.hardware_ready = cls._saved
 
+def hardware_present() -> SharedSetting:
+    """The plugin's factory sees a GPU and flashinfer while any rank is inside (its candidates
+    still need binding); ranks of a threaded world share the process, so entries are counted."""
+    return _HARDWARE
 
 
 class ContractPreparation:
