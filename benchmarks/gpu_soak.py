@@ -2,26 +2,33 @@
 """GPU soak: many decode steps through the boundaries with the flashinfer plugin, watching for
 growth, then a rank killed in the middle of a forward.
 
-1. Soak. A Qwen3 of realistic width (bf16) on `--tp` ranks with every installed plugin prepared
-   (`prepare_model`: the flashinfer workspaces on a GPU), a static KV cache of `--slots`
-   requests; every `--window` decode steps the requests start over (a fresh prefill into the
-   same slots), so a step's memory must not depend on how many steps ran. Every
-   `--sample-every` steps each rank records GPU memory (`torch.cuda.memory_allocated`,
-   `memory_reserved`), live tensors, live CUDA streams and live boundary objects (residual
-   streams, contributions, owed outputs, forwards), all counted through gc after a sync. The
-   first sample is taken after one whole window (warm-up); growth = last sample - first.
+1. Soak. A Qwen3 on `--tp` ranks with every installed plugin prepared (`prepare_model`: the
+   flashinfer workspaces on a GPU), a static KV cache of `--slots` requests; every `--window`
+   decode steps the requests start over (a fresh prefill into the same slots), so a step's memory
+   must not depend on how many steps ran. Each rank records GPU memory
+   (`torch.cuda.memory_allocated`, `memory_reserved`, and the driver's used memory of the device,
+   `torch.cuda.mem_get_info`), live tensors, live CUDA streams and live boundary objects
+   (residual streams, contributions, owed outputs, forwards), counted through gc after a sync:
+   before the first step, after one whole window (warm-up) and every `--sample-every` steps from
+   there, and once more after `release_model`. Growth = last sample - the one after warm-up.
+   The model is the embedded tiny preset (hidden 64; `--size wide`: hidden 2048), so a step is a
+   handful of fused calls: ranks sharing one GPU time-slice, and a fused call there costs ~2 ms.
+   `--budget-s` stops the soak early (at a sample, agreed by every rank) and reports the steps
+   that ran and the rate, so a slow machine still ends inside its time limit.
 2. A rank killed mid-forward. A fresh world runs a few decode steps; at `--kill-step` the last
-   rank SIGKILLs itself when it enters its middle layer, while the others are on their way
-   into that layer's collective. The launcher must report a clear error naming the dead rank
-   within `--kill-deadline` seconds (the survivors raising, or torn down), never hang.
+   rank SIGKILLs itself when it enters its middle layer, while the others are on their way into
+   that layer's collective. On the GPU the survivors' fused kernels wait for the dead peer
+   forever, so each survivor waits for its step with a deadline (`--step-deadline`) and raises a
+   clear error; the launcher must report the dead rank and the survivors' errors within
+   `--kill-deadline` seconds of the death, and no rank process may be left, never a hang.
 
-Ranks are launched by `layer_boundary.launch.ProcessWorld`: one GPU a rank with NCCL where
-there are enough GPUs, else the ranks share the GPU (gloo with CUDA tensors, the shared-device
-world). `--device cpu` runs the same code on gloo CPU ranks with the embedded tiny Qwen3 (the
-test suite runs it that way, so the script cannot rot).
+Ranks are launched by `layer_boundary.launch.ProcessWorld(device=...)`: one GPU a rank with NCCL
+where there are enough GPUs, else the ranks share the GPU (gloo with CUDA tensors, the
+shared-device world). `--device cpu` runs the same code on gloo CPU ranks (the test suite runs it
+that way, so the script cannot rot).
 
     python benchmarks/gpu_soak.py                          # 10,000 steps, TP=2, on the GPU(s)
-    python benchmarks/gpu_soak.py --steps 2000 --tp 2 --json
+    python benchmarks/gpu_soak.py --only soak --budget-s 300 --json
     python benchmarks/gpu_soak.py --device cpu --steps 40  # the CPU mode
 
 Prints a summary (or `--json`) and writes the JSON to `--out`; exits 1 when memory, tensors,
@@ -41,8 +48,8 @@ from pathlib import Path
 
 import torch
 
-#: the realistic-width Qwen3 of the GPU soak (hidden 2048, GQA 16/4 heads of 128)
-GPU_CONFIG = {
+#: `--size wide`: a Qwen3 of realistic width (hidden 2048, GQA 16/4 heads of 128)
+WIDE_CONFIG = {
     "model_type": "qwen3",
     "architectures": ["Qwen3ForCausalLM"],
     "vocab_size": 32000,
@@ -85,9 +92,15 @@ def sample(step: int, on_gpu: bool) -> dict:
             for name, kind in tracked.items():
                 if issubclass(kind_of, kind):
                     counts[name] += 1
+    del objects
     out = {"step": step, "tensors": tensors, "streams": streams if on_gpu else None, **counts}
     out["allocated"] = torch.cuda.memory_allocated() if on_gpu else None
     out["reserved"] = torch.cuda.memory_reserved() if on_gpu else None
+    if on_gpu:  # the driver's view of the whole device (every rank sharing it, every allocator)
+        free, total = torch.cuda.mem_get_info()
+        out["device_used"] = total - free
+    else:
+        out["device_used"] = None
     return out
 
 
@@ -102,7 +115,7 @@ def _build(parallel, job: dict):
     dtype = getattr(torch, job["dtype"])
     config = model_config("qwen3", job["hf_config"])
     model = build_model(config, parallel, dtype=dtype, device=device)
-    if on_gpu:  # drawn on the device: a host-drawn state dict of this width takes minutes
+    if job["hf_config"]["hidden_size"] > 256:  # drawn on the device: a host-drawn state dict of this width takes minutes
         torch.manual_seed(0)
         with torch.no_grad():
             for p in model.parameters():
@@ -111,7 +124,7 @@ def _build(parallel, job: dict):
         family("qwen3").load_weights(model, open_source(family("qwen3").random_weights(config, dtype, 0)))
     prepared = prepare_model(model, max_tokens=job["slots"] * job["prompt"])
     report = None
-    try:  # what the flashinfer plugin decided, when it is installed (its own report)
+    try:  # what the flashinfer plugin decided, when it is installed (its own report; the workspaces are reused)
         from layer_boundary_flashinfer.service import prepare_flashinfer_fusion
 
         if on_gpu:
@@ -127,6 +140,16 @@ def _prompts(config, job, cycle: int):
     return [torch.randint(0, config.vocab_size, (job["prompt"],), generator=gen) for _ in range(job["slots"])]
 
 
+def _say(parallel, line: str) -> None:
+    if parallel.rank == 0:
+        print(line, file=sys.stderr, flush=True)
+
+
+def _line(s: dict) -> str:
+    return (f"allocated {_mib(s['allocated'])}, reserved {_mib(s['reserved'])}, device used {_mib(s['device_used'])}, "
+            f"tensors {s['tensors']}, streams {s['streams']}")
+
+
 @torch.inference_mode()
 def soak_rank(parallel, job: dict) -> dict:
     from layer_boundary.collectives import CollectiveCounter, CountingCollectives
@@ -140,10 +163,15 @@ def soak_rank(parallel, job: dict) -> dict:
     on_gpu = device.startswith("cuda")
     slots = torch.arange(job["slots"], device=device)
     gen = torch.Generator().manual_seed(7)
+    before = sample(0, on_gpu)
+    _say(parallel, f"soak: before the first step: {_line(before)}")
     samples, collectives = [], {}
-    bar = progress(job["steps"], "  soak", enabled=job["progress"] and parallel.rank == 0)
+    bar_on = job["progress"] and parallel.rank == 0
+    bar = progress(job["steps"], "  soak", enabled=bar_on)
     start = time.perf_counter()
-    window = job["window"]
+    window, budget = job["window"], job["budget_s"]
+    done = 0
+    stopped_early = False
     for step in range(job["steps"]):
         if step % window == 0:  # the requests start over in the same slots
             static_prefill(model, counted, cache, _prompts(config, job, step // window), device)
@@ -154,15 +182,49 @@ def soak_rank(parallel, job: dict) -> dict:
         if step == 0 or step == job["steps"] - 1:
             collectives["first" if step == 0 else "last"] = counter.snapshot()
         done = step + 1
+        bar.update(1)
         if done >= window and (done - window) % job["sample_every"] == 0:
             samples.append(sample(done, on_gpu))
-        bar.update(1)
+            elapsed = time.perf_counter() - start
+            if not bar_on:  # a line a sample instead (logs)
+                _say(parallel, f"soak: step {done}/{job['steps']}, {done / elapsed:.1f} steps/s, {_line(samples[-1])}")
+            # every rank stops at the same step (one tiny agreement per sample, uncounted)
+            if budget and done < job["steps"] and not parallel.groups["tp"].agree(elapsed < budget):
+                stopped_early = True
+                break
     bar.close()
     if on_gpu:
         torch.cuda.synchronize()
     seconds = time.perf_counter() - start
+    if stopped_early:
+        collectives["last"] = counter.snapshot()
+        _say(parallel, f"soak: --budget-s {budget:g} reached: stopped after {done} of {job['steps']} steps "
+                       f"({done / seconds:.1f} steps/s)")
     release_model(model)
-    return {"rank": parallel.rank, "samples": samples, "collectives": collectives, "seconds": seconds, "prepared": prepared}
+    del model, cache
+    gc.collect()
+    if on_gpu:
+        torch.cuda.empty_cache()
+    after = sample(done, on_gpu)
+    return {"rank": parallel.rank, "steps_done": done, "stopped_early": stopped_early, "before": before, "samples": samples,
+            "after_release": after, "collectives": collectives, "seconds": seconds, "prepared": prepared}
+
+
+def _bounded_sync(device: str, deadline: float, rank: int, step: int) -> None:
+    """Wait for this rank's GPU work, at most `deadline` seconds: a fused kernel whose peer died
+    spins forever, and a plain synchronize would never return."""
+    if not device.startswith("cuda"):
+        return
+    done = torch.cuda.Event()
+    done.record()
+    end = time.monotonic() + deadline
+    while not done.query():
+        if time.monotonic() > end:
+            raise RuntimeError(
+                f"rank {rank}: decode step {step} did not finish on {device} within {deadline:g} s: a peer stopped taking "
+                "part in the step's collectives (killed?), and this rank's kernels still wait for it"
+            )
+        time.sleep(0.005)
 
 
 @torch.inference_mode()
@@ -174,15 +236,20 @@ def kill_rank(parallel, job: dict) -> dict:
     slots = torch.arange(job["slots"], device=device)
     victim = parallel.rank == parallel.topology.world_size - 1
     static_prefill(model, parallel, cache, _prompts(config, job, 0), device)
+    _bounded_sync(device, 60.0, parallel.rank, -1)
     for step in range(job["kill_step"] + 2):
         if victim and step == job["kill_step"]:
             middle = model.layers[len(model.layers) // 2]
-            middle.register_forward_pre_hook(lambda module, args: os.kill(os.getpid(), signal.SIGKILL))
+
+            def die(module, args):
+                Path(job["death_file"]).write_text(repr(time.time()))
+                os.kill(os.getpid(), signal.SIGKILL)
+
+            middle.register_forward_pre_hook(die)
         ids = torch.zeros(job["slots"], dtype=torch.long, device=device)
         positions = torch.full((job["slots"],), job["prompt"] + step, dtype=torch.long, device=device)
         static_decode_step(model, parallel, cache, ids, slots, positions)
-        if device.startswith("cuda"):
-            torch.cuda.synchronize()
+        _bounded_sync(device, job["step_deadline"], parallel.rank, step)
     return {"rank": parallel.rank, "finished": True}  # only if nobody died: the check fails
 
 
@@ -212,14 +279,16 @@ def run_soak(args, job) -> dict:
         g = growth(res["samples"])
         bad = [k for k, limit in LIMITS(args).items() if g.get(k) is not None and g[k] > limit]
         ok = ok and not bad
-        per_rank.append({**res, "growth": g, "grew": bad, "steps_per_s": args.steps / res["seconds"]})
-    return {"ok": ok, "note": note, "ranks": per_rank}
+        per_rank.append({**res, "growth": g, "grew": bad, "steps_per_s": res["steps_done"] / res["seconds"]})
+    steps = min(r["steps_done"] for r in per_rank)
+    return {"ok": ok, "steps": steps, "complete": steps == args.steps, "note": note, "ranks": per_rank}
 
 
 def LIMITS(args) -> dict:  # noqa: N802 - a table, computed from the options
     return {
         "allocated": args.max_growth_mib << 20,
         "reserved": args.max_reserved_growth_mib << 20,
+        "device_used": args.max_reserved_growth_mib << 20,
         "tensors": args.max_tensor_growth,
         "streams": 0,
         "residual_streams": 0,
@@ -230,21 +299,32 @@ def LIMITS(args) -> dict:  # noqa: N802 - a table, computed from the options
 
 
 def run_kill(args, job) -> dict:
+    import tempfile
+
     from layer_boundary import Topology
     from layer_boundary.launch import RankError, RankTimeout
 
-    world = _world(args, timeout=args.kill_deadline, collective_timeout=args.kill_deadline / 2)
-    start = time.monotonic()
+    death_file = Path(tempfile.mkdtemp(prefix="gpu_soak_kill_")) / "died_at"
+    job = dict(job, death_file=str(death_file))
+    world = _world(args, timeout=args.kill_deadline + 120.0, collective_timeout=args.kill_deadline / 2)
     outcome, message = "finished", ""
+    procs = []
     try:
+        world.start()  # spawning and the process group are not what is timed
+        procs = list(world._procs)
+        start = time.monotonic()
         world.run(kill_rank, Topology(tp=args.tp), job)
     except RankError as exc:
         outcome, message = "error", str(exc)
     except RankTimeout as exc:
         outcome, message = "timeout", str(exc)
     finally:
+        ended = time.time()
         world.close()
-    took = time.monotonic() - start
+    took = time.monotonic() - start if procs else None
+    died_at = float(death_file.read_text()) if death_file.is_file() else None
+    after_death = None if died_at is None else round(ended - died_at, 2)
+    left = [p.pid for p in procs if p.is_alive()]
     victim = args.tp - 1
     reports = _rank_reports(message)
     survivors = {}
@@ -253,14 +333,17 @@ def run_kill(args, job) -> dict:
         survivors[rank] = lines[-1] if lines else "no error of its own: still waiting when the world was torn down"
     named = reports.get(victim, "").startswith("died")
     raised = all(rank in reports for rank in range(args.tp - 1))
+    in_time = after_death is not None and after_death < args.kill_deadline
     return {
-        "ok": outcome == "error" and named and raised and took < args.kill_deadline,
+        "ok": outcome == "error" and named and raised and in_time and not left,
         "outcome": outcome,
-        "seconds": round(took, 2),
+        "seconds": None if took is None else round(took, 2),
+        "seconds_from_death_to_error": after_death,
         "victim": victim,
         "victim_reported_dead": named,
         "survivors_raised": raised,
         "survivors": survivors,
+        "processes_left": left,
         "message_head": message.splitlines()[0] if message else "",
     }
 
@@ -275,12 +358,14 @@ def _rank_reports(message: str) -> dict:
 
 def _job(args) -> dict:
     on_gpu = args.device == "cuda"
-    if on_gpu:
-        hf = dict(GPU_CONFIG, num_hidden_layers=args.layers)
+    if args.size == "wide":
+        hf = dict(WIDE_CONFIG)
     else:
         from layer_boundary.models import family
 
         hf = dict(family("qwen3").preset)
+    layers = args.layers or (2 if on_gpu and args.size == "tiny" else hf["num_hidden_layers"])
+    hf["num_hidden_layers"] = layers
     from layer_boundary.progress import wanted
 
     return {
@@ -292,7 +377,9 @@ def _job(args) -> dict:
         "window": args.window,
         "steps": args.steps,
         "sample_every": args.sample_every,
+        "budget_s": args.budget_s,
         "kill_step": args.kill_step,
+        "step_deadline": args.step_deadline,
         "progress": wanted(sys.stderr, machine_output=args.json),
     }
 
@@ -305,17 +392,26 @@ def _parser():
     ap.add_argument("--tp", type=positive_int, default=2, help="ranks (default 2; on one GPU they share it)")
     ap.add_argument("--device", choices=["cuda", "cpu"], default="cuda")
     ap.add_argument("--dtype", choices=["bfloat16", "float16", "float32"], help="default bfloat16 (cuda), float32 (cpu)")
-    ap.add_argument("--layers", type=positive_int, default=4, help="layers of the GPU model (hidden 2048)")
+    ap.add_argument("--size", choices=["tiny", "wide"], default="tiny",
+                    help="the model: the embedded Qwen3 preset (hidden 64, default) or hidden 2048")
+    ap.add_argument("--layers", type=positive_int, help="layers (default 2 for the tiny model on a GPU, else the preset's 4)")
     ap.add_argument("--slots", type=positive_int, default=8, help="requests decoded together")
     ap.add_argument("--prompt", type=positive_int, default=32, help="prompt tokens of each request")
     ap.add_argument("--window", type=positive_int, default=500, help="decode steps before the requests start over")
     ap.add_argument("--sample-every", type=positive_int, default=1000, help="steps between samples (after the first window)")
+    ap.add_argument("--budget-s", type=positive_float,
+                    help="stop the soak at the first sample after this many seconds of steps (default: run every step)")
     ap.add_argument("--max-growth-mib", type=int, default=0, help="allowed growth of memory_allocated (MiB)")
-    ap.add_argument("--max-reserved-growth-mib", type=int, default=64, help="allowed growth of memory_reserved (MiB)")
+    ap.add_argument("--max-reserved-growth-mib", type=int, default=64,
+                    help="allowed growth of memory_reserved and of the device's used memory (MiB)")
     ap.add_argument("--max-tensor-growth", type=int, default=0, help="allowed growth of live tensors")
+    ap.add_argument("--only", choices=["soak", "kill"], help="run one of the two parts (default both)")
+    ap.add_argument("--no-kill", action="store_true", help="skip the killed-rank check (as --only soak)")
     ap.add_argument("--kill-step", type=positive_int, default=3, help="the decode step the last rank dies in")
-    ap.add_argument("--kill-deadline", type=positive_float, default=120.0, help="seconds within which the kill must be reported")
-    ap.add_argument("--no-kill", action="store_true", help="skip the killed-rank check")
+    ap.add_argument("--step-deadline", type=positive_float, default=5.0,
+                    help="seconds a survivor waits for its GPU step before it raises (under the launcher's 10 s grace)")
+    ap.add_argument("--kill-deadline", type=positive_float, default=60.0,
+                    help="seconds from the death within which the launcher must report it")
     ap.add_argument("--timeout", type=positive_float, default=3600.0, help="seconds for the whole soak")
     ap.add_argument("--out", default="benchmarks/results/gpu_soak.json")
     ap.add_argument("--json", action="store_true", help="print the JSON result on stdout")
@@ -327,7 +423,8 @@ def main(argv=None) -> int:
     if args.device == "cuda" and not torch.cuda.is_available():
         print("gpu_soak.py: error: no CUDA device is visible; run on a GPU machine or pass --device cpu", file=sys.stderr)
         return 2
-    if args.window >= args.steps or args.sample_every > args.steps - args.window:
+    soak, kill = args.only in (None, "soak"), args.only in (None, "kill") and not args.no_kill
+    if soak and (args.window >= args.steps or args.sample_every > args.steps - args.window):
         print(f"gpu_soak.py: error: --steps {args.steps} leaves no sample after the first --window {args.window} "
               f"(every --sample-every {args.sample_every}); raise --steps or lower the others", file=sys.stderr)
         return 2
@@ -335,9 +432,9 @@ def main(argv=None) -> int:
     result = {"options": {k: v for k, v in vars(args).items()}, "model": job["hf_config"], "dtype": job["dtype"]}
     if args.device == "cuda":
         result["gpus"] = [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())]
-    result["soak"] = run_soak(args, job)
-    result["kill"] = None if args.no_kill else run_kill(args, job)
-    result["ok"] = result["soak"]["ok"] and (result["kill"] is None or result["kill"]["ok"])
+    result["soak"] = run_soak(args, job) if soak else None
+    result["kill"] = run_kill(args, job) if kill else None
+    result["ok"] = all(part is None or part["ok"] for part in (result["soak"], result["kill"]))
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(result, indent=2))
     if args.json:
@@ -353,22 +450,27 @@ def _mib(n):
 
 def _print(result, args) -> None:
     soak = result["soak"]
-    print(f"soak: {args.steps} decode steps, TP={args.tp}, {result['dtype']}, {args.device}: {'OK' if soak['ok'] else 'GREW'}")
-    if soak["note"]:
-        print(f"  {soak['note']}")
-    for r in soak["ranks"]:
-        first, last = r["samples"][0], r["samples"][-1]
-        print(f"  rank {r['rank']}: {r['steps_per_s']:.1f} steps/s; step {first['step']} -> {last['step']}: "
-              f"allocated {_mib(first['allocated'])} -> {_mib(last['allocated'])}, reserved {_mib(first['reserved'])} -> "
-              f"{_mib(last['reserved'])}, tensors {first['tensors']} -> {last['tensors']}, streams {first['streams']} -> {last['streams']}"
-              + (f"; grew: {', '.join(r['grew'])}" if r["grew"] else ""))
-        print(f"    collectives per decode step: first {r['collectives'].get('first')}, last {r['collectives'].get('last')}")
-    fi = soak["ranks"][0]["prepared"]["flashinfer"]
-    if fi:
-        print("  " + fi.replace("\n", "\n  "))
+    if soak is not None:
+        print(f"soak: {soak['steps']} of {args.steps} decode steps, TP={args.tp}, {result['dtype']}, "
+              f"hidden {result['model']['hidden_size']} x {result['model']['num_hidden_layers']} layers, {args.device}: "
+              f"{'OK' if soak['ok'] else 'GREW'}")
+        if soak["note"]:
+            print(f"  {soak['note']}")
+        for r in soak["ranks"]:
+            first, last = r["samples"][0], r["samples"][-1]
+            print(f"  rank {r['rank']}: {r['steps_per_s']:.1f} steps/s")
+            print(f"    before the first step: {_line(r['before'])}")
+            print(f"    step {first['step']} (warmed up): {_line(first)}")
+            print(f"    step {last['step']} (last): {_line(last)}" + (f"; grew: {', '.join(r['grew'])}" if r["grew"] else ""))
+            print(f"    after release_model: {_line(r['after_release'])}")
+            print(f"    collectives per decode step: first {r['collectives'].get('first')}, last {r['collectives'].get('last')}")
+        fi = soak["ranks"][0]["prepared"]["flashinfer"]
+        if fi:
+            print("  " + fi.replace("\n", "\n  "))
     kill = result["kill"]
     if kill is not None:
-        print(f"kill: rank {kill['victim']} killed mid-forward: {'OK' if kill['ok'] else 'FAIL'} ({kill['outcome']} after {kill['seconds']} s)")
+        print(f"kill: rank {kill['victim']} killed mid-forward: {'OK' if kill['ok'] else 'FAIL'} ({kill['outcome']} "
+              f"{kill['seconds_from_death_to_error']} s after the death; processes left: {kill['processes_left'] or 'none'})")
         for rank, line in kill["survivors"].items():
             print(f"  rank {rank}: {line}")
     print(f"wrote {args.out}")
