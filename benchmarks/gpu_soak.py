@@ -13,6 +13,9 @@ growth, then a rank killed in the middle of a forward.
    there, and once more after `release_model`. Growth = last sample - the one after warm-up.
    The model is the embedded tiny preset (hidden 64; `--size wide`: hidden 2048), so a step is a
    handful of fused calls: ranks sharing one GPU time-slice, and a fused call there costs ~2 ms.
+   On a GPU the sums the boundaries leave unfused (the terminal FFN's) run on FlashInfer's
+   all-reduce too (`flashinfer_collectives`; `--collectives process-group` keeps them on the
+   process group), and the soak fails when the fusion did not bind (`--allow-unfused`).
    `--budget-s` stops the soak early (at a sample, agreed by every rank) and reports the steps
    that ran and the rate, so a slow machine still ends inside its time limit.
 2. A rank killed mid-forward. A fresh world runs a few decode steps; at `--kill-step` the last
@@ -123,16 +126,31 @@ def _build(parallel, job: dict):
     else:
         family("qwen3").load_weights(model, open_source(family("qwen3").random_weights(config, dtype, 0)))
     prepared = prepare_model(model, max_tokens=job["slots"] * job["prompt"])
-    report = None
+    report, fused, bound = None, False, []
     try:  # what the flashinfer plugin decided, when it is installed (its own report; the workspaces are reused)
         from layer_boundary_flashinfer.service import prepare_flashinfer_fusion
 
         if on_gpu:
-            report = str(prepare_flashinfer_fusion(model, max_tokens=job["slots"] * job["prompt"]))
+            decided = prepare_flashinfer_fusion(model, max_tokens=job["slots"] * job["prompt"])
+            report, fused, bound = str(decided), decided.available and bool(decided.bound), list(decided.collectives)
     except ImportError:
         report = "layer-boundary-flashinfer is not installed"
     cache = model.new_static_cache(job["slots"], job["prompt"] + job["window"] + 1)
-    return model, config, cache, device, {"setup": list(prepared), "flashinfer": report}
+    return model, config, cache, device, {"setup": list(prepared), "flashinfer": report, "fused": fused, "collectives_on_workspace": bound}
+
+
+def _model_parallel(parallel, job: dict):
+    """On a GPU, every sum the boundaries leave unfused (the terminal FFN's) on FlashInfer's
+    all-reduce too: a process-group sum of ranks sharing a GPU copies through the host, a host
+    sync in every step (and, with a dead peer, a wait no deadline can bound)."""
+    if job["device"] != "cuda" or job["collectives"] != "flashinfer":
+        return parallel, []
+    try:
+        from layer_boundary_flashinfer.collectives import flashinfer_collectives, wrapped_flashinfer_collectives
+    except ImportError:
+        return parallel, []
+    wrapped = flashinfer_collectives(parallel)
+    return wrapped, wrapped_flashinfer_collectives(wrapped.groups.values())
 
 
 def _prompts(config, job, cycle: int):
@@ -158,7 +176,7 @@ def soak_rank(parallel, job: dict) -> dict:
     from layer_boundary import release_model
 
     counter = CollectiveCounter()
-    counted = parallel.with_groups(lambda g: CountingCollectives(g, counter))
+    counted, workspace_sums = _model_parallel(parallel.with_groups(lambda g: CountingCollectives(g, counter)), job)
     model, config, cache, device, prepared = _build(counted, job)
     on_gpu = device.startswith("cuda")
     slots = torch.arange(job["slots"], device=device)
@@ -178,9 +196,11 @@ def soak_rank(parallel, job: dict) -> dict:
         ids = torch.randint(0, config.vocab_size, (job["slots"],), generator=gen).to(device)
         positions = torch.full((job["slots"],), job["prompt"] + step % window, dtype=torch.long, device=device)
         counter.reset()
+        kernel_calls = sum(w.kernel_calls for w in workspace_sums)
         static_decode_step(model, counted, cache, ids, slots, positions)
         if step == 0 or step == job["steps"] - 1:
-            collectives["first" if step == 0 else "last"] = counter.snapshot()
+            on_workspace = sum(w.kernel_calls for w in workspace_sums) - kernel_calls
+            collectives["first" if step == 0 else "last"] = dict(counter.snapshot(), **({"workspace_all_reduce": on_workspace} if workspace_sums else {}))
         done = step + 1
         bar.update(1)
         if done >= window and (done - window) % job["sample_every"] == 0:
@@ -232,6 +252,7 @@ def kill_rank(parallel, job: dict) -> dict:
     """Decode steps until `kill_step`; there the last rank kills itself entering its middle layer."""
     from layer_boundary.models.decode import static_decode_step, static_prefill
 
+    parallel, _ = _model_parallel(parallel, job)
     model, config, cache, device, _ = _build(parallel, job)
     slots = torch.arange(job["slots"], device=device)
     victim = parallel.rank == parallel.topology.world_size - 1
@@ -281,7 +302,10 @@ def run_soak(args, job) -> dict:
         ok = ok and not bad
         per_rank.append({**res, "growth": g, "grew": bad, "steps_per_s": res["steps_done"] / res["seconds"]})
     steps = min(r["steps_done"] for r in per_rank)
-    return {"ok": ok, "steps": steps, "complete": steps == args.steps, "note": note, "ranks": per_rank}
+    fused = all(r["prepared"]["fused"] for r in per_rank)
+    if args.device == "cuda" and not args.allow_unfused:
+        ok = ok and fused  # a soak "with the flashinfer plugin" that ran unfused measured something else
+    return {"ok": ok, "fused": fused, "steps": steps, "complete": steps == args.steps, "note": note, "ranks": per_rank}
 
 
 def LIMITS(args) -> dict:  # noqa: N802 - a table, computed from the options
@@ -380,6 +404,7 @@ def _job(args) -> dict:
         "budget_s": args.budget_s,
         "kill_step": args.kill_step,
         "step_deadline": args.step_deadline,
+        "collectives": args.collectives,
         "progress": wanted(sys.stderr, machine_output=args.json),
     }
 
@@ -401,6 +426,10 @@ def _parser():
     ap.add_argument("--sample-every", type=positive_int, default=1000, help="steps between samples (after the first window)")
     ap.add_argument("--budget-s", type=positive_float,
                     help="stop the soak at the first sample after this many seconds of steps (default: run every step)")
+    ap.add_argument("--collectives", choices=["flashinfer", "process-group"], default="flashinfer",
+                    help="on a GPU, the sums the boundaries leave unfused: FlashInfer's all-reduce (default) or the process group")
+    ap.add_argument("--allow-unfused", action="store_true",
+                    help="on a GPU, pass even when the flashinfer fusion did not bind (default: that fails the soak)")
     ap.add_argument("--max-growth-mib", type=int, default=0, help="allowed growth of memory_allocated (MiB)")
     ap.add_argument("--max-reserved-growth-mib", type=int, default=64,
                     help="allowed growth of memory_reserved and of the device's used memory (MiB)")
@@ -451,9 +480,10 @@ def _mib(n):
 def _print(result, args) -> None:
     soak = result["soak"]
     if soak is not None:
+        verdict = "OK" if soak["ok"] else ("UNFUSED" if args.device == "cuda" and not soak["fused"] else "GREW")
         print(f"soak: {soak['steps']} of {args.steps} decode steps, TP={args.tp}, {result['dtype']}, "
-              f"hidden {result['model']['hidden_size']} x {result['model']['num_hidden_layers']} layers, {args.device}: "
-              f"{'OK' if soak['ok'] else 'GREW'}")
+              f"hidden {result['model']['hidden_size']} x {result['model']['num_hidden_layers']} layers, {args.device}"
+              f"{', flashinfer fused' if soak['fused'] else ''}: {verdict}")
         if soak["note"]:
             print(f"  {soak['note']}")
         for r in soak["ranks"]:
