@@ -163,7 +163,7 @@ group() {
     # the soak stops at its --budget-s (agreed by the ranks) with the steps it ran and its rate
     soak)
       local soak="python3 benchmarks/gpu_soak.py --device cuda --tp 2" rc=0
-      run_check soak 420 $soak --only soak --steps "${SOAK_STEPS:-10000}" --budget-s "${SOAK_BUDGET_S:-300}" --out "$OUT/soak.json" || rc=1
+      run_check soak 360 $soak --only soak --steps "${SOAK_STEPS:-10000}" --budget-s "${SOAK_BUDGET_S:-240}" --out "$OUT/soak.json" || rc=1
       run_check soak_kill 150 $soak --only kill --out "$OUT/soak_kill.json" || rc=1
       return $rc ;;
     contract) run_pytest contract 560 tests/plugins/test_contract_plugins.py tests/plugins/test_contract_suite.py tests/test_example_provider.py ;;
