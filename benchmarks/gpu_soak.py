@@ -198,9 +198,9 @@ def soak_rank(parallel, job: dict) -> dict:
         counter.reset()
         kernel_calls = sum(w.kernel_calls for w in workspace_sums)
         static_decode_step(model, counted, cache, ids, slots, positions)
+        on_workspace = {"workspace_all_reduce": sum(w.kernel_calls for w in workspace_sums) - kernel_calls} if workspace_sums else {}
         if step == 0 or step == job["steps"] - 1:
-            on_workspace = sum(w.kernel_calls for w in workspace_sums) - kernel_calls
-            collectives["first" if step == 0 else "last"] = dict(counter.snapshot(), **({"workspace_all_reduce": on_workspace} if workspace_sums else {}))
+            collectives["first" if step == 0 else "last"] = dict(counter.snapshot(), **on_workspace)
         done = step + 1
         bar.update(1)
         if done >= window and (done - window) % job["sample_every"] == 0:
@@ -216,8 +216,8 @@ def soak_rank(parallel, job: dict) -> dict:
     if on_gpu:
         torch.cuda.synchronize()
     seconds = time.perf_counter() - start
-    if stopped_early:
-        collectives["last"] = counter.snapshot()
+    if stopped_early:  # the step before the sample that stopped the soak
+        collectives["last"] = dict(counter.snapshot(), **on_workspace)
         _say(parallel, f"soak: --budget-s {budget:g} reached: stopped after {done} of {job['steps']} steps "
                        f"({done / seconds:.1f} steps/s)")
     release_model(model)
@@ -330,7 +330,9 @@ def run_kill(args, job) -> dict:
 
     death_file = Path(tempfile.mkdtemp(prefix="gpu_soak_kill_")) / "died_at"
     job = dict(job, death_file=str(death_file))
-    world = _world(args, timeout=args.kill_deadline + 120.0, collective_timeout=args.kill_deadline / 2)
+    # a long process-group timeout: a rank may load FlashInfer's JIT module while the other waits in the
+    # workspace's agreement; the survivors' own errors come from their step deadline (GPU) or a closed socket
+    world = _world(args, timeout=args.kill_deadline + 120.0, collective_timeout=300.0)
     outcome, message = "finished", ""
     procs = []
     try:
