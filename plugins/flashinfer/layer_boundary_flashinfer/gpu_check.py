@@ -181,8 +181,37 @@ def _graph_case(checks, pair, rank, label):
         eager = entry_and_three_boundaries()
         ok = ok and all(torch.equal(a, c) and torch.equal(b, d) for (a, b), (c, d) in zip(replayed, eager))
     checks.add(f"{label}: CUDA-graph replay equals eager", ok, tokens=tokens)
+    _rebuild_refused(checks, pair, label, graph, outs, entry_and_three_boundaries)
     del graph
     _graphs_dropped()
+
+
+def _rebuild_refused(checks, pair, label, graph, outs, eager_fn):
+    """A prepare that would rebuild the workspace under the captured graph raises on every rank
+    and keeps the workspace: the graph still replays what eager computes."""
+    from .service import default_manager, prepare_flashinfer_fusion
+    from .workspace import WorkspaceCapturedError
+
+    plan = pair.attn1.plan  # the input whose fused candidate the graph captured
+    group = plan.group(plan.description.incoming_sum)
+    slot = default_manager().slots.get((tuple(group.ranks), plan.norm.weight.dtype, group.rank))
+    if slot is None or not slot.available:
+        checks.add(f"{label}: a rebuild under the captured graph is refused", False, error="no workspace for the pair")
+        return
+    captured = slot.captured
+    refused, error = False, ""
+    try:
+        prepare_flashinfer_fusion(list(pair.boundaries), max_tokens=4 * slot.spec.max_tokens)
+    except WorkspaceCapturedError as exc:
+        refused, error = True, str(exc)
+    kept = slot.available
+    graph.replay()
+    _sync()
+    replayed = [(a.clone(), b.clone()) for a, b in outs]
+    eager = eager_fn()
+    still = all(torch.equal(a, c) and torch.equal(b, d) for (a, b), (c, d) in zip(replayed, eager))
+    checks.add(f"{label}: a rebuild under the captured graph is refused, the graph still replays", captured and refused and kept and still,
+               launch_seen_captured=captured, refused=refused, workspace_kept=kept, replay_equals_eager=still, error=error[:200])
 
 
 def _graphs_dropped():
