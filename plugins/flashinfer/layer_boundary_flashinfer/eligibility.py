@@ -171,6 +171,12 @@ class FlashInferSettings:
         if not isinstance(self.nodes, int) or self.nodes < 1:
             raise ValueError(f"nodes must be a positive integer, got {self.nodes!r}")
 
+    def fingerprint(self) -> str:
+        """A text every rank with these settings computes alike (sets sorted: string hashes differ
+        between processes)."""
+        return repr((self.backend, self.max_tokens, self.architecture, tuple(sorted(self.architectures)), self.nodes,
+                     self.moe_a2a_backend))
+
     def with_architectures(self, *names: str) -> "FlashInferSettings":
         """These settings with `names` added to the architectures `auto` enables."""
         return attrs.evolve(self, architectures=self.architectures | set(names))

@@ -257,7 +257,7 @@ def prepare_flashinfer_fusion(
                 need.local_reason = need.local_reason or off
     # every setting that changes which kernel a rank launches, compared across each group
     fingerprint = zlib.crc32(repr((limit, opts.enabled, opts.launch_with_pdl, opts.fp32_acc, opts.defer_finalize, opts.algorithm,
-                                   fi_settings)).encode())
+                                   fi_settings.fingerprint() if fi_settings is not None else None)).encode())
     results: list[EnsureResult] = []
     bound: list[str] = []
     wrappers = wrapped_flashinfer_collectives(g for b in boundaries for g in b.plan.parallel.groups.values())

@@ -193,3 +193,11 @@ def test_prepare_model_passes_the_engine_s_flashinfer_settings(monkeypatch):
     prepare_model(torch.nn.Module(), max_tokens=512, settings={"flashinfer": settings})
     prepare_model(torch.nn.Module(), max_tokens=512)
     assert seen == [{"max_tokens": None, "settings": settings}, {"max_tokens": 512, "settings": None}]
+
+
+def test_the_settings_fingerprint_is_the_same_in_every_process():
+    """Ranks compare a fingerprint of the settings; a set's order follows string hashes, which
+    differ between processes, so the fingerprint lists the architectures sorted."""
+    settings = FlashInferSettings(architecture=QWEN3, architectures=("Zeta", "Alpha", "Mu"))
+    assert settings.fingerprint() == repr(("auto", None, QWEN3, ("Alpha", "Mu", "Zeta"), 1, None))
+    assert settings.fingerprint() == FlashInferSettings(architecture=QWEN3, architectures=("Mu", "Zeta", "Alpha")).fingerprint()
