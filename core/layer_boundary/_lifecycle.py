@@ -18,7 +18,11 @@ __all__ = ["prepare_model", "release_model"]
 def prepare_model(model, *, max_tokens: int = 2048) -> list[str]:
     """Let every installed plugin prepare `model` for forwards of up to `max_tokens` tokens
     (collective: call on all ranks). Returns the names of the plugins (and deprecated setup
-    records) that ran, in order."""
+    records) that ran, in order. Every RMSNorm of the model chooses (compiles, loads) its add +
+    norm kernel first, for its weight's device and dtype, so no choice runs inside a capture."""
+    from ._residual.kernels import prepare_norms
+
+    prepare_norms(model)
     request = PrepareRequest(model, max_tokens)
     done = []
     for name, hook in get_registry().prepare_hooks:
