@@ -129,8 +129,13 @@ def _ask(request: AddNormRequest) -> tuple:
 
 
 def first_call(norm, contribution, residual):
-    """The slow path of `fused_add_forward`: choose (outside torch.compile), then run."""
+    """The slow path of `fused_add_forward`: choose (outside torch.compile and CUDA-graph
+    capture), then run."""
     if torch.compiler.is_compiling():  # no registry walk inside a trace: the torch path traces
+        return norm.add_forward(contribution, residual)
+    if residual.is_cuda and torch.cuda.is_current_stream_capturing():
+        # a factory compiles, loads and launches: not inside a capture (warm up, or prepare_model,
+        # first); this call runs torch and the choice waits for an eager call
         return norm.add_forward(contribution, residual)
     return choose(norm, residual.device, residual.dtype, contribution.dtype).run(contribution, residual)
 
