@@ -30,8 +30,10 @@ def run(args) -> int:
             "install the plugin that ships it (the fusion plugins ship theirs)"
         )
     try:
-        item.record.factory(list(args.options))
+        result = item.record.factory(list(args.options))
     except SystemExit as exc:
         if exc.code not in (None, 0):
             raise UsageError(str(exc.code)) from None
-    return 0
+        return 0
+    # a benchmark that returns an exit status (not a results dict) fails the command with it
+    return result if isinstance(result, int) and not isinstance(result, bool) else 0
