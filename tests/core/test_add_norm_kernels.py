@@ -344,3 +344,55 @@ def test_compiled_fullgraph_traces_the_chosen_kernel(kernels_of, inline_plugin):
     got = compiled_fresh(c, r)
     torch.testing.assert_close(got[0], fresh.add_forward(c, r)[0])
     torch._dynamo.reset()
+
+
+# the contract suite ------------------------------------------------------------------------------
+
+
+def _contract(factory):
+    from layer_boundary.testing.contract import ContractViolation, check_add_norm_kernel
+
+    record = AddNormKernel(name="suite.kernel", factory=factory, priority=100, description="under test")
+    try:
+        return check_add_norm_kernel(record), None
+    except ContractViolation as exc:
+        return None, str(exc)
+
+
+def test_contract_passes_a_correct_kernel_and_names_each_broken_rule():
+    def _ref(c, r, w):
+        total = c.float() + r.float()
+        return ((total * torch.rsqrt(total.pow(2).mean(-1, keepdim=True) + 1e-6)) * w.float()).to(r.dtype), total.to(r.dtype)
+
+    report, error = _contract(lambda request: _ref if request.dtype == torch.bfloat16 and not request.offset else None)
+    assert error is None and report.stats["accepted"] == 1 and report.stats["launches"] == 4
+
+    def writes(c, r, w):
+        normed, total = _ref(c, r, w)
+        r.copy_(total)
+        return normed, r
+
+    _, error = _contract(lambda request: writes if request.dtype == torch.bfloat16 else None)
+    assert "[purity]" in error and "wrote its contribution or residual" in error
+
+    _, error = _contract(lambda request: (lambda c, r, w: (c * 0, r.clone())) if request.dtype == torch.float32 else None)
+    assert "[parity]" in error and "normed differs" in error
+
+    def raises(request):
+        raise RuntimeError("boom")
+
+    _, error = _contract(raises)
+    assert "[construction]" in error and "boom" in error
+
+    _, error = _contract(lambda request: None)
+    assert "accepted no request" in error
+
+
+@pytest.mark.parametrize("name", ["cutedsl.add_rmsnorm", "flashinfer.add_rmsnorm"])
+def test_the_plugins_kernels_pass_the_contract_on_their_references(name, fresh_registry):
+    from layer_boundary.testing.contract import check_add_norm_kernel
+
+    if name not in [r.name for r in get_registry().add_norm_kernels]:
+        pytest.skip(f"{name}'s plugin is not installed")
+    report = check_add_norm_kernel(name)
+    assert report.stats["accepted"] >= 4 and report.stats["launches"] >= 16

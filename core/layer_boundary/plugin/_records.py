@@ -138,7 +138,13 @@ class AddNormKernel(_Record):
     The choice is per rank (it changes no collective). Compile or load in the factory: the kernel
     may then be called inside a CUDA-graph capture and must be traceable by torch.compile
     (a `torch.library.custom_op` with a fake implementation, when compiling).
+
+    `contract_preparation`: "module:callable" returning the factory the contract suite runs on
+    a machine without the hardware (the plugin's kernels bound to references); on CUDA the
+    suite runs `factory` itself.
     """
+
+    contract_preparation: Optional[str] = None
 
 
 @attrs.frozen(kw_only=True)

@@ -23,7 +23,7 @@ import torch
 
 from .kernel_set import CUTEDSL_KERNELS, KernelSet
 
-__all__ = ["AddNormFactory", "CuteAddNorm", "factory"]
+__all__ = ["AddNormFactory", "CuteAddNorm", "factory", "contract_factory"]
 
 log = logging.getLogger("layer_boundary.cutedsl")
 
@@ -104,6 +104,14 @@ class AddNormFactory:
 
 #: the record's factory (the CuTe DSL kernels)
 factory = AddNormFactory()
+
+
+def contract_factory() -> AddNormFactory:
+    """The factory over the float64 reference kernels (any device, any dtype): what the contract
+    suite checks on a machine without a GPU."""
+    from .testing import reference_kernels
+
+    return AddNormFactory(reference_kernels())
 
 
 # the custom op torch.compile traces ---------------------------------------------------------------

@@ -46,6 +46,7 @@ def _add_norm_factory(request):
 def layer_boundary_add_norm_kernels():
     yield AddNormKernel(
         name="cutedsl.add_rmsnorm", factory=_add_norm_factory, priority=Priority.ARCH_SPECIFIC,
+        contract_preparation="layer_boundary_cutedsl.local_add_norm:contract_factory",
         description="residual add + RMSNorm (and Gemma's) in one CuTe DSL kernel, out of place; CUDA bf16/fp16 rows",
     )
 

@@ -27,7 +27,7 @@ import torch
 
 from .eligibility import flashinfer_installed, settings
 
-__all__ = ["FlashInferAddNorm", "AddNormFactory", "factory", "implementation"]
+__all__ = ["FlashInferAddNorm", "AddNormFactory", "factory", "implementation", "contract_factory", "reference_in_place"]
 
 log = logging.getLogger("layer_boundary.flashinfer")
 
@@ -129,6 +129,25 @@ class AddNormFactory:
 
 #: the record's factory (FlashInfer's kernels)
 factory = AddNormFactory()
+
+
+def reference_in_place(offset: float) -> Callable:
+    """FlashInfer's in-place contract over the torch reference: `residual <- input + residual`
+    (rounded once), `input <- norm(sum) * (weight + offset)`: to check the wrapper without a GPU."""
+    from .testing import reference_add_norm
+
+    def run(input, residual, weight, eps):
+        normed, new_residual = reference_add_norm(input, residual, weight, eps, offset)
+        residual.copy_(new_residual)
+        input.copy_(normed)
+
+    return run
+
+
+def contract_factory() -> AddNormFactory:
+    """The factory over `reference_in_place` on CPU rows: what the contract suite checks on a
+    machine without a GPU (the copies, the in-place contract, the declines)."""
+    return AddNormFactory(reference_in_place, devices=("cpu",), implementation_of=lambda device: "reference")
 
 
 # the custom op torch.compile traces ---------------------------------------------------------------

@@ -64,6 +64,7 @@ def build_add_norm(request):
 def layer_boundary_add_norm_kernels():
     yield AddNormKernel(
         name="flashinfer.add_rmsnorm", factory=build_add_norm, priority=Priority.VENDOR,
+        contract_preparation="layer_boundary_flashinfer.local_add_norm:contract_factory",
         description="residual add + RMSNorm (and Gemma's) in FlashInfer's fused_add_rmsnorm, run on copies (it works in place)",
     )
 
