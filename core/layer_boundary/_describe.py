@@ -76,7 +76,7 @@ def plan(p) -> dict:
         "consumer": decl.following.describe() if decl.following is not None else ("final norm" if p.terminal else "next stage"),
         "variants": {v.value: {"entry": entry(path.entry, p), "exit": exit(path.exit, p)} for v, path in p.paths.items()},
     }
-    add_norm = describe_add_norm(p.norm)
+    add_norm = None if p.enters_stack or p.is_branch else describe_add_norm(p.norm)  # the stack entry only norms
     if add_norm is not None:
         out["add_norm"] = add_norm
     if p.unsupported:
