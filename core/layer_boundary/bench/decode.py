@@ -14,12 +14,13 @@ decode --tp 2`.
 
 from __future__ import annotations
 
-import argparse
 import json
 import statistics
 from pathlib import Path
 
 import torch
+
+from ..cli.args import OneLineParser, positive_int
 
 REALISTIC = {
     "model_type": "qwen3",
@@ -182,11 +183,11 @@ def run(batches, layers: int, prompt: int, repeats: int, parallel=None, hf: bool
 
 
 def main(argv=None) -> dict:
-    ap = argparse.ArgumentParser(description=__doc__)
-    ap.add_argument("--batches", type=int, nargs="+", default=[1, 32])
-    ap.add_argument("--layers", type=int, default=8)
-    ap.add_argument("--prompt", type=int, default=32)
-    ap.add_argument("--repeats", type=int, default=30)
+    ap = OneLineParser(prog=f"layer-boundary bench {Path(__file__).stem}", description=__doc__)
+    ap.add_argument("--batches", type=positive_int, nargs="+", default=[1, 32])
+    ap.add_argument("--layers", type=positive_int, default=8)
+    ap.add_argument("--prompt", type=positive_int, default=32)
+    ap.add_argument("--repeats", type=positive_int, default=30)
     ap.add_argument("--out", default="benchmarks/results/decode.json")
     ap.add_argument("--no-hf", action="store_true", help="skip the Hugging Face transformers profile")
     args = ap.parse_args(argv)
