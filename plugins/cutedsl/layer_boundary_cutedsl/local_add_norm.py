@@ -41,8 +41,6 @@ def _rows(t: torch.Tensor) -> torch.Tensor:
 class CuteAddNorm:
     """`(contribution, residual, weight) -> (normed, new_residual)` through one kernel launch."""
 
-    __slots__ = ("launch", "eps", "offset", "name")
-
     def __init__(self, launch, eps: float, offset: float, name: str):
         self.launch = launch
         self.eps = eps

@@ -59,8 +59,6 @@ class FlashInferAddNorm:
     """`(contribution, residual, weight) -> (normed, new_residual)`: FlashInfer's in-place
     kernel on copies (the inputs are never written)."""
 
-    __slots__ = ("function", "eps", "offset", "implementation")
-
     def __init__(self, function: Callable, eps: float, offset: float, implementation: str):
         self.function = function
         self.eps = eps

@@ -104,3 +104,24 @@ def test_custom_op_has_a_fake_for_torch_compile():
         c = torch.empty(3, 64, dtype=torch.bfloat16)
         normed, residual = torch.ops.layer_boundary_cutedsl.local_add_rmsnorm(c, c, torch.empty(64, dtype=torch.bfloat16), 1e-6, 0.0)
     assert normed.shape == residual.shape == (3, 64) and normed.dtype is torch.bfloat16
+
+
+def test_torch_compile_fullgraph_traces_the_kernel_as_its_custom_op(fresh_registry):
+    """Once chosen, the kernel is one custom-op node in a full graph (no break): the backend
+    here only inspects the graph (the op's real implementation needs a GPU)."""
+    norm = RMSNorm(64, dtype=torch.bfloat16)
+    kernel = AddNormFactory(reference_kernels())(_request(hidden_size=64))
+    norm.__dict__["_add_norm_kernels"] = {(torch.device("cpu"), torch.bfloat16, torch.bfloat16): lambda c, r: kernel(c, r, norm.weight)}
+    seen = []
+
+    def backend(gm, example_inputs):
+        seen.extend(str(n.target) for n in gm.graph.nodes if n.op == "call_function")
+        return lambda *args: [torch.zeros(3, 64, dtype=torch.bfloat16), torch.zeros(3, 64, dtype=torch.bfloat16)]
+
+    c, r = _rows(3, 64, torch.bfloat16)
+    torch._dynamo.reset()
+    try:
+        torch.compile(lambda a, b: norm.fused_add_forward(a, b), fullgraph=True, backend=backend)(c, r)
+    finally:
+        torch._dynamo.reset()
+    assert any("local_add_rmsnorm" in t for t in seen), seen

@@ -104,3 +104,24 @@ def test_custom_op_has_a_fake_for_torch_compile():
         c = torch.empty(3, 64, dtype=torch.float16)
         normed, residual = torch.ops.layer_boundary_flashinfer.local_add_rmsnorm(c, c, torch.empty(64, dtype=torch.float16), 1e-6, 1.0)
     assert normed.shape == residual.shape == (3, 64)
+
+
+def test_torch_compile_fullgraph_traces_the_kernel_as_its_custom_op():
+    from layer_boundary_flashinfer.local_add_norm import contract_factory
+
+    norm = RMSNorm(64, dtype=torch.bfloat16)
+    kernel = contract_factory()(_request())
+    norm.__dict__["_add_norm_kernels"] = {(torch.device("cpu"), torch.bfloat16, torch.bfloat16): lambda c, r: kernel(c, r, norm.weight)}
+    seen = []
+
+    def backend(gm, example_inputs):
+        seen.extend(str(n.target) for n in gm.graph.nodes if n.op == "call_function")
+        return lambda *args: [torch.zeros(3, 64, dtype=torch.bfloat16), torch.zeros(3, 64, dtype=torch.bfloat16)]
+
+    c = torch.randn(3, 64).to(torch.bfloat16)
+    torch._dynamo.reset()
+    try:
+        torch.compile(lambda a, b: norm.fused_add_forward(a, b), fullgraph=True, backend=backend)(c, c.clone())
+    finally:
+        torch._dynamo.reset()
+    assert any("local_add_rmsnorm" in t for t in seen), seen
