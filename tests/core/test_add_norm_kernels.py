@@ -135,6 +135,10 @@ def test_opt_out_and_own_math_never_ask_a_kernel(kernels_of):
         assert norm.add_norm_kernel() == kernels.TORCH
     assert plugin.requests == [] and plugin.calls == []
     assert "kernels=False" in kernels.describe(RMSNorm(16, kernels=False))
+    from layer_boundary.models.nemotron_h import NemotronHRMSNorm  # its scale is the kernels': asked
+
+    NemotronHRMSNorm(16).fused_add_forward(c, r)
+    assert plugin.calls == ["a.k"]
     assert "overrides" in kernels.describe(Custom(16))
 
 
