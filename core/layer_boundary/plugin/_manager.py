@@ -49,6 +49,7 @@ HOOKS = {
     "overlaps": ("layer_boundary_overlaps", rec.OverlapProvider),
     "branches": ("layer_boundary_branches", rec.BranchProvider),
     "row_publishers": ("layer_boundary_row_publishers", rec.RowPublisher),
+    "add_norm_kernels": ("layer_boundary_add_norm_kernels", rec.AddNormKernel),
     "benchmarks": ("layer_boundary_benchmarks", rec.Benchmark),
 }
 LEGACY_HOOK = "layer_boundary_adapters"
@@ -91,6 +92,7 @@ class Registry:
     overlaps: tuple[Registered, ...]
     branches: tuple[Registered, ...]
     row_publishers: tuple[Registered, ...]
+    add_norm_kernels: tuple[Registered, ...]
     benchmarks: tuple[Registered, ...]
     #: deprecated `Adapter` records as yielded (each is also mapped onto its extension point)
     adapters: tuple[Registered, ...]
@@ -328,11 +330,22 @@ def get_registry() -> Registry:
     )
 
 
+#: called with no argument whenever the registry is forgotten (caches derived from it: the
+#: add + norm kernels the norms chose)
+_ON_RESET: list = []
+
+
+def _forget_registry() -> None:
+    get_registry.cache_clear()
+    for callback in _ON_RESET:
+        callback()
+
+
 def reset_registry() -> None:
     """Forget the cached manager and registry (tests; after installing a plugin). Inline
     registrations stay."""
-    get_registry.cache_clear()
     _plugins.cache_clear()
+    _forget_registry()
 
 
 # inline registration -----------------------------------------------------------------------------
@@ -358,7 +371,7 @@ def register_inline(plugin, *, name: str, distribution: Optional[str] = None, ve
             except PluginError:
                 del _INLINE[name]
                 raise
-    get_registry.cache_clear()
+    _forget_registry()
 
 
 def unregister_inline(name: str) -> None:
@@ -372,7 +385,7 @@ def unregister_inline(name: str) -> None:
             state.forget(name)
         else:
             state.reports = [r for r in state.reports if not (r.name == name and r.inline)]
-    get_registry.cache_clear()
+    _forget_registry()
 
 
 @contextlib.contextmanager
