@@ -1,5 +1,7 @@
 """Where ranks run: one GPU a rank (NCCL), ranks sharing GPUs (gloo, correctness only), CPU ranks."""
 
+import os
+
 import pytest
 
 from layer_boundary import RankPlacement, place_ranks
@@ -66,3 +68,31 @@ def _rank_facts(rank):
 def test_cpu_ranks_get_their_placement():
     with ProcessWorld(2, timeout=60) as world:
         assert world.run(_rank_facts, None) == ["2x0", "2x0"]
+
+
+def test_a_shared_setting_is_applied_by_the_first_rank_in_and_restored_by_the_last_out(monkeypatch):
+    import threading
+
+    from layer_boundary.testing.shared import shared_env
+
+    monkeypatch.delenv("LB_SHARED_TEST", raising=False)
+    changes = []
+    setting = shared_env("LB_SHARED_TEST", "on", after=lambda: changes.append(os.environ.get("LB_SHARED_TEST")))
+    inside, leave = threading.Barrier(3), threading.Event()
+    seen = []
+
+    def rank():
+        with setting:
+            inside.wait()
+            leave.wait()
+            seen.append(os.environ.get("LB_SHARED_TEST"))
+
+    threads = [threading.Thread(target=rank) for _ in range(2)]
+    for t in threads:
+        t.start()
+    inside.wait()
+    assert os.environ["LB_SHARED_TEST"] == "on"
+    leave.set()
+    for t in threads:
+        t.join()
+    assert seen == ["on", "on"] and "LB_SHARED_TEST" not in os.environ and changes == ["on", None]

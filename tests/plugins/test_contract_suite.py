@@ -4,6 +4,7 @@ provider can break the contract (so a plugin that passes it has been checked, no
 import importlib.util
 from pathlib import Path
 
+import attrs
 import pytest
 import torch
 
@@ -60,10 +61,60 @@ def test_a_correct_provider_passes_and_its_candidate_ran():
     assert report.stats["cases_accepted"] > 0 and not report.failures()
 
 
-def test_a_provider_that_declines_every_stage_passes_with_nothing_to_compare():
-    report = check_fusion_provider(FusionProvider(name="test.never", factory=lambda stage: None, description="declines"),
-                                   checks=RUNTIME, settings=SMALL)
+def test_a_provider_that_accepts_no_case_fails_parity():
+    """A record whose candidates never accept (declining every stage, or candidates that need a
+    prepare or hardware this machine lacks) would pass vacuously: the suite says so instead."""
+    never = FusionProvider(name="test.never", factory=lambda stage: None, description="declines")
+    with pytest.raises(ContractViolation, match="accepted no case"):
+        check_fusion_provider(never, checks=RUNTIME, settings=SMALL)
+    report = check_fusion_provider(never, checks=("construction", "none_rule", "rank_uniform"), settings=SMALL)
     assert report.stats["stages_declined"] > 0 and report.stats["cases_accepted"] == 0
+
+
+class InertUntilBound:
+    """A contract preparation (module-level: named by 'module:Class'): the factory's providers
+    stay inert until `bind` arms them, as a plugin's candidates stay inert until `prepare`."""
+
+    entered = 0
+
+    def __enter__(self):
+        type(self).entered += 1
+        return self
+
+    def __exit__(self, *exc):
+        return False
+
+    def bind(self, provider, plan):
+        provider.armed = True
+
+
+class _Inert:
+    armed = False
+
+    def __init__(self, stage):
+        self.stage = stage
+
+    def attention_input(self, plan):
+        def run(owed, residual, fwd=None):
+            if not self.armed:
+                return None
+            return add_rms_norm(plan.norm, owed.complete(), residual)
+
+        return (FusedMlpInput(run=run, name="test.inert.add_norm"),)
+
+    ffn_input = attention_input
+
+
+def test_a_contract_preparation_readies_a_record_that_needs_it():
+    inert = FusionProvider(name="test.inert", factory=_Inert, description="inert until bound")
+    with pytest.raises(ContractViolation, match="accepted no case"):
+        check_fusion_provider(inert, checks=RUNTIME, settings=SMALL)
+    prepared = attrs.evolve(inert, contract_preparation=f"{__name__}:InertUntilBound")
+    report = check_fusion_provider(prepared, checks=RUNTIME, settings=SMALL)
+    assert report.stats["cases_accepted"] > 0 and InertUntilBound.entered > 0
+    broken = attrs.evolve(inert, contract_preparation="no_such_module:Nothing")
+    with pytest.raises(Exception, match="contract_preparation 'no_such_module:Nothing' did not load"):
+        check_fusion_provider(broken, checks=RUNTIME, settings=SMALL)
 
 
 # ---------------------------------------------------------------------------------------------

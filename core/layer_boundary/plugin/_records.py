@@ -64,7 +64,15 @@ class FusionProvider(_Record):
     provider object with any of the capabilities `AttentionInputFusion`, `FfnInputFusion`,
     `DefersFinalize`, `DefersAllReduce`, or None when the stage is outside what it handles.
     It must not import heavy libraries before deciding.
+
+    `contract_preparation`: "module:Class" of how the provider contract suite readies this record
+    on a machine without its hardware (a context manager for a rank's pass with a
+    `bind(provider, plan)` method, e.g. binding the candidates to reference kernels). The suite
+    fails a record that accepts no case, so a record whose candidates need hardware or a
+    `prepare` names one.
     """
+
+    contract_preparation: Optional[str] = None
 
 
 @attrs.frozen(kw_only=True)

@@ -24,6 +24,7 @@ def _factory(description):
 def layer_boundary_fusion_providers():
     yield FusionProvider(
         name="cutedsl.moe_finalize_ar_add_rmsnorm", factory=_factory, priority=Priority.ARCH_SPECIFIC,
+        contract_preparation="layer_boundary_cutedsl.testing:ContractPreparation",
         description=(
             f"MoE finalize / TP sum, then add + RMSNorm in CuTe DSL kernels (opt-in: {ENABLE_ENV}=1); "
             "under TP one launch of the one-shot all-reduce over CUDA IPC peer buffers once a service is prepared"

@@ -9,6 +9,7 @@ kernels do; it accepts any device and bf16/fp16/fp32/fp64 rows and fp32/fp64 nor
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import os
 import struct
@@ -18,12 +19,14 @@ from typing import Callable, Optional
 
 import torch
 
-from .kernel_set import KernelSet
+from layer_boundary.testing.shared import shared_env
+
+from .kernel_set import CUTEDSL_KERNELS, KernelSet
 from .kernels.reference import add_rmsnorm_reference, moe_finalize_add_rmsnorm_reference, moe_finalize_reference
 from .oneshot import OneShotKernels, OneShotTimeout
 from .peer_memory import HostWords, PeerMemory
 
-__all__ = ["reference_kernels", "reference_oneshot", "FakePeerMemory"]
+__all__ = ["reference_kernels", "reference_oneshot", "FakePeerMemory", "ContractPreparation"]
 
 
 def _into(result: torch.Tensor, out: Optional[torch.Tensor]) -> torch.Tensor:
@@ -219,3 +222,31 @@ def reference_oneshot(calls: Optional[list] = None, *, memory: Optional[Callable
         dtypes=(torch.bfloat16, torch.float16, torch.float32, torch.float64),
         process_id=lambda: (os.getpid() << 24) ^ threading.get_ident(),
     )
+
+
+class ContractPreparation:
+    """How the provider contract suite (`layer_boundary.testing.contract`) readies this plugin's
+    record without a GPU: the opt-in switch is on for the pass, so the factory builds providers,
+    and each provider computes with the float64 references instead of the CuTe DSL kernels (the
+    candidates' own declines, rank uniformity and parity are what the suite then checks)."""
+
+    def __enter__(self):
+        _OPT_IN.__enter__()
+        return self
+
+    def __exit__(self, *exc):
+        return _OPT_IN.__exit__(*exc)
+
+    def bind(self, provider, plan) -> None:
+        from .provider import CuteDSLFusion
+
+        if isinstance(provider, CuteDSLFusion) and provider.service is None:
+            # the references in place of the kernels, taking exactly what the kernels take
+            # (their dtypes, an fp32 norm statistic): elsewhere the candidates decline as on a GPU
+            provider._kernels = dataclasses.replace(
+                reference_kernels(), dtypes=CUTEDSL_KERNELS.dtypes, norm_compute_dtypes=CUTEDSL_KERNELS.norm_compute_dtypes,
+                max_hidden=CUTEDSL_KERNELS.max_hidden)
+
+
+#: the plugin's opt-in switch, on while any rank of a contract pass is inside
+_OPT_IN = shared_env("LAYER_BOUNDARY_CUTEDSL", "1")

@@ -461,38 +461,26 @@ def check_fp8(checks, parallel, rank, args):
 
 
 # models -------------------------------------------------------------------------------------------
-class _plugin_disabled:
-    """The flashinfer plugin switched off while models are built. Ranks that share a process
-    (the CPU test of this check) enter together: the first in switches it off, the last out back."""
+def _reset_registry():
+    from layer_boundary.plugin import reset_registry
 
-    _lock = threading.Lock()
-    _depth = 0
-    _saved = None
+    reset_registry()
 
-    def __enter__(self):
-        from layer_boundary.plugin import reset_registry
 
-        cls = type(self)
-        with cls._lock:
-            if cls._depth == 0:
-                cls._saved = os.environ.get("LAYER_BOUNDARY_DISABLE_PLUGINS")
-                os.environ["LAYER_BOUNDARY_DISABLE_PLUGINS"] = ",".join(filter(None, [cls._saved, "flashinfer"]))
-                reset_registry()
-            cls._depth += 1
-        return self
+def _plugin_disabled():
+    """The flashinfer plugin switched off while models are built (ranks that share a process,
+    as in the CPU test of this check, enter together)."""
+    global _DISABLED
+    if _DISABLED is None:
+        from layer_boundary.testing.shared import shared_env
 
-    def __exit__(self, *exc):
-        from layer_boundary.plugin import reset_registry
+        current = os.environ.get("LAYER_BOUNDARY_DISABLE_PLUGINS")
+        _DISABLED = shared_env("LAYER_BOUNDARY_DISABLE_PLUGINS", ",".join(filter(None, [current, "flashinfer"])),
+                               after=_reset_registry)
+    return _DISABLED
 
-        cls = type(self)
-        with cls._lock:
-            cls._depth -= 1
-            if cls._depth == 0:
-                if cls._saved is None:
-                    os.environ.pop("LAYER_BOUNDARY_DISABLE_PLUGINS", None)
-                else:
-                    os.environ["LAYER_BOUNDARY_DISABLE_PLUGINS"] = cls._saved
-                reset_registry()
+
+_DISABLED = None  # made on first use: LAYER_BOUNDARY_DISABLE_PLUGINS with flashinfer added
 
 
 def _sizes(name):

@@ -45,6 +45,7 @@ def layer_boundary_fusion_providers():
         name=RECORD_NAME,
         factory=build_provider,
         priority=Priority.VENDOR,
+        contract_preparation="layer_boundary_flashinfer.testing:ContractPreparation",
         description=(
             "all-reduce + residual add + RMSNorm (and MoE finalize) in one FlashInfer trtllm kernel; "
             f"active after prepare_flashinfer_fusion(model) (Hopper/Blackwell, TP>1, one node; {ENABLE_ENV}=0 disables)"

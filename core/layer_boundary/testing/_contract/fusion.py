@@ -4,6 +4,7 @@ reference and across ranks."""
 
 from __future__ import annotations
 
+import importlib
 from typing import Any
 
 import torch
@@ -117,11 +118,35 @@ def _make_owed(kind: str, plan, rows: int, dtype, device, gen: torch.Generator):
             UnreducedOutput(partial.clone(), inner, sum_group, declared=declared))
 
 
+class _NoPreparation:
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return False
+
+    def bind(self, provider, plan) -> None:
+        pass
+
+
+def preparation_of(record):
+    """The record's contract preparation (see `FusionProvider.contract_preparation`)."""
+    path = getattr(record, "contract_preparation", None)
+    if not path:
+        return _NoPreparation()
+    module, _, attr = path.partition(":")
+    try:
+        return getattr(importlib.import_module(module), attr)()
+    except Exception as exc:
+        raise RuntimeError(f"record {record.name!r}: its contract_preparation {path!r} did not load: {type(exc).__name__}: {exc}") from exc
+
+
 class _RankRun:
     """One rank's pass over every situation, dtype and row count."""
 
     def __init__(self, parallel, record, builtin: bool, settings: ContractSettings):
         self.record, self.builtin, self.settings = record, builtin, settings
+        self.preparation = preparation_of(record)
         self.counter = CollectiveCounter()
         self.parallel = parallel.with_groups(lambda g: CountingCollectives(g, self.counter))
         self.report = ContractReport(record.name, "fusion provider")
@@ -133,7 +158,7 @@ class _RankRun:
 
     def run(self) -> dict:
         s = self.settings
-        with torch.inference_mode(False), torch.no_grad():  # the None rule reads version counters
+        with torch.inference_mode(False), torch.no_grad(), self.preparation:  # the None rule reads version counters
             for situation in SITUATIONS:
                 for norm_kind in NORM_KINDS:
                     for dtype_name in s.dtypes:
@@ -154,6 +179,7 @@ class _RankRun:
                                                         self.counter.snapshot())))
         if provider is None:
             return
+        self.preparation.bind(provider, plan)
         self._defer_hooks(provider, plan, tag)
         entry = next(iter(plan.paths.values())).entry
         if not entry.candidates:  # the core offers no candidate at this stage (non-plain update, other norm)
@@ -291,4 +317,9 @@ def runtime_report(record_ref, name: str, settings: ContractSettings, world=None
             report.merge(ContractReport.from_json(res["report"]))
         _compare_ranks(results, topology, report)
         report.stats["worlds"] += 1
+    if report.stats["worlds"] and not report.stats["cases_accepted"]:
+        report.add("parity", f"record {name!r} accepted no case ({report.stats['stages_accepted']} stage(s) built a provider, "
+                             f"{report.stats['cases_declined']} case(s) declined): nothing was compared with the unfused "
+                             "reference. A record whose candidates need hardware or a prepare names a contract_preparation "
+                             "that readies them on this machine (FusionProvider.contract_preparation)")
     return report
