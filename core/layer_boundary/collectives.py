@@ -32,7 +32,7 @@ __all__ = [
 
 def split_sizes(rows: int, parts: int) -> tuple[int, ...]:
     """Rows per part when `rows` are split as evenly as possible; earlier parts take the extra."""
-    base, extra = divmod(rows, parts)
+    base, extra = rows // parts, rows % parts  # not divmod: Dynamo rejects it on a symbolic row count
     return tuple(base + (1 if i < extra else 0) for i in range(parts))
 
 

@@ -299,9 +299,28 @@ def _lifecycle_call(impl):
     return lambda request: function()
 
 
+#: the registry `get_registry()` built last, in a plain list: what `current_registry()` reads
+_CURRENT: list = []
+
+
+def current_registry() -> Registry:
+    """`get_registry()` for code that runs inside a model's forward: once the registry is built
+    (building a model builds it) this is one read of a plain module list, which a compiler's
+    tracer (Dynamo) follows and guards on; it cannot follow the cached call itself."""
+    if _CURRENT:
+        return _CURRENT[0]
+    return get_registry()
+
+
 @functools.lru_cache(maxsize=None)
 def get_registry() -> Registry:
     """The registry of this process (cached; `reset_registry()` forgets it)."""
+    registry = _build_registry()
+    _CURRENT[:] = [registry]
+    return registry
+
+
+def _build_registry() -> Registry:
     state = _plugins()
     collected: dict[str, list[Registered]] = {key: [] for key in HOOKS}
     for key, (hook, rtype) in HOOKS.items():
@@ -332,6 +351,7 @@ def reset_registry() -> None:
     """Forget the cached manager and registry (tests; after installing a plugin). Inline
     registrations stay."""
     get_registry.cache_clear()
+    _CURRENT.clear()
     _plugins.cache_clear()
 
 
@@ -359,6 +379,7 @@ def register_inline(plugin, *, name: str, distribution: Optional[str] = None, ve
                 del _INLINE[name]
                 raise
     get_registry.cache_clear()
+    _CURRENT.clear()
 
 
 def unregister_inline(name: str) -> None:
@@ -373,6 +394,7 @@ def unregister_inline(name: str) -> None:
         else:
             state.reports = [r for r in state.reports if not (r.name == name and r.inline)]
     get_registry.cache_clear()
+    _CURRENT.clear()
 
 
 @contextlib.contextmanager
