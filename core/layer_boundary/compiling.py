@@ -20,7 +20,7 @@ import torch
 
 from ._graph import COLLECTIVE_OPS, graph_collectives
 
-__all__ = ["CountingBackend", "graph_breaks", "reset_graph_breaks", "graph_ops", "graph_collectives", "COLLECTIVE_OPS"]
+__all__ = ["CountingBackend", "compile_model", "user_error", "graph_breaks", "reset_graph_breaks", "graph_ops", "graph_collectives", "COLLECTIVE_OPS"]
 
 
 class CountingBackend:
@@ -81,3 +81,41 @@ def graph_ops(model_or_fn, *args, **kwargs) -> list:
     backend = CountingBackend("eager")
     torch.compile(model_or_fn, backend=backend, fullgraph=True)(*args, **kwargs)
     return backend.ops()
+
+
+def user_error(error: BaseException) -> Optional[BaseException]:
+    """The exception the traced code itself raised, when `error` is Dynamo reporting one
+    (under `fullgraph=True` an error raised while tracing, such as a boundary's check, reaches
+    the caller as `torch._dynamo.exc.Unsupported`, "Observed exception", whose cause holds
+    the original); None for any other error."""
+    from torch._dynamo.exc import ObservedException, Unsupported
+
+    if isinstance(error, Unsupported) and isinstance(error.__cause__, ObservedException):
+        return error.__cause__
+    return None
+
+
+def compile_model(model_or_fn, **options):
+    """`torch.compile(model_or_fn, fullgraph=True, **options)` that keeps the boundary's error
+    table: when tracing stops because the traced code raised (bad input caught by a boundary's
+    check), the call runs again eagerly, which raises that error with its own type and message.
+    Nothing ran yet when tracing stops, so the eager call is the first one. Any other failure is
+    Dynamo's own and is raised as it is."""
+    options.setdefault("fullgraph", True)
+    compiled = torch.compile(model_or_fn, **options)
+
+    def call(*args, **kwargs):
+        try:
+            return compiled(*args, **kwargs)
+        except Exception as error:
+            if user_error(error) is None:
+                raise
+            out = model_or_fn(*args, **kwargs)  # raises the boundary's own error
+            raise RuntimeError(
+                "the compiled call raised while tracing but the eager one did not: " + str(user_error(error))
+            ) from error
+            return out  # pragma: no cover
+
+    call.compiled = compiled
+    call.__wrapped__ = model_or_fn
+    return call

@@ -108,8 +108,10 @@ def run_rank(parallel, job: RunJob, *, fusions=None) -> dict:
     cache = model.new_cache()
     run_model, backend = model, None
     if job.compile:
-        from ..compiling import CountingBackend
+        from ..compiling import CountingBackend, graph_breaks
 
+        torch._dynamo.reset()  # a fresh cache: counts of this run only, and no earlier run's recompile budget spent
+        breaks_before = graph_breaks()
         backend = CountingBackend(job.compile)
         run_model = torch.compile(model, backend=backend, fullgraph=True)
     logits: dict[int, list] = {r: [] for r in mine}
@@ -167,4 +169,5 @@ def run_rank(parallel, job: RunJob, *, fusions=None) -> dict:
         "collectives": collectives,
         "tokens": {name: (sum(len(p) for p in job.prompts) if i == 0 else len(job.prompts)) for i, (name, _) in enumerate(steps)},
         "graphs": None if backend is None else backend.graphs,
+        "graph_breaks": None if backend is None else graph_breaks() - breaks_before,
     }
