@@ -8,7 +8,7 @@ from .main import UsageError
 
 def add_parser(sub) -> None:
     p = sub.add_parser(
-        "bench", help="run a benchmark (host, decode; cutedsl and fusion with their plugins); JSON + PNG under benchmarks/results/"
+        "bench", help="run a benchmark (host, compile, decode; cutedsl and fusion with their plugins); JSON + PNG under benchmarks/results/"
     )
     p.add_argument("name", help="the benchmark's command (`layer-boundary plugins` lists them)")
     p.add_argument("options", nargs="*", help="options passed to the benchmark (after --)")
