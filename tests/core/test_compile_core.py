@@ -192,3 +192,14 @@ def test_all_reduces_are_graph_nodes(groups, op):
     assert torch.equal(out, stack(x, Forward(parallel, 4)))
     assert counter.graphs == 1 and graph_breaks() == 0
     assert counter.count(op) == MirrorCollectives.issued > 0  # one graph node per all-reduce the eager call issues
+
+
+@torch.inference_mode()
+def test_inductor_agrees_with_eager_in_float32():
+    """Inductor fuses the norms and adds (other roundings): equal to float32 tolerance."""
+    stack = Stack(64, 2).eval()
+    step, counter = compiled(lambda x: stack.boundary_forward(x), backend="inductor")
+    x = torch.randn(8, 64)
+    out, want = step(x), stack.boundary_forward(x)
+    assert counter.graphs == 1 and graph_breaks() == 0
+    assert torch.allclose(out, want, rtol=1e-4, atol=1e-5), (out - want).abs().max()
