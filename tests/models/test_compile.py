@@ -22,7 +22,8 @@ SMALL = {
     "qwen3_moe": {"num_hidden_layers": 2, "mlp_only_layers": [1]},
     "gemma": {"num_hidden_layers": 2},
     "nemotron_h": {"hybrid_override_pattern": "M-E*"},
-    "deepseek_v4": {"num_hidden_layers": 2, "layer_types": ["sliding_attention"] * 2, "mlp_layer_types": ["moe"] * 2},
+    # mHC's Sinkhorn loop unrolls in the graph: a few iterations trace the same ops as twenty
+    "deepseek_v4": {"num_hidden_layers": 2, "layer_types": ["sliding_attention"] * 2, "mlp_layer_types": ["moe"] * 2, "hc_sinkhorn_iters": 3},
     "longcat_flash": {"num_layers": 1},
 }
 #: families whose eager MoE gathers each expert's rows (the compiled region runs them dense)
