@@ -197,6 +197,10 @@ class TorchCollectives(CollectivesBase):
         import torch.distributed as dist
 
         self._dist = dist
+        # torch 2.13 deprecates all_gather_into_tensor / reduce_scatter_tensor (a FutureWarning on
+        # every call) for the *_single names, which older torch (>= 2.4 supported) lacks
+        self._gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+        self._scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
         self.name = name
         self.group = group
         self.ranks = tuple(ranks)
@@ -228,7 +232,7 @@ class TorchCollectives(CollectivesBase):
         if self.host_staged and x.is_cuda:
             return self._reduce_scatter(x.cpu()).to(x.device)
         out = x.new_empty((x.shape[0] // self.size,) + tuple(x.shape[1:]))
-        self._dist.reduce_scatter_tensor(out, x, group=self.group)
+        self._scatter(out, x, group=self.group)
         return out
 
     def _all_gather(self, x: torch.Tensor) -> torch.Tensor:
@@ -237,7 +241,7 @@ class TorchCollectives(CollectivesBase):
         if self.host_staged and x.is_cuda:
             return self._all_gather(x.cpu()).to(x.device)
         out = x.new_empty((x.shape[0] * self.size,) + tuple(x.shape[1:]))
-        self._dist.all_gather_into_tensor(out, x, group=self.group)
+        self._gather(out, x, group=self.group)
         return out
 
 

@@ -27,6 +27,8 @@ def test_run_json_reports_check_config_timings_and_collectives():
     assert data["timings"]["prefill_s"] > 0 and data["timings"]["decode_step_s"] > 0 and data["timings"]["tokens_per_s"] > 0
     # 4 layers: one attention sum per layer; the FFN sums defer to the next input except the last
     assert data["collectives"]["decode_step"] == {"all_reduce@attn_tp": 4, "all_reduce@tp": 4}
+    assert data["config"]["nodes"] == {"count": 1, "of_rank": [0, 0], "tp_within_a_node": True, "pp_within_a_node": True}
+    assert "step/s" not in out.stderr  # --json: no bar
 
 
 @pytest.mark.gloo
@@ -34,6 +36,45 @@ def test_run_human_output_and_single_rank_check():
     out = cli("run", "--model", "gemma", "--tp", "2", "--attn-dp", "2", "--check", "single", "--decode-steps", "1")
     assert out.returncode == 0, out.stderr
     assert "check vs single: PASS" in out.stdout and "collectives per prefill" in out.stdout
+    assert "\r" not in out.stderr and "step/s" not in out.stderr  # stderr is a pipe here: no bar
+
+
+def _on_a_terminal(*args, timeout=300):
+    """`layer-boundary ARGS` with stderr on a pseudo-terminal (80 columns): (status, stdout, stderr)."""
+    import fcntl
+    import os
+    import pty
+    import struct
+    import termios
+
+    master, slave = pty.openpty()
+    fcntl.ioctl(slave, termios.TIOCSWINSZ, struct.pack("HHHH", 24, 80, 0, 0))
+    proc = subprocess.Popen([sys.executable, "-m", "layer_boundary", *args], stdout=subprocess.PIPE, stderr=slave)
+    os.close(slave)
+    chunks = []
+    while True:
+        try:
+            data = os.read(master, 4096)
+        except OSError:  # the terminal's other end closed: every writer has exited
+            break
+        if not data:
+            break
+        chunks.append(data)
+    os.close(master)
+    stdout = proc.stdout.read().decode()
+    proc.wait(timeout)
+    return proc.returncode, stdout, b"".join(chunks).decode(errors="replace")
+
+
+@pytest.mark.gloo
+def test_a_default_run_prints_no_warning_and_draws_a_bar_on_a_terminal():
+    """The new user's first command: `layer-boundary run` (qwen3, TP=2 gloo, prefill + 4 decode
+    steps) on a terminal. No warning of any kind (torch 2.13 deprecates all_gather_into_tensor
+    with a FutureWarning per call) and a progress bar over the 5 steps."""
+    status, stdout, stderr = _on_a_terminal("run")
+    assert status == 0 and "check vs hf: PASS" in stdout, stdout + stderr
+    assert "Warning" not in stderr and "warn" not in stderr.lower(), stderr
+    assert "5/5" in stderr and "\r" in stderr, stderr  # redrawn in place
 
 
 @pytest.mark.parametrize(
@@ -68,7 +109,9 @@ def test_missing_checkpoint_files_name_the_fix(tmp_path):
 def test_a_checkpoint_saved_by_hf_loads_and_matches(tmp_path, model):
     cfg = model_config(model)
     hf = hf_from_state(dict(cfg.hf), family(model).random_weights(cfg, torch.float32, 1), torch.float32)
-    hf.save_pretrained(tmp_path)
+    # the MoE as save_pretrained shards it: an index and several files (per-expert tensors)
+    hf.save_pretrained(tmp_path, **({"max_shard_size": "200KB"} if model == "qwen3_moe" else {}))
+    assert (tmp_path / "model.safetensors.index.json").is_file() == (model == "qwen3_moe")
     out = cli("run", "--model", model, "--checkpoint", str(tmp_path), "--tp", "2", "--json", "--decode-steps", "2")
     assert out.returncode == 0, out.stderr
     assert json.loads(out.stdout)["check"]["passed"] is True
@@ -95,3 +138,34 @@ def test_plan_shows_the_dp_partial_order_under_attention_dp():
 def test_plan_bad_input():
     out = cli("plan", "--model", "qwen3", "--tp", "3")
     assert out.returncode == 2 and "not divisible" in out.stderr
+
+
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["run", "--decode-steps", "-2"], "layer-boundary run: error: argument --decode-steps: must be >= 0, got -2; pass 0 or more"),
+        (["run", "--batch", "0"], "layer-boundary run: error: argument --batch: must be positive, got 0; pass 1 or more"),
+        (["run", "--tp", "0"], "argument --tp: must be positive"),
+        (["run", "--prompt-tokens", "x"], "argument --prompt-tokens: expected an integer, got 'x'"),
+        (["run", "--timeout", "-1"], "argument --timeout: must be a positive number"),
+        (["run", "--timeout", "nan"], "argument --timeout: must be a positive number"),
+        (["run", "--lora", "-1"], "argument --lora: must be >= 0"),
+        (["run", "--seed", "-3"], "argument --seed: must be >= 0"),
+        (["plan", "--attn-dp", "0"], "layer-boundary plan: error: argument --attn-dp: must be positive, got 0"),
+        (["plan", "--rank", "-1"], "layer-boundary plan: error: argument --rank: must be >= 0"),
+        (["bench", "host", "--", "--layers", "0"], "layer-boundary bench host: error: argument --layers: must be positive, got 0"),
+        (["bench", "host", "--repeats", "-5"], "argument --repeats: must be positive"),
+        (["bench", "decode", "--", "--batches", "8", "0"], "argument --batches: must be positive, got 0"),
+    ],
+)
+def test_numeric_options_are_refused_in_one_line(capsys, args, message):
+    """Every numeric option of run, plan and bench, checked by the parser before any work."""
+    from layer_boundary.cli.main import main
+
+    try:
+        status = main(args)
+    except SystemExit as exc:
+        status = exc.code
+    err = capsys.readouterr().err
+    lines = [line for line in err.splitlines() if line.strip()]
+    assert status == 2 and len(lines) == 1 and message in lines[0], err

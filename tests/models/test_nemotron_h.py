@@ -18,7 +18,7 @@ from layer_boundary.cli.plan_cmd import PlanningCollectives
 from layer_boundary.plugin import Owed
 from layer_boundary import BatchVariant
 from layer_boundary.models import build_model, family, model_config
-from layer_boundary.models.nemotron_h import pipeline_layers
+from layer_boundary.models.pipeline import pipeline_layers
 from layer_boundary.models.oracle import hf_from_state, hf_logits
 from layer_boundary.models.runner import RunJob, make_requests, run_rank
 from layer_boundary import boundaries_of
@@ -210,7 +210,8 @@ def test_plan_shows_each_layer_with_its_neighbours():
     "args, message",
     [
         (["--model", "nemotron_h", "--tp", "4", "--hf-config", json.dumps({**family("nemotron_h").preset, "n_groups": 2})], "n_groups=2 is not divisible by attention TP 4"),
-        (["--model", "qwen3", "--pp", "2"], "runs without pipeline stages"),
+        (["--model", "deepseek_v4", "--tp", "1", "--pp", "2"], "deepseek_v4 runs without pipeline stages"),
+        (["--model", "qwen3", "--pp", "5"], "--pp 5 is more than the 4 layers"),
         (["--model", "nemotron_h", "--pp", "12"], "more than the 11 layers"),
         (["--model", "nemotron_h", "--attn-cp", "2", "--tp", "2"], "context parallel is not supported for Mamba mixers"),
     ],

@@ -380,6 +380,21 @@ def test_a_correct_residual_kind_passes():
     assert check_residual_kind(kind(), checks=["construction", "parity", "row_local"], settings=RESIDUAL_SMALL).stats["laws_checked"]
 
 
+def test_option_tensors_follow_the_device_under_test():
+    """Option sets are written on the CPU; the CUDA cases must find their tensors on the GPU (the
+    mhc kinds' mappings stayed on the CPU and every CUDA law failed on a device mismatch)."""
+    import types
+
+    from layer_boundary.testing._contract.residual import _describe, _on_device
+
+    opts = dict(streams=3, attn=types.SimpleNamespace(fn=torch.ones(2, 4), base=[torch.zeros(2)], scale=(torch.ones(1), 2.0)))
+    moved = _on_device(opts, torch.device("meta"))
+    assert moved["streams"] == 3 and moved["attn"].scale[1] == 2.0
+    assert all(t.device.type == "meta" for t in (moved["attn"].fn, moved["attn"].base[0], moved["attn"].scale[0]))
+    assert opts["attn"].fn.device.type == "cpu"  # the caller's option set is left as it was
+    assert _describe(opts) == "options {streams=3, attn=namespace(fn=tensor(2, 4), base=[tensor(2,)], scale=(tensor(1,), 2.0))}"
+
+
 # ---------------------------------------------------------------------------------------------
 # the pytest helper
 

@@ -8,12 +8,13 @@ decode --tp 2`.
 
 from __future__ import annotations
 
-import argparse
 import json
 import statistics
 from pathlib import Path
 
 import torch
+
+from ..cli.args import OneLineParser, positive_int
 
 REALISTIC = {
     "model_type": "qwen3",
@@ -102,11 +103,11 @@ def run(batches, layers: int, prompt: int, repeats: int, parallel=None) -> dict:
 
 
 def main(argv=None) -> dict:
-    ap = argparse.ArgumentParser(description=__doc__)
-    ap.add_argument("--batches", type=int, nargs="+", default=[1, 8, 32, 64, 128, 256])
-    ap.add_argument("--layers", type=int, default=8)
-    ap.add_argument("--prompt", type=int, default=32)
-    ap.add_argument("--repeats", type=int, default=30)
+    ap = OneLineParser(prog=f"layer-boundary bench {Path(__file__).stem}", description=__doc__)
+    ap.add_argument("--batches", type=positive_int, nargs="+", default=[1, 8, 32, 64, 128, 256])
+    ap.add_argument("--layers", type=positive_int, default=8)
+    ap.add_argument("--prompt", type=positive_int, default=32)
+    ap.add_argument("--repeats", type=positive_int, default=30)
     ap.add_argument("--out", default="benchmarks/results/decode.json")
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():

@@ -8,7 +8,6 @@ norm), and the per-call cost of each boundary method measured on its own.
 
 from __future__ import annotations
 
-import argparse
 import gc
 import json
 import statistics
@@ -19,6 +18,7 @@ import torch
 from torch import nn
 
 from layer_boundary import Forward, Parallel, RMSNorm, declare_attn, declare_ffn, layer_stack, make_stages, residual_batch
+from layer_boundary.cli.args import OneLineParser, positive_int
 
 
 class Layer(nn.Module):
@@ -185,11 +185,11 @@ def profile_call_sites(stack: Stack, x: torch.Tensor, forwards: int = 50) -> lis
 
 
 def main(argv=None) -> dict:
-    ap = argparse.ArgumentParser(description=__doc__)
-    ap.add_argument("--layers", type=int, default=32)
-    ap.add_argument("--hidden", type=int, default=64)
-    ap.add_argument("--tokens", type=int, default=4)
-    ap.add_argument("--repeats", type=int, default=300)
+    ap = OneLineParser(prog=f"layer-boundary bench {Path(__file__).stem}", description=__doc__)
+    ap.add_argument("--layers", type=positive_int, default=32)
+    ap.add_argument("--hidden", type=positive_int, default=64)
+    ap.add_argument("--tokens", type=positive_int, default=4)
+    ap.add_argument("--repeats", type=positive_int, default=300)
     ap.add_argument("--out", default="benchmarks/results/host.json")
     args = ap.parse_args(argv)
     result = run(args.layers, args.hidden, args.tokens, args.repeats)

@@ -5,7 +5,6 @@ Bad input exits with status 2 and one line naming the fix, never a traceback.
 
 from __future__ import annotations
 
-import argparse
 import sys
 from typing import Optional, Sequence
 
@@ -16,10 +15,11 @@ class UsageError(Exception):
     """Bad input: printed as one line, exit status 2."""
 
 
-def _parser() -> argparse.ArgumentParser:
+def _parser():
     from . import plugins_cmd
+    from .args import OneLineParser
 
-    parser = argparse.ArgumentParser(
+    parser = OneLineParser(
         prog="layer-boundary",
         description="Layer boundaries for tensor-parallel transformer inference.",
     )
@@ -53,7 +53,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     try:
         return int(args.handler(args) or 0)
     except UsageError as exc:
-        print(f"layer-boundary {args.command}: error: {exc}", file=sys.stderr)
+        for line in str(exc).splitlines() or [""]:  # several problems: one line each
+            print(f"layer-boundary {args.command}: error: {line}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)

@@ -8,6 +8,7 @@ import json
 from ..collectives import CollectivesBase
 from .._parallel import Parallel, Topology, TopologyError
 from .._policy import resolve_reduction
+from .args import non_negative_int, positive_int
 from .main import UsageError
 
 
@@ -30,14 +31,14 @@ def add_parser(sub) -> None:
     p = sub.add_parser("plan", help="show what each boundary does for a model and topology")
     p.add_argument("--model", default="qwen3")
     p.add_argument("--hf-config")
-    p.add_argument("--tp", type=int, default=2)
-    p.add_argument("--attn-dp", type=int, default=1)
-    p.add_argument("--attn-cp", type=int, default=1)
-    p.add_argument("--moe-ep", type=int, default=1)
-    p.add_argument("--pp", type=int, default=1, help="pipeline stages; --rank picks whose stage is shown")
+    p.add_argument("--tp", type=positive_int, default=2)
+    p.add_argument("--attn-dp", type=positive_int, default=1)
+    p.add_argument("--attn-cp", type=positive_int, default=1)
+    p.add_argument("--moe-ep", type=positive_int, default=1)
+    p.add_argument("--pp", type=positive_int, default=1, help="pipeline stages; --rank picks whose stage is shown")
     p.add_argument("--reduction", default="auto", choices=["ar", "rs", "rsv", "rs+rsv", "auto"])
-    p.add_argument("--lora", type=int, default=0, metavar="N", help="N LoRA adapters (needs layer-boundary-lora)")
-    p.add_argument("--rank", type=int, default=0, help="whose view to show (default 0)")
+    p.add_argument("--lora", type=non_negative_int, default=0, metavar="N", help="N LoRA adapters (needs layer-boundary-lora)")
+    p.add_argument("--rank", type=non_negative_int, default=0, help="whose view to show (default 0)")
     p.add_argument("--json", action="store_true")
     p.set_defaults(handler=run)
 

@@ -16,6 +16,8 @@ import torch
 
 from .._parallel import Topology, TopologyError
 from .._policy import resolve_reduction
+from ..progress import wanted
+from .args import non_negative_int, positive_float, positive_int
 from .main import UsageError
 
 #: the largest relative error each dtype may show against the reference
@@ -30,27 +32,28 @@ def add_parser(sub) -> None:
     p = sub.add_parser("run", help="run a reference model through the boundaries and check it")
     p.add_argument("--model", default="qwen3", help="a reference model: qwen3 (default), qwen3_moe, gemma, ...")
     p.add_argument("--hf-config", help="a Hugging Face config: inline JSON, a config.json or a folder (default: embedded tiny)")
-    p.add_argument("--checkpoint", help="a checkpoint folder (config.json + *.safetensors) to load")
-    p.add_argument("--tp", type=int, default=2, help="tensor-parallel size (default 2)")
-    p.add_argument("--attn-dp", type=int, default=1, help="attention data-parallel size")
-    p.add_argument("--attn-cp", type=int, default=1, help="attention context-parallel size (needs layer-boundary-cp)")
+    p.add_argument("--checkpoint", help="a checkpoint folder (config.json + *.safetensors, or shards and model.safetensors.index.json), checked before any rank starts")
+    p.add_argument("--tp", type=positive_int, default=2, help="tensor-parallel size (default 2)")
+    p.add_argument("--attn-dp", type=positive_int, default=1, help="attention data-parallel size")
+    p.add_argument("--attn-cp", type=positive_int, default=1, help="attention context-parallel size (needs layer-boundary-cp)")
     p.add_argument("--cp-order", default="zigzag", choices=["zigzag", "contiguous"], help="how a CP prefill splits each request over CP ranks")
-    p.add_argument("--moe-ep", type=int, default=1, help="expert-parallel size of MoE layers")
-    p.add_argument("--pp", type=int, default=1, help="pipeline stages, each with --tp ranks (models that support it: nemotron_h)")
+    p.add_argument("--moe-ep", type=positive_int, default=1, help="expert-parallel size of MoE layers")
+    p.add_argument("--pp", type=positive_int, default=1, help="pipeline stages, each with --tp ranks (qwen3, qwen3_moe, gemma, nemotron_h)")
     p.add_argument("--reduction", default="auto", choices=["ar", "rs", "rsv", "rs+rsv", "auto"])
     p.add_argument("--dp-padding", default="sum_len", choices=["sum_len", "max_len"])
     p.add_argument("--sequence-parallel", action="store_true", help="run prefill as a sequence-parallel batch")
     p.add_argument("--fp8", choices=["dynamic", "static"], help="FP8 reads at attention and dense-FFN inputs (checked with the FP8 tolerance)")
     p.add_argument("--tbo", action="store_true", help="two-batch overlap (needs layer-boundary-tbo)")
-    p.add_argument("--lora", type=int, default=0, metavar="N", help="N random LoRA adapters, requests round-robin (needs layer-boundary-lora)")
+    p.add_argument("--lora", type=non_negative_int, default=0, metavar="N", help="N random LoRA adapters, requests round-robin (needs layer-boundary-lora)")
     p.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
-    p.add_argument("--dtype", default=None, choices=["float32", "float64", "bfloat16"], help="default float32 (cpu), bfloat16 (cuda)")
-    p.add_argument("--batch", type=int, default=3, help="requests (default 3, lengths uneven)")
-    p.add_argument("--prompt-tokens", type=int, default=7, help="prompt length around which requests vary")
-    p.add_argument("--decode-steps", type=int, default=4)
+    p.add_argument("--dtype", default=None, choices=["float32", "float64", "bfloat16", "float16"], help="default float32 (cpu), bfloat16 (cuda)")
+    p.add_argument("--batch", type=positive_int, default=3, help="requests (default 3, lengths uneven)")
+    p.add_argument("--prompt-tokens", type=positive_int, default=7, help="prompt length around which requests vary")
+    p.add_argument("--decode-steps", type=non_negative_int, default=4, help="decode steps after the prefill (default 4; 0: prefill only)")
     p.add_argument("--check", default="hf", choices=["hf", "single", "none"])
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--timeout", type=float, default=600.0, help="seconds before a hung rank fails the run")
+    p.add_argument("--seed", type=non_negative_int, default=0)
+    p.add_argument("--timeout", type=positive_float, default=600.0, help="seconds before a hung rank fails the run")
+    p.add_argument("--save-logits", metavar="FILE", help="torch.save every request's logits per step (to compare runs)")
     p.add_argument("--json", action="store_true", help="print one JSON object")
     p.set_defaults(handler=run)
 
@@ -64,8 +67,6 @@ def _config(args):
             folder = Path(args.checkpoint)
             if not (folder / "config.json").is_file():
                 raise ConfigError(f"checkpoint folder {folder} has no config.json; save it with save_pretrained()")
-            if not list(folder.glob("*.safetensors")):
-                raise ConfigError(f"checkpoint folder {folder} has no *.safetensors files; save it with safe_serialization=True")
             raw = load_hf_config(str(folder))
         if args.hf_config:
             raw = load_hf_config(args.hf_config)
@@ -91,8 +92,6 @@ def _require_features(args, topology) -> None:
         raise UsageError(str(missing_feature(f"--attn-cp {topology.attn_cp}", "cp")))
     if args.tbo and not registry.overlaps:
         raise UsageError(str(missing_feature("--tbo", "tbo")))
-    if args.lora < 0:
-        raise UsageError(f"--lora takes a number of adapters (0 for none), got {args.lora}")
     if args.lora and not registry.row_publishers_of("lora"):
         raise UsageError(str(missing_feature(f"--lora {args.lora}", "lora")))
     try:
@@ -132,6 +131,18 @@ def _preflight(config, topology, policy, lora=None) -> None:
         for boundary in boundaries_of(model):
             if BatchVariant.CONTEXT_PARALLEL not in boundary.plan.paths:
                 raise UsageError(f"--attn-cp {topology.attn_cp}: {boundary.plan.missing_variant(BatchVariant.CONTEXT_PARALLEL)}")
+
+
+def _check_checkpoint(folder, config) -> None:
+    """The checkpoint's files, tensors, shapes and dtypes against the config, from the headers
+    alone: every problem one line naming the file, before any rank starts."""
+    from ..models import ConfigError
+    from ..models.checkpoint import check_checkpoint
+
+    try:
+        check_checkpoint(folder, config)
+    except ConfigError as exc:
+        raise UsageError(str(exc)) from None
 
 
 def _reference(args, config, job, dtype):
@@ -178,9 +189,7 @@ def _with(job, **changes):
 
 
 def _verdict(args, results, reference):
-    got: dict[int, list] = {}
-    for res in results:
-        got.update(res["logits"])
+    got = _logits(results)
     n = len(got)
     report = {"reference": args.check, "max_abs_err": None, "rel_err": None, "passed": None}
     if reference is None:
@@ -209,6 +218,32 @@ def _verdict(args, results, reference):
         tolerance = max(tolerance, FP8_TOLERANCE["moe" if "moe" in args.model else "dense"])
     report.update(max_abs_err=max_abs, rel_err=rel, tolerance=tolerance, passed=rel < tolerance)
     return report
+
+
+def _nodes(results, topology) -> dict:
+    """Which node every rank ran on, checked against what each rank decided from its groups'
+    all_gather (a rank that saw another table would have chosen other collectives)."""
+    from ..nodes import NodeLayout
+
+    by_rank = {r["rank"]: r for r in results}
+    world = NodeLayout.from_hashes([by_rank[r]["node"] for r in range(topology.world_size)])
+    single = {}
+    for name in ("tp", "pp"):
+        single[name] = True
+        for members in topology.groups()[name]:
+            expected = NodeLayout.from_hashes([by_rank[r]["node"] for r in members])
+            seen = {r: tuple(by_rank[r]["node_layouts"][name]) for r in members}
+            if any(v != expected.nodes for v in seen.values()):
+                raise UsageError(f"ranks {list(members)} disagree about the nodes of their {name} group: {seen}")
+            single[name] = single[name] and expected.single_node
+    return {"count": world.count, "of_rank": list(world.nodes), "tp_within_a_node": single["tp"], "pp_within_a_node": single["pp"]}
+
+
+def _logits(results) -> dict:
+    got: dict[int, list] = {}
+    for res in results:
+        got.update(res["logits"])
+    return dict(sorted(got.items()))
 
 
 def _summaries(results, job):
@@ -243,6 +278,8 @@ def run(args) -> int:
     except ValueError as exc:
         raise UsageError(str(exc)) from None
     _preflight(config, topology, policy, _lora_spec(args))
+    if args.checkpoint:
+        _check_checkpoint(args.checkpoint, config)
     from ..models.runner import DTYPES
 
     dtype = DTYPES[args.dtype]
@@ -278,7 +315,7 @@ def run(args) -> int:
             decode_tokens=decode,
             sequence_parallel=args.sequence_parallel,
             dp_padding=args.dp_padding,
-            progress=not args.json,
+            progress=wanted(sys.stderr, machine_output=args.json) and not quiet,
             options=_options(args),
         )
         say(
@@ -310,10 +347,13 @@ def run(args) -> int:
             "sequence_parallel": args.sequence_parallel,
             "tbo": args.tbo,
             "cp_order": args.cp_order if topology.attn_cp > 1 else None,
+            "nodes": _nodes(results, topology),
         },
         "timings": timings,
         "collectives": collectives,
     }
+    if args.save_logits:
+        torch.save({"logits": _logits(results), "config": out["config"]}, args.save_logits)
     if args.json:
         print(json.dumps(out, indent=2))
     else:
@@ -379,5 +419,8 @@ def _print_human(out):
     for step, counts in c.items():
         text = ", ".join(f"{k} x{v}" for k, v in counts.items()) or "none"
         print(f"collectives per {step} (rank 0): {text}")
+    nodes = out["config"]["nodes"]
+    if nodes["count"] > 1:
+        print(f"nodes: {nodes['count']} (node of each rank: {nodes['of_rank']}; TP groups within a node: {nodes['tp_within_a_node']})")
 
 

@@ -116,7 +116,8 @@ class KVCache:
         return k, v
 
     def length(self, rid) -> int:
-        entry = self.layers[0].get(rid)
+        # the first layer this rank holds (a later pipeline stage leaves the first ones empty)
+        entry = next((store[rid] for store in self.layers if rid in store), None)
         return 0 if entry is None else entry[0].shape[1]
 
     def clear(self) -> None:

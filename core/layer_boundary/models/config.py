@@ -12,7 +12,7 @@ from typing import Any, Mapping, Optional
 
 import attrs
 
-__all__ = ["DecoderConfig", "ConfigError", "load_hf_config", "FINAL_NORM_KEY"]
+__all__ = ["DecoderConfig", "ConfigError", "load_hf_config", "FINAL_NORM_KEY", "NO_PIPELINE"]
 
 #: a reference-model option (not a Hugging Face key): "gemma" gives qwen3_moe a (1 + w) final norm
 FINAL_NORM_KEY = "layer_boundary_final_norm"
@@ -20,6 +20,10 @@ FINAL_NORM_KEY = "layer_boundary_final_norm"
 
 class ConfigError(ValueError):
     """A model configuration the reference models cannot run, or that a topology cannot split."""
+
+
+#: the refusal of a model without pipeline stages
+NO_PIPELINE = "{model} runs without pipeline stages; use --pp 1 (qwen3, qwen3_moe, gemma and nemotron_h take --pp)"
 
 
 @attrs.frozen(kw_only=True)
@@ -121,8 +125,8 @@ class DecoderConfig:
     def check_topology(self, topology) -> None:
         """Raise `ConfigError` naming the fix when the topology cannot split this model."""
         attn_tp, tp = topology.attn_tp, topology.tp
-        if topology.pp > 1:
-            raise ConfigError(f"{self.model_type} runs without pipeline stages; use --pp 1 (nemotron_h supports --pp)")
+        if topology.pp > self.num_layers:
+            raise ConfigError(f"--pp {topology.pp} is more than the {self.num_layers} layers of this model")
         if self.num_heads % attn_tp:
             raise ConfigError(
                 f"num_attention_heads={self.num_heads} is not divisible by attention TP {attn_tp}; choose --tp/--attn-dp so that attention TP divides it"

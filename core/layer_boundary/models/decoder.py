@@ -18,6 +18,7 @@ from .lora_layers import LoraGatedMLP, attach_attention_lora
 from .mlp import TPGatedMLP
 from .moe import TPMoE
 from .overlapped import run_layers
+from .pipeline import PipelineHandoff, pipeline_layers
 
 __all__ = ["DecoderLayer", "CausalLM"]
 
@@ -89,7 +90,9 @@ class DecoderLayer(nn.Module):
 
 
 class CausalLM(nn.Module):
-    """Embedding, decoder layers, final norm and a replicated LM head."""
+    """Embedding, decoder layers, final norm and a replicated LM head; under pipeline
+    parallelism (`topology.pp > 1`) this stage's layers only, the embedding on the first stage
+    and the final norm and head on the last (a tied head keeps its own copy there)."""
 
     def __init__(self, config: DecoderConfig, parallel, *, reduction="ar", fusions=None, lora=None, dtype=None, device=None):
         super().__init__()
@@ -100,17 +103,22 @@ class CausalLM(nn.Module):
             raise ConfigError("LoRA is supported for dense decoders only; the reference MoE layers have no LoRA")
         config.check_topology(parallel.topology)
         H = config.hidden_size
-        self.embed_tokens = nn.Embedding(config.vocab_size, H, dtype=dtype, device=device)
+        pp, stage = parallel.topology.pp, parallel.pp_rank
+        self.layer_ids = pipeline_layers(config.num_layers, pp, stage)
+        self.is_first, self.is_last = stage == 0, stage == pp - 1
+        self.embed_tokens = nn.Embedding(config.vocab_size, H, dtype=dtype, device=device) if self.is_first else None
         with layer_stack(parallel, reduction=reduction):
             self.layers = nn.ModuleList(
-                DecoderLayer(config, i, parallel, fusions=fusions, lora=lora, dtype=dtype, device=device)
-                for i in range(config.num_layers)
+                DecoderLayer(config, i, parallel, fusions=fusions, lora=lora, dtype=dtype, device=device) for i in self.layer_ids
             )
-        final = GemmaRMSNorm if config.gemma_norm or config.gemma_final_norm else RMSNorm
-        self.norm = final(H, config.rms_norm_eps, dtype=dtype, device=device)
-        self.lm_head = nn.Linear(H, config.vocab_size, bias=False, dtype=dtype, device=device)
-        if config.tie_word_embeddings:
-            self.lm_head.weight = self.embed_tokens.weight
+        self.norm = self.lm_head = None
+        if self.is_last:
+            final = GemmaRMSNorm if config.gemma_norm or config.gemma_final_norm else RMSNorm
+            self.norm = final(H, config.rms_norm_eps, dtype=dtype, device=device)
+            self.lm_head = nn.Linear(H, config.vocab_size, bias=False, dtype=dtype, device=device)
+            if config.tie_word_embeddings and self.embed_tokens is not None:
+                self.lm_head.weight = self.embed_tokens.weight
+        self.handoff = PipelineHandoff(parallel, H, dtype or torch.get_default_dtype()) if pp > 1 else None
         self.rotary = RotaryEmbedding(config.head_dim, config.rope_theta).to(device) if device is not None else RotaryEmbedding(config.head_dim, config.rope_theta)
         self.handoff_norm = None  # a fusion service that takes a terminal MoE finalize handoff
 
@@ -120,7 +128,7 @@ class CausalLM(nn.Module):
     def new_static_cache(self, slots: int, max_len: int) -> StaticKVCache:
         """A preallocated cache for CUDA-graph decode (requests live in slots 0..slots-1)."""
         attn = self.layers[0].self_attn
-        w = self.embed_tokens.weight
+        w = attn.o_proj.weight
         return StaticKVCache(self.config.num_layers, slots, max_len, attn.kv_heads, attn.head_dim, dtype=w.dtype, device=w.device)
 
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
@@ -129,11 +137,19 @@ class CausalLM(nn.Module):
             h = h * torch.tensor(self.config.embed_scale, dtype=h.dtype, device=h.device)
         return h
 
-    def forward(self, input_ids: torch.Tensor, forward, step: StepLayout, cache: Optional[KVCache] = None) -> torch.Tensor:
-        """Logits [tokens, vocab] for this rank's attention rows."""
-        residual_batch.start(forward)
-        hidden_states = self.embed(input_ids)
+    def forward(self, input_ids: torch.Tensor, forward, step: StepLayout, cache: Optional[KVCache] = None) -> Optional[torch.Tensor]:
+        """Logits [tokens, vocab] for this rank's attention rows; None on an earlier pipeline
+        stage (its output went to the next stage)."""
+        if self.is_first:
+            residual_batch.start(forward)
+            hidden_states = self.embed(input_ids)
+        else:
+            tensors = self.handoff.receive(step.num_tokens, input_ids.device)
+            hidden_states = self.layers[0].attn_boundary.from_pp(tensors, forward)
         rope = self.rotary(step.positions, hidden_states.dtype)
         hidden_states = run_layers(self.layers, hidden_states, forward, step, rope, cache)
+        if not self.is_last:
+            self.handoff.send(residual_batch.to_pp(hidden_states, forward))
+            return None
         hidden_states = residual_batch.norm(hidden_states, forward, self.norm, skip_empty=True, handoff_norm=self.handoff_norm)
         return self.lm_head(hidden_states)

@@ -11,7 +11,7 @@ from typing import Any, Mapping
 
 import attrs
 
-from .config import ConfigError
+from .config import NO_PIPELINE, ConfigError
 
 __all__ = ["DeepseekV4Config"]
 
@@ -103,6 +103,8 @@ class DeepseekV4Config:
 
     def check_topology(self, topology) -> None:
         """Raise `ConfigError` naming the fix when the topology cannot split this model."""
+        if topology.pp > 1:
+            raise ConfigError(NO_PIPELINE.format(model="deepseek_v4"))
         attn_tp = topology.attn_tp
         if self.num_heads % attn_tp:
             raise ConfigError(f"num_attention_heads={self.num_heads} is not divisible by attention TP {attn_tp}")

@@ -31,7 +31,7 @@ from .._layout import SumGroup
 from .._residual.add_norm import RMSNorm
 from . import ModelFamily, register_model
 from .attention import KVCache, RotaryEmbedding, StepLayout
-from .config import ConfigError
+from .config import NO_PIPELINE, ConfigError
 from .overlapped import run_layers, run_operations
 from .mla import TPLatentAttention
 from .mlp import TPGatedMLP, activation, dense_experts
@@ -147,6 +147,8 @@ class LongcatConfig:
         )
 
     def check_topology(self, topology) -> None:
+        if topology.pp > 1:
+            raise ConfigError(NO_PIPELINE.format(model="longcat_flash"))
         if self.num_heads % topology.attn_tp:
             raise ConfigError(f"num_attention_heads={self.num_heads} is not divisible by attention TP {topology.attn_tp}")
         if self.ffn_hidden_size % topology.tp:

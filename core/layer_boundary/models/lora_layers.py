@@ -276,7 +276,7 @@ def load_lora(model, weights: Mapping[str, torch.Tensor]) -> None:
     spec: Optional[LoraSpec] = getattr(model, "lora", None)
     if spec is None:
         raise ValueError("this model was built without LoRA; build it with lora=LoraSpec(...)")
-    ref = model.embed_tokens.weight
+    ref = next(model.parameters())
 
     def take(name):
         t = weights.get(name)
@@ -284,7 +284,7 @@ def load_lora(model, weights: Mapping[str, torch.Tensor]) -> None:
             raise KeyError(f"the LoRA weights have no tensor {name!r}; were they drawn for this spec and config?")
         return t.to(dtype=ref.dtype, device=ref.device)
 
-    for i, layer in enumerate(model.layers):
+    for i, layer in zip(model.layer_ids, model.layers):
         for target, (slots, shard_a, shard_b) in _sites(layer).items():
             for slot, adapter in enumerate(spec.adapters):
                 a = take(weight_name(i, target, adapter.name, "A"))

@@ -14,7 +14,6 @@ applies the final norm and the head, and the handoff travels over the pipeline g
 
 from __future__ import annotations
 
-import math
 from typing import Any, Mapping, Optional, Sequence
 
 import attrs
@@ -31,6 +30,7 @@ from .attention import KVCache, StepLayout, TPAttention
 from .config import ConfigError
 from .mamba import MambaStates, TPMamba2Mixer
 from .mlp import activation, dense_experts
+from .pipeline import PipelineHandoff, pipeline_layers
 
 __all__ = ["NemotronHConfig", "NemotronHRMSNorm", "NemotronHForCausalLM", "NemotronHCache", "stage_declaration", "pipeline_layers"]
 
@@ -248,13 +248,6 @@ def stage_declaration(pattern: str, layer: int):
     if kind in MIXERS:
         return declare_attn(reduction=ProducerReduction.SCOPED, gathers_tp_input=False)
     return declare_ffn(sparse=kind == "E", next_sparse=_next_ffn_is_sparse(pattern, layer))
-
-
-def pipeline_layers(num_layers: int, pp: int, stage: int) -> range:
-    """The layers of pipeline stage `stage`: stage s starts at ceil(n * s / pp)."""
-    start = math.ceil(num_layers * stage / pp)
-    end = math.ceil(num_layers * (stage + 1) / pp)
-    return range(start, end)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -502,6 +495,7 @@ class NemotronHForCausalLM(nn.Module):
             if config.tie_word_embeddings and self.embeddings is not None:
                 self.lm_head.weight = self.embeddings.weight
         self.dtype = dtype or torch.get_default_dtype()
+        self.handoff = PipelineHandoff(parallel, H, self.dtype)
 
     def new_cache(self) -> NemotronHCache:
         return NemotronHCache(self.config.num_layers)
@@ -513,41 +507,12 @@ class NemotronHForCausalLM(nn.Module):
             residual_batch.start(forward)
             hidden_states = self.embeddings(input_ids)
         else:
-            tensors = self._receive(step.num_tokens, input_ids.device)
+            tensors = self.handoff.receive(step.num_tokens, input_ids.device)
             hidden_states = self.layers[0].boundary.from_pp(tensors, forward)
         for layer in self.layers:
             hidden_states = layer(hidden_states, forward, step, cache)
         if not self.is_last:
-            self._send(residual_batch.to_pp(hidden_states, forward))
+            self.handoff.send(residual_batch.to_pp(hidden_states, forward))
             return None
         hidden_states = residual_batch.norm(hidden_states, forward, self.norm_f, skip_empty=True)
         return self.lm_head(hidden_states)
-
-    # pipeline transport ----------------------------------------------------------------------
-    # Handoff s (stage s -> s + 1) is one all_gather over the pipeline group that every stage
-    # joins in order: the sender contributes (hidden, residual, owes_declared_sum) flattened, the
-    # others zeros, and stage s + 1 keeps the sender's part. A stage first joins the handoffs
-    # before its own compute, then its own, then the later ones.
-
-    def _handoff(self, index: int, rows: int, device, payload: Optional[torch.Tensor]) -> torch.Tensor:
-        size = 2 * rows * self.config.hidden_size + 1
-        mine = payload if payload is not None else torch.zeros(size, dtype=self.dtype, device=device)
-        return self.parallel.groups["pp"].all_gather(mine.reshape(1, size))[index]
-
-    def _receive(self, rows: int, device) -> dict:
-        got = None
-        for index in range(self.parallel.pp_rank):
-            got = self._handoff(index, rows, device, None)
-        pair = got[:-1].reshape(2, rows, self.config.hidden_size)
-        return {"hidden_states": pair[0], "residual": pair[1], "owes_declared_sum": bool(got[-1] != 0)}
-
-    def _send(self, tensors: dict) -> None:
-        if tensors["residual"] is None:
-            raise RuntimeError("a Nemotron-H pipeline handoff always carries a residual (every layer leaves a contribution)")
-        hidden = tensors["hidden_states"]
-        flag = hidden.new_full((1,), float(tensors["owes_declared_sum"]))
-        payload = torch.cat((hidden.reshape(-1), tensors["residual"].reshape(-1), flag))
-        stage, pp = self.parallel.pp_rank, self.parallel.topology.pp
-        self._handoff(stage, hidden.shape[0], hidden.device, payload)
-        for index in range(stage + 1, pp - 1):
-            self._handoff(index, hidden.shape[0], hidden.device, None)

@@ -5,7 +5,6 @@ The same function runs in spawned ranks, under torchrun, and in the test worlds.
 
 from __future__ import annotations
 
-import sys
 import time
 from typing import Optional
 
@@ -18,6 +17,8 @@ from . import build_model, family, model_config
 from . import lora_layers
 from .attention import StepLayout
 from .._lifecycle import prepare_model, release_model
+from ..nodes import node_hash, node_layout
+from ..progress import progress
 from .weights import open_source
 
 __all__ = ["RunJob", "run_rank", "make_requests", "token_mapping", "DTYPES"]
@@ -39,6 +40,7 @@ class RunJob:
     decode_tokens: tuple = ()
     sequence_parallel: bool = False
     dp_padding: str = "sum_len"
+    #: draw a progress bar on rank 0's stderr (a terminal, and no --json)
     progress: bool = False
     #: extra per-forward facts for plugins (kept out of the core's job fields); LoRA reads
     #: "lora" (adapter count), "lora_seed" and "lora_assignment" (a slot per request, -1: none)
@@ -101,6 +103,9 @@ def run_rank(parallel, job: RunJob, *, fusions=None) -> dict:
     # plugins' workspaces and kernels, sized for the largest step (the prefill), on every rank
     prepare_model(model, max_tokens=max(1, sum(len(p) for p in job.prompts)))
     build_s = time.perf_counter() - t0
+    # where the ranks run: this rank's node, and its groups' node layouts (one all_gather each,
+    # so every member of a group holds the same table; uncounted, before the first step)
+    groups = {name: node_layout(parallel.groups[name]).nodes for name in ("tp", "pp")}
     topo = parallel.topology
     dp, dp_rank = topo.attn_dp, parallel.attn_dp_rank
     mine = [r for r in range(len(job.prompts)) if r % dp == dp_rank]
@@ -118,7 +123,8 @@ def run_rank(parallel, job: RunJob, *, fusions=None) -> dict:
     steps = [("prefill", ForwardMode.EXTEND)] + [(f"decode{s + 1}", ForwardMode.DECODE) for s in range(len(job.decode_tokens))]
     timings: dict[str, float] = {}
     collectives: dict[str, dict] = {}
-    show = job.progress and parallel.rank == 0
+    # a bar on rank 0 (the launcher decided whether its stderr is a terminal: job.progress)
+    bar = progress(len(steps), "  run", enabled=job.progress and parallel.rank == 0)
     for index, (name, mode) in enumerate(steps):
         if index == 0:
             ids = [torch.tensor(job.prompts[r]) for r in mine]
@@ -155,10 +161,8 @@ def run_rank(parallel, job: RunJob, *, fusions=None) -> dict:
         if out is not None:  # None: an earlier pipeline stage, whose output went to the next stage
             for r, s, c in zip(step.rids, step.starts, step.counts):
                 logits[r].append(out[s : s + c].float().cpu() if dtype in (torch.bfloat16, torch.float16) else out[s : s + c].cpu())
-        if show:
-            print(f"\r  rank 0: {name} done ({index + 1}/{len(steps)})", end="", file=sys.stderr, flush=True)
-    if show:
-        print(file=sys.stderr)
+        bar.update(1, step=name)
+    bar.close()
     release_model(model)
     report = parallel.attn_tp_rank == 0 and parallel.attn_cp_rank == 0 and parallel.pp_rank == topo.pp - 1
     return {
@@ -166,6 +170,8 @@ def run_rank(parallel, job: RunJob, *, fusions=None) -> dict:
         "logits": logits if report else {},
         "timings": timings,
         "build_s": build_s,
+        "node": node_hash(),
+        "node_layouts": groups,
         "collectives": collectives,
         "tokens": {name: (sum(len(p) for p in job.prompts) if i == 0 else len(job.prompts)) for i, (name, _) in enumerate(steps)},
         "graphs": None if backend is None else backend.graphs,

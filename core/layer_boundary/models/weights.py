@@ -37,21 +37,36 @@ class StateDictSource(TensorSource):
 
 
 class CheckpointSource(TensorSource):
-    """All `*.safetensors` files of a folder, opened lazily."""
+    """The `*.safetensors` files of a folder, opened lazily; a sharded checkpoint through its
+    `model.safetensors.index.json` (only the shards it names). `checkpoint.check_checkpoint`
+    validates a folder against its model before any rank loads it."""
 
     def __init__(self, folder: str):
         from safetensors import safe_open
 
+        from .checkpoint import checkpoint_files
+
         self.folder = Path(folder)
-        files = sorted(self.folder.glob("*.safetensors"))
-        if not files:
-            raise ConfigError(f"no *.safetensors files in {folder}; save the checkpoint with save_pretrained(safe_serialization=True)")
-        self._handles = [safe_open(str(f), framework="pt") for f in files]
-        self._where = {k: h for h in self._handles for k in h.keys()}
+        files, _, problems = checkpoint_files(self.folder)
+        if problems:
+            raise ConfigError(problems[0])
+        self._handles = []
+        for f in files:
+            try:
+                self._handles.append((f.name, safe_open(str(f), framework="pt")))
+            except Exception as exc:  # noqa: BLE001 - safetensors raises its own error type
+                raise ConfigError(f"{f.name}: cannot be opened as safetensors ({type(exc).__name__}: {exc}); re-copy or re-save it") from None
+        self._where = {k: (file, h) for file, h in self._handles for k in h.keys()}
 
     def get(self, name):
-        h = self._where.get(name)
-        return None if h is None else h.get_tensor(name)
+        found = self._where.get(name)
+        if found is None:
+            return None
+        file, handle = found
+        try:
+            return handle.get_tensor(name)
+        except Exception as exc:  # noqa: BLE001
+            raise ConfigError(f"{file}: tensor {name} cannot be read ({type(exc).__name__}: {exc})") from None
 
 
 def open_source(state=None, checkpoint: Optional[str] = None) -> TensorSource:
@@ -74,17 +89,24 @@ def _experts(src: TensorSource, prefix: str, num_experts: int):
 
 @torch.no_grad()
 def load_weights(model, src: TensorSource) -> None:
-    """Copy every weight of a reference `CausalLM` from `src` (HF names), sharded per rank."""
+    """Copy every weight of a reference `CausalLM` from `src` (HF names), sharded per rank: the
+    layers of its pipeline stage, the embedding on the first stage, the final norm and the head
+    on the last (a tied head from the embedding)."""
     cfg = model.config
+    ref = next(model.parameters())
 
     def to(t):
-        return t.to(dtype=model.embed_tokens.weight.dtype, device=model.embed_tokens.weight.device)
+        return t.to(dtype=ref.dtype, device=ref.device)
 
-    model.embed_tokens.weight.copy_(to(src.require("model.embed_tokens.weight")))
-    model.norm.weight.copy_(to(src.require("model.norm.weight")))
-    if not cfg.tie_word_embeddings:
-        model.lm_head.weight.copy_(to(src.require("lm_head.weight")))
-    for i, layer in enumerate(model.layers):
+    if model.embed_tokens is not None:
+        model.embed_tokens.weight.copy_(to(src.require("model.embed_tokens.weight")))
+    if model.lm_head is not None:
+        model.norm.weight.copy_(to(src.require("model.norm.weight")))
+        if not cfg.tie_word_embeddings:
+            model.lm_head.weight.copy_(to(src.require("lm_head.weight")))
+        elif model.embed_tokens is None:  # the last stage's own copy of a tied head
+            model.lm_head.weight.copy_(to(src.require("model.embed_tokens.weight")))
+    for i, layer in zip(model.layer_ids, model.layers):
         p = f"model.layers.{i}"
         layer.input_layernorm.weight.copy_(to(src.require(f"{p}.input_layernorm.weight")))
         layer.post_attention_layernorm.weight.copy_(to(src.require(f"{p}.post_attention_layernorm.weight")))

@@ -28,6 +28,7 @@ import traceback
 
 import torch
 
+from layer_boundary.cli.args import OneLineParser, positive_float, positive_int
 from layer_boundary_cutedsl.kernels import (
     add_rmsnorm_reference,
     fused_add_rmsnorm,
@@ -244,13 +245,13 @@ def write(path, payload):
 
 
 def main(argv=None):
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap = OneLineParser(prog="layer-boundary bench cutedsl", description=__doc__.split("\n\n")[0])
     ap.add_argument("--out", default="", help="write the results as JSON here")
     ap.add_argument("--quick", action="store_true", help="fewer shapes and repeats")
     ap.add_argument("--no-flashinfer", action="store_true")
-    ap.add_argument("--iters", type=int, default=20, help="calls per captured graph")
-    ap.add_argument("--repeats", type=int, default=50, help="graph replays timed (median taken)")
-    ap.add_argument("--budget-s", type=float, default=220, help="wall-clock budget; flashinfer gets what is left")
+    ap.add_argument("--iters", type=positive_int, default=20, help="calls per captured graph")
+    ap.add_argument("--repeats", type=positive_int, default=50, help="graph replays timed (median taken)")
+    ap.add_argument("--budget-s", type=positive_float, default=220, help="wall-clock budget; flashinfer gets what is left")
     ap.add_argument("--flashinfer-child", nargs=2, metavar=("IN", "OUT"), help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     if args.flashinfer_child:

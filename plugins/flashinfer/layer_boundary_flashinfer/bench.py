@@ -27,6 +27,8 @@ from pathlib import Path
 
 import torch
 
+from layer_boundary.cli.args import OneLineParser, positive_int
+
 DEFAULT_TOKENS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048)
 TARGETS = {
     "graph_ours_over_raw_max": 1.03,  #: at every token count
@@ -339,21 +341,19 @@ def _rank(rank: int, world: int, args) -> None:
 
 
 def main(argv=None) -> None:
-    ap = argparse.ArgumentParser(prog="layer-boundary bench fusion", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--tokens", type=int, nargs="+", default=list(DEFAULT_TOKENS))
-    ap.add_argument("--hidden", type=int, nargs="+", default=[4096, 8192])
+    ap = OneLineParser(prog="layer-boundary bench fusion", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--tokens", type=positive_int, nargs="+", default=list(DEFAULT_TOKENS))
+    ap.add_argument("--hidden", type=positive_int, nargs="+", default=[4096, 8192])
     ap.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16"])
-    ap.add_argument("--gpus", type=int, default=2, help="ranks (one GPU each) when not under torchrun")
-    ap.add_argument("--graph-calls", type=int, default=50, help="calls captured per CUDA graph")
-    ap.add_argument("--replays", type=int, default=30, help="timed graph replays per cell")
-    ap.add_argument("--eager-calls", type=int, default=100, help="eager calls per timed batch")
-    ap.add_argument("--batches", type=int, default=7, help="timed eager batches per cell")
+    ap.add_argument("--gpus", type=positive_int, default=2, help="ranks (one GPU each) when not under torchrun")
+    ap.add_argument("--graph-calls", type=positive_int, default=50, help="calls captured per CUDA graph")
+    ap.add_argument("--replays", type=positive_int, default=30, help="timed graph replays per cell")
+    ap.add_argument("--eager-calls", type=positive_int, default=100, help="eager calls per timed batch")
+    ap.add_argument("--batches", type=positive_int, default=7, help="timed eager batches per cell")
     ap.add_argument("--out", default="benchmarks/results/fusion.json")
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():
         raise SystemExit("bench fusion needs CUDA GPUs (2 on one host, Hopper or Blackwell) and flashinfer-python")
-    if max(args.tokens) < 1 or min(args.tokens) < 1:
-        raise SystemExit("--tokens must be positive")
     from .ranks import run_ranks
 
     run_ranks(_rank, (args,), args.gpus)

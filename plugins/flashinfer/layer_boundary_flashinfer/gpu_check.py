@@ -571,6 +571,50 @@ def _logits(model, parallel, prompts, decode_steps):
     return out
 
 
+class _Shadow:
+    """Each fused all-reduce + add + RMSNorm of a model run, recomputed from copies of its inputs
+    (the group's own all-reduce, then the core's add + RMSNorm): how far every single kernel call
+    is from the unfused result, per call. It tells a kernel that rounds differently on some calls
+    from logits that merely moved through a MoE routing flip (issue 20's qwen3_moe in bf16)."""
+
+    def __init__(self, group):
+        self.group, self.calls = group, []
+
+    def install(self):
+        from .backend import FlashInferBackend
+        from .testing import reference_add_norm, uncounted
+
+        original, shadow = FlashInferBackend.bind_all_reduce, self
+
+        def bind_all_reduce(backend, slot, gamma, eps, weight_bias, hidden, limit):
+            launch = original(backend, slot, gamma, eps, weight_bias, hidden, limit)
+
+            def shadowed(x, residual, tokens):
+                x_in, residual_in = x.clone(), residual.clone()
+                normed, new_residual = launch(x, residual, tokens)
+                total = uncounted(shadow.group).all_reduce(x_in.clone())
+                want_norm, want_residual = reference_add_norm(total, residual_in, gamma, eps, weight_bias)
+                step = max(float(want_residual.abs().max()), 1e-30)
+                shadow.calls.append(dict(
+                    call=len(shadow.calls), tokens=int(tokens),
+                    norm_err=_max_rel(normed, want_norm), residual_err=_max_rel(new_residual, want_residual),
+                    residual_bitwise=bool(torch.equal(new_residual, want_residual)),
+                    partial_negative_zeros=int(((x_in == 0) & torch.signbit(x_in)).sum()),
+                    partial_absmax=float(x_in.abs().max()) if x_in.numel() else 0.0, residual_absmax=step))
+                return normed, new_residual
+
+            return shadowed
+
+        FlashInferBackend.bind_all_reduce = bind_all_reduce
+        return lambda: setattr(FlashInferBackend, "bind_all_reduce", original)
+
+    def summary(self):
+        worst = sorted(self.calls, key=lambda c: -max(c["norm_err"], c["residual_err"]))[:8]
+        return dict(calls=len(self.calls), residual_bitwise_calls=sum(c["residual_bitwise"] for c in self.calls),
+                    max_norm_err=max((c["norm_err"] for c in self.calls), default=0.0),
+                    max_residual_err=max((c["residual_err"] for c in self.calls), default=0.0), worst_calls=worst)
+
+
 def check_model(checks, parallel, rank, name, args):
     from layer_boundary import CollectiveCounter, CountingCollectives
     from layer_boundary.models import family, model_config
@@ -602,6 +646,9 @@ def check_model(checks, parallel, rank, name, args):
             report = prepare_flashinfer_fusion(model, max_tokens=args.max_tokens)
             checks.add(f"{name}: float32 workspace agreed and candidates bound", report.available, report=str(report))
         if mode == "on":
+            if getattr(args, "shadow", False):
+                shadow = _Shadow(_tp(parallel))
+                restore = shadow.install()
             report = prepare_flashinfer_fusion(model, max_tokens=args.max_tokens)
             checks.add(f"{name}: workspace agreed and candidates bound", report.available, report=str(report))
             _trace_stages(model, rank)
@@ -609,6 +656,12 @@ def check_model(checks, parallel, rank, name, args):
         counter.reset()
         logits[mode] = _logits(model, counted, prompts, decode)
         counters[mode] = counter.snapshot()
+        if mode == "on" and getattr(args, "shadow", False):
+            restore()
+            # one bf16 rounding apart at most: the kernel and the unfused read round the same sum
+            calls = shadow.summary()
+            checks.add(f"{name}: every fused call within one bf16 rounding of the unfused read (shadowed)",
+                       calls["max_residual_err"] <= 2 ** -7 and calls["max_norm_err"] <= 2 ** -6, **calls)
         del model
         _empty_cache()
         if rank == 0:
@@ -801,6 +854,8 @@ def main(argv=None) -> None:
     ap.add_argument("--model-sizes", choices=["check", "preset"], default="check",
                     help="the models' sizes: this check's (hidden 2048) or the embedded presets' (hidden 64)")
     ap.add_argument("--dense-moe", action="store_true", help="MoE layers run every expert on every token (no host sync)")
+    ap.add_argument("--shadow", action="store_true",
+                    help="models step: recompute every fused call unfused from copies of its inputs and report the gap per call")
     args = ap.parse_args(argv)
     global MODEL_SIZES_CHOICE
     MODEL_SIZES_CHOICE = args.model_sizes

@@ -20,12 +20,12 @@ from __future__ import annotations
 import atexit
 import threading
 import weakref
-import zlib
-import socket
 from typing import Any, Callable, Optional, Protocol
 
 import attrs
 import torch
+
+from layer_boundary.nodes import node_hash
 
 from .ordering import LaunchOrder
 
@@ -107,7 +107,9 @@ class EnsureResult:
 
 
 def _host_id() -> int:
-    return zlib.crc32(socket.gethostname().encode()) & 0x7FFFFFFF
+    """This rank's node (`layer_boundary.nodes`: LAYER_BOUNDARY_NODE_ID, else hostname, boot
+    id and torchrun's node rank), so ranks of two nodes that share a hostname are told apart."""
+    return node_hash()
 
 
 def _shared_facts(group, fingerprint: int) -> tuple[bool, bool]:

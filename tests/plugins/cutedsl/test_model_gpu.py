@@ -5,6 +5,11 @@ There is no Hugging Face oracle for a Gemma final norm on qwen3_moe: both bf16 r
 against the same model in float64 (plugin off), and the plugin must stay within the project's
 bf16 bar (3e-2 relative logit error, as `layer-boundary run` uses against HF).
 
+Every token is routed to every expert (top-k = the expert count): with a real choice, bf16 noise
+flips near-tied routings and the logits of those tokens move by ~0.2 relative with the plugin on
+or off alike (seen at TP=2, where the sum order changes); no choice leaves only the kernels'
+rounding to judge. The finalize still weighs, permutes and sums top-k rows per token.
+
 TP=2 runs two processes: one GPU each (NCCL) when there are two, else both on one GPU (a gloo
 process group; the one-shot all-reduce maps its peer buffers by CUDA IPC within the device), the
 core's `gpu_world` fixture. Either way every TP boundary and the terminal finalize run the
@@ -38,6 +43,8 @@ GPU_CONFIG = dict(
     intermediate_size=2048,
     moe_intermediate_size=256,
     shared_expert_intermediate_size=512,
+    num_experts=8,
+    num_experts_per_tok=8,
 )
 BF16_BAR = 3e-2
 

@@ -103,6 +103,19 @@ def test_one_rank_failing_turns_the_workspace_off_on_every_rank(where, monkeypat
         assert creates == []
 
 
+def test_the_one_node_rule_reads_the_cores_node_identity(monkeypatch):
+    """Ranks that share a hostname but run under two torchrun agents (two nodes, or two network
+    namespaces of one machine) are two nodes to the workspace."""
+    from layer_boundary.nodes import node_hash
+
+    assert workspace_module._host_id() == node_hash()
+    monkeypatch.setenv("TORCHELASTIC_RUN_ID", "job")
+    monkeypatch.setenv("GROUP_RANK", "0")
+    first = workspace_module._host_id()
+    monkeypatch.setenv("GROUP_RANK", "1")
+    assert workspace_module._host_id() != first
+
+
 def test_a_failed_rebuild_leaves_no_workspace_and_nothing_bound():
     backend = ReferenceBackend()
     calls = {"n": 0}

@@ -23,7 +23,7 @@ def test_run_with_adapters_matches_peft():
     "args, message",
     [
         (["--model", "qwen3_moe", "--lora", "2"], "model 'qwen3_moe' has no LoRA reference layers; LoRA runs with: qwen3"),
-        (["--model", "qwen3", "--lora", "-1"], "--lora takes a number of adapters"),
+        (["--model", "qwen3", "--lora", "-1"], "argument --lora: must be >= 0, got -1; pass 0 or more"),
     ],
 )
 def test_lora_usage_errors_are_one_line(args, message):

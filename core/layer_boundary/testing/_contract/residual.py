@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import types
 from typing import Sequence
 
 import torch
@@ -95,22 +96,54 @@ def _one_law(first, update, second, hidden, contribution, norm, rows, tol, case,
             report.add("row_local", f"{case}: read() on a subset of rows differs from the same rows of the full batch")
 
 
+def _on_device(value, device: torch.device):
+    """`value` with every tensor inside it (dicts, lists, tuples, namespaces) moved to `device`.
+
+    Option sets are written once, on the CPU; the laws run on the device under test, and a kind
+    whose options hold parameters (hyper-connection mappings) must find them there too."""
+    if isinstance(value, torch.Tensor):
+        return value.to(device)
+    if isinstance(value, dict):
+        return {k: _on_device(v, device) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return type(value)(_on_device(v, device) for v in value)
+    if isinstance(value, types.SimpleNamespace):
+        return types.SimpleNamespace(**_on_device(vars(value), device))
+    return value
+
+
+def _describe(opts: dict) -> str:
+    """Option names and their scalar values; tensors by shape (a case line stays one line)."""
+    def one(v):
+        if isinstance(v, torch.Tensor):
+            return f"tensor{tuple(v.shape)}"
+        if isinstance(v, types.SimpleNamespace):
+            return "namespace(" + ", ".join(f"{k}={one(x)}" for k, x in vars(v).items()) + ")"
+        if isinstance(v, (list, tuple)):
+            inner = ", ".join(one(x) for x in v)
+            return f"[{inner}]" if isinstance(v, list) else f"({inner})"
+        return repr(v)
+    return "options {" + ", ".join(f"{k}={one(v)}" for k, v in opts.items()) + "}"
+
+
 def residual_report(record, options: Sequence[dict], settings: ContractSettings) -> ContractReport:
     report = ContractReport(record.name, "residual kind")
+    device = device_of(settings.device)
     with torch.inference_mode(False), torch.no_grad():
         for opts in options:
-            tag = f"options {opts}" if opts else "no options"
+            tag = _describe(opts) if opts else "no options"
+            opts = _on_device(opts, device)
             try:
                 ops, again = record.factory(**opts), record.factory(**opts)
             except Exception as exc:  # noqa: BLE001
-                report.add("construction", f"factory(**{opts}) raised {type(exc).__name__}: {exc}")
+                report.add("construction", f"factory with {tag} raised {type(exc).__name__}: {exc}")
                 continue
             if not isinstance(ops, ResidualOps):
-                report.add("construction", f"factory(**{opts}) returned {type(ops).__name__}; expected ResidualOps")
+                report.add("construction", f"factory with {tag} returned {type(ops).__name__}; expected ResidualOps")
                 continue
             flags = lambda o: (o.name, o.supports_slices, repr(o.attn_update.plain_add), repr(o.ffn_read.plain_norm))  # noqa: E731
             if not isinstance(again, ResidualOps) or flags(ops) != flags(again):
-                report.add("construction", f"factory(**{opts}) built different ops when called twice")
+                report.add("construction", f"factory with {tag} built different ops when called twice")
             report.stats["ops_built"] += 1
             _residual_laws(ops, tag, settings, report)
     return report

@@ -1,0 +1,66 @@
+"""Pipeline stages of the reference models: which layers a stage holds, and the handoff of the
+residual stream from one stage to the next.
+
+Stage s holds a contiguous run of layers and its ranks are `s * tp ... s * tp + tp - 1` (see
+`Topology`), so under torchrun with one node per stage a handoff is the only traffic between
+nodes. The sender exports its stream with `residual_batch.to_pp()` (a sum still declared at
+the cut travels as the partial, and the receiver's TP group completes it: TP rank r of stage
+s + 1 receives TP rank r's partial of stage s); the receiver's first stage rebuilds it with
+`from_pp()`.
+
+The transport is the pipeline group's all_gather (gloo and NCCL have it, and it needs no
+point-to-point pairing): handoff s is one all_gather every stage joins in order, the sender
+contributing (hidden, residual, owes_declared_sum) flattened and the others zeros; stage s + 1
+keeps the sender's part. A stage joins the handoffs before its own compute, then its own, then
+the later ones.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Optional
+
+import torch
+
+__all__ = ["pipeline_layers", "PipelineHandoff"]
+
+
+def pipeline_layers(num_layers: int, pp: int, stage: int) -> range:
+    """The layers of pipeline stage `stage`: stage s starts at ceil(n * s / pp)."""
+    start = math.ceil(num_layers * stage / pp)
+    end = math.ceil(num_layers * (stage + 1) / pp)
+    return range(start, end)
+
+
+class PipelineHandoff:
+    """The handoffs of one rank's pipeline group (`parallel.groups["pp"]`)."""
+
+    def __init__(self, parallel, hidden_size: int, dtype: torch.dtype):
+        self.parallel = parallel
+        self.hidden_size = hidden_size
+        self.dtype = dtype
+
+    def _handoff(self, index: int, rows: int, device, payload: Optional[torch.Tensor]) -> torch.Tensor:
+        size = 2 * rows * self.hidden_size + 1
+        mine = payload if payload is not None else torch.zeros(size, dtype=self.dtype, device=device)
+        return self.parallel.groups["pp"].all_gather(mine.reshape(1, size))[index]
+
+    def receive(self, rows: int, device) -> dict:
+        """What the previous stage's `to_pp()` exported, for this stage's first `from_pp()`."""
+        got = None
+        for index in range(self.parallel.pp_rank):
+            got = self._handoff(index, rows, device, None)
+        pair = got[:-1].reshape(2, rows, self.hidden_size)
+        return {"hidden_states": pair[0], "residual": pair[1], "owes_declared_sum": bool(got[-1] != 0)}
+
+    def send(self, tensors: dict) -> None:
+        """Hand `to_pp()`'s tensors to the next stage (and join the later stages' handoffs)."""
+        if tensors["residual"] is None:
+            raise RuntimeError("a reference model's pipeline handoff always carries a residual (every layer leaves a contribution)")
+        hidden = tensors["hidden_states"]
+        flag = hidden.new_full((1,), float(tensors["owes_declared_sum"]))
+        payload = torch.cat((hidden.reshape(-1), tensors["residual"].reshape(-1).to(hidden.dtype), flag))
+        stage, pp = self.parallel.pp_rank, self.parallel.topology.pp
+        self._handoff(stage, hidden.shape[0], hidden.device, payload)
+        for index in range(stage + 1, pp - 1):
+            self._handoff(index, hidden.shape[0], hidden.device, None)

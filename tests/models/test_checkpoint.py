@@ -1,0 +1,156 @@
+"""Checkpoint folders checked before any rank starts: broken files, missing and unexpected
+tensors, shapes against the config, dtypes, sharded checkpoints (their index and shards)."""
+
+import json
+import subprocess
+import sys
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from layer_boundary.models import ConfigError, family, model_config
+from layer_boundary.models.checkpoint import INDEX_FILE, CheckpointError, check_checkpoint
+from layer_boundary.models.oracle import hf_from_state
+from layer_boundary.models.weights import CheckpointSource
+
+
+def _saved(tmp_path_factory, model, **save):
+    folder = tmp_path_factory.mktemp(model)
+    cfg = model_config(model)
+    hf = hf_from_state(dict(cfg.hf), family(model).random_weights(cfg, torch.float32, 1), torch.float32)
+    hf.save_pretrained(folder, **save)
+    return folder, cfg
+
+
+@pytest.fixture(scope="module")
+def qwen3(tmp_path_factory):
+    return _saved(tmp_path_factory, "qwen3")
+
+
+@pytest.fixture(scope="module")
+def sharded_moe(tmp_path_factory):
+    """qwen3_moe as save_pretrained shards it (per-expert tensors, several files and an index)."""
+    return _saved(tmp_path_factory, "qwen3_moe", max_shard_size="200KB")
+
+
+def _copy(src, dst):
+    for f in src.iterdir():
+        (dst / f.name).write_bytes(f.read_bytes())
+    return dst
+
+
+def _problems(folder, cfg):
+    with pytest.raises(CheckpointError) as info:
+        check_checkpoint(folder, cfg)
+    return info.value.problems
+
+
+def test_a_saved_checkpoint_passes_in_either_expert_layout(qwen3, sharded_moe, tmp_path):
+    check_checkpoint(*qwen3)
+    check_checkpoint(*sharded_moe)
+    # the fused transformers-5 layout (experts.gate_up_proj) in one file passes too
+    cfg = sharded_moe[1]
+    save_file(family("qwen3_moe").random_weights(cfg, torch.float32, 2), str(tmp_path / "model.safetensors"))
+    (tmp_path / "config.json").write_text(json.dumps(dict(cfg.hf)))
+    check_checkpoint(tmp_path, cfg)
+
+
+@pytest.mark.parametrize("damage", ["truncated", "garbage", "empty"])
+def test_a_damaged_file_is_named(qwen3, tmp_path, damage):
+    folder, cfg = qwen3
+    _copy(folder, tmp_path)
+    path = tmp_path / "model.safetensors"
+    data = path.read_bytes()
+    path.write_bytes({"truncated": data[: len(data) // 2], "garbage": b"\x00\x01not safetensors" * 9, "empty": b""}[damage])
+    (problem,) = _problems(tmp_path, cfg)
+    assert problem.startswith("model.safetensors: ")
+    assert {"truncated": "truncated", "garbage": "not a safetensors file", "empty": "too short"}[damage] in problem
+    with pytest.raises(ConfigError, match="model.safetensors"):  # a rank opening it directly names it too
+        CheckpointSource(str(tmp_path)).get("model.norm.weight")
+
+
+def test_shape_mismatches_name_the_tensor_and_both_shapes(qwen3, tmp_path):
+    folder, cfg = qwen3
+    _copy(folder, tmp_path)
+    raw = json.loads((tmp_path / "config.json").read_text())
+    raw["intermediate_size"] *= 2
+    (tmp_path / "config.json").write_text(json.dumps(raw))
+    doubled = model_config("qwen3", raw)
+    problems = _problems(tmp_path, doubled)
+    I, H = cfg.intermediate_size, cfg.hidden_size
+    assert len(problems) == 3 * cfg.num_layers
+    assert problems[0] == (
+        f"model.safetensors: tensor model.layers.0.mlp.gate_proj.weight has shape [{I}, {H}], the config expects [{2 * I}, {H}]"
+    )
+
+
+def test_missing_unexpected_and_surprising_dtype_tensors_one_line_each(qwen3, tmp_path):
+    folder, cfg = qwen3
+    _copy(folder, tmp_path)
+    state = load_file(str(folder / "model.safetensors"))
+    del state["model.layers.1.self_attn.k_norm.weight"]
+    state["model.layers.9.mlp.gate_proj.weight"] = torch.zeros(2, 2)  # a layer the config lacks
+    state["model.layers.0.self_attn.q_proj.weight"] = state["model.layers.0.self_attn.q_proj.weight"].to(torch.int8)
+    state["model.norm.weight"] = state["model.norm.weight"].half()
+    state["model.rotary_emb.inv_freq"] = torch.ones(4)  # an old exporter's buffer: ignored
+    save_file(state, str(tmp_path / "model.safetensors"))
+    problems = _problems(tmp_path, cfg)
+    assert problems == [
+        "model.safetensors: tensor model.layers.1.self_attn.k_norm.weight is missing; the config expects it",
+        "model.safetensors: tensor model.layers.9.mlp.gate_proj.weight is unexpected; "
+        "the config has no place for it (a checkpoint of another model or size?)",
+        "model.safetensors: tensor model.layers.0.self_attn.q_proj.weight is I8; "
+        "the reference models load float tensors (F16, BF16, F32, F64), not quantized or integer ones",
+        "model.safetensors: tensor model.norm.weight is F16 where config.json declares F32; re-save the checkpoint in one dtype",
+    ]
+
+
+def test_a_sharded_checkpoint_loads_through_its_index_and_names_the_shard(sharded_moe, tmp_path):
+    folder, cfg = sharded_moe
+    index = json.loads((folder / INDEX_FILE).read_text())["weight_map"]
+    shards = sorted(set(index.values()))
+    assert len(shards) >= 3
+    source = CheckpointSource(str(folder))
+    name = next(n for n, s in index.items() if s == shards[1])
+    assert torch.equal(source.require(name), load_file(str(folder / shards[1]))[name])
+
+    broken = _copy(folder, tmp_path)
+    (broken / shards[1]).unlink()
+    data = (broken / shards[2]).read_bytes()
+    (broken / shards[2]).write_bytes(data[: len(data) - 100])
+    problems = _problems(broken, cfg)
+    count = sum(1 for s in index.values() if s == shards[1])
+    assert problems[0] == f"{shards[1]}: missing; {INDEX_FILE} places {count} tensors in it (copy the whole checkpoint)"
+    assert problems[1].startswith(f"{shards[2]}: truncated")
+    # the tensors of both shards are reported missing, against the index
+    assert any(p.startswith(f"{INDEX_FILE}: tensor {name} is missing") for p in problems)
+    with pytest.raises(ConfigError, match=shards[1]):
+        CheckpointSource(str(broken))
+
+
+def test_an_index_and_its_shards_disagreeing(sharded_moe, tmp_path):
+    folder, cfg = sharded_moe
+    broken = _copy(folder, tmp_path)
+    raw = json.loads((broken / INDEX_FILE).read_text())
+    shards = sorted(set(raw["weight_map"].values()))
+    raw["weight_map"]["model.layers.0.mlp.gate.extra"] = shards[0]
+    (broken / INDEX_FILE).write_text(json.dumps(raw))
+    assert _problems(broken, cfg) == [f"{shards[0]}: tensor model.layers.0.mlp.gate.extra is listed in {INDEX_FILE} but missing from the shard"]
+    (broken / INDEX_FILE).write_text("{")
+    with pytest.raises(ConfigError, match=f"{INDEX_FILE}: cannot be used"):
+        check_checkpoint(broken, cfg)
+
+
+def test_the_cli_reports_before_spawning_one_line_exit_2(qwen3, tmp_path):
+    folder, cfg = qwen3
+    _copy(folder, tmp_path)
+    path = tmp_path / "model.safetensors"
+    path.write_bytes(path.read_bytes()[:-10])
+    out = subprocess.run(
+        [sys.executable, "-m", "layer_boundary", "run", "--model", "qwen3", "--checkpoint", str(tmp_path)],
+        capture_output=True, text=True, timeout=300,
+    )
+    assert out.returncode == 2, out.stderr
+    lines = [line for line in out.stderr.splitlines() if line.strip()]
+    assert len(lines) == 1 and "model.safetensors: truncated" in lines[0] and "spawning" not in out.stderr, out.stderr
