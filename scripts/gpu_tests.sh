@@ -134,6 +134,9 @@ group() {
   case $1 in
     core) run_pytest core 560 tests/models/test_static_decode.py tests/models/test_gpu_ranks.py tests/plugins/tbo ;;
     cutedsl) run_pytest cutedsl 560 tests/plugins/cutedsl ;;
+    # torch.compile: reduce-overhead decode vs CapturedStep (timings printed and in compile_gpu.json),
+    # TP=2 with the flashinfer plugin compiled fullgraph
+    compile) LAYER_BOUNDARY_COMPILE_JSON="$OUT/compile_gpu.json" run_pytest compile 560 -s tests/models/test_compile_gpu.py ;;
     # the check in parts, each a fresh pair of ranks with its own time limit (a hang costs one part)
     flashinfer)
       local fi="python3 -m layer_boundary_flashinfer.gpu_check --ranks 2 --watchdog 60" rc=0
@@ -192,7 +195,7 @@ group() {
       run_check soak_kill 150 $soak --only kill --out "$OUT/soak_kill.json" || rc=1
       return $rc ;;
     contract) run_pytest contract 560 tests/plugins/test_contract_plugins.py tests/plugins/test_contract_suite.py tests/test_example_provider.py ;;
-    *) log "unknown group $1 (core cutedsl flashinfer flashinfer4 contract soak shadow probe probe-moe final smoke-cutedsl addnorm bench-decode bench-cutedsl)"; return 2 ;;
+    *) log "unknown group $1 (core cutedsl flashinfer flashinfer4 contract soak compile addnorm shadow probe probe-moe final smoke-cutedsl bench-decode bench-cutedsl)"; return 2 ;;
   esac
 }
 
@@ -249,7 +252,7 @@ while [ $i -lt ${#steps[@]} ]; do
       while [ $((i + 1)) -lt ${#steps[@]} ] && [ "${steps[$((i + 1))]}" != stage ] && [ "${steps[$((i + 1))]}" != summary ]; do
         i=$((i + 1)); groups+=("${steps[$i]}")
       done
-      [ ${#groups[@]} -eq 0 ] && groups=(core cutedsl flashinfer flashinfer4 contract soak addnorm)
+      [ ${#groups[@]} -eq 0 ] && groups=(core cutedsl flashinfer flashinfer4 contract soak addnorm compile)
       for g in "${groups[@]}"; do
         log "group $g"
         group "$g" || status=1

@@ -12,7 +12,7 @@ import torch
 
 from ._checks import check_rows
 from ._errors import Messages
-from ._forward import _FLAGS, ComputeFlags, RowLayout
+from ._forward import _SCOPE, ComputeFlags, RowLayout
 from ._fusions import FusionError
 from ._ops import align_rows
 from ._output import HandoffOutput, UnreducedOutput
@@ -43,6 +43,18 @@ _NO_SKIP = ComputeFlags()
 COMPLETE_NOW = ExitDecision(_NO_SKIP)
 #: a mixer's decision to leave its declared sum to the next input: shared, never mutated
 _LEAVE_DECLARED = ExitDecision(ComputeFlags(fuse_mlp_allreduce=True), declared=True)
+#: every other decision an exit can take, shared likewise: a per-batch choice selects one of these
+#: values (nothing is built per forward, and a compiled region sees constants)
+_DEFERRALS = {
+    (True, False): ExitDecision(ComputeFlags(fuse_mlp_allreduce=True), defer_sum=True),
+    (False, True): ExitDecision(ComputeFlags(defer_moe_finalize=True)),
+    (True, True): ExitDecision(ComputeFlags(fuse_mlp_allreduce=True, defer_moe_finalize=True), defer_sum=True),
+}
+_DEFER_SUM = _DEFERRALS[(True, False)]
+#: the reduce-scatter decision, by whether this rank owns a LOCAL_TAIL component (TP rank 0)
+_SCATTERS = {
+    owns: ExitDecision(ComputeFlags(mlp_reduce_scatter=True, owns_local_tail=owns), reduce_scatter=True) for owns in (True, False)
+}
 
 
 def _stream(fwd):
@@ -111,14 +123,14 @@ def complete_reduced(plan, ex, out, fwd):
 
 
 class _ExitScope:
-    __slots__ = ("plan", "path", "fwd", "decision", "_token", "_finished")
+    __slots__ = ("plan", "path", "fwd", "decision", "_previous", "_finished")
 
     def __init__(self, plan, path, fwd, decision: ExitDecision):
         self.plan = plan
         self.path = path
         self.fwd = fwd
         self.decision = decision
-        self._token = None
+        self._previous = None
         self._finished = False
 
     @property
@@ -138,16 +150,15 @@ class _ExitScope:
         return self.decision.flags.defer_moe_finalize
 
     def __enter__(self):
-        if self._token is not None:
+        if self._previous is not None:
             raise RuntimeError("an exit scope is entered once; open a new one with boundary.exit(forward)")
-        flags = self.decision.flags
-        # publishing the flags already in force changes nothing: skip the ContextVar round trip
-        self._token = False if flags is _FLAGS.get() else _FLAGS.set(flags)
+        scope = _SCOPE
+        self._previous = scope.flags  # the flags in force before: restored on exit
+        scope.flags = self.decision.flags
         return self
 
     def __exit__(self, *exc):
-        if self._token is not False:
-            _FLAGS.reset(self._token)
+        _SCOPE.flags = self._previous
         return False
 
     def _begin_finish(self):
@@ -177,8 +188,7 @@ class FfnExit(_ExitScope):
         if defer and plan.fused_consumer_only:
             defer = any(p.can_defer_all_reduce(plan, fwd) for p in plan.all_reduce_providers)
         if defer or defer_finalize:
-            flags = ComputeFlags(fuse_mlp_allreduce=defer, defer_moe_finalize=defer_finalize)
-            return cls(plan, path, fwd, ExitDecision(flags, defer_sum=defer))
+            return cls(plan, path, fwd, _DEFERRALS[(defer, defer_finalize)])
         return cls(plan, path, fwd, COMPLETE_NOW)
 
     def finish(self, out):
@@ -232,8 +242,7 @@ def _finalize_deferred(plan, ex, fwd) -> bool:
 def _scatter_decision(fwd, rs: bool) -> ExitDecision:
     if not rs:
         return COMPLETE_NOW
-    owns_tail = fwd.parallel.tp_rank == 0
-    return ExitDecision(ComputeFlags(mlp_reduce_scatter=True, owns_local_tail=owns_tail), reduce_scatter=True)
+    return _SCATTERS[fwd.parallel.tp_rank == 0]
 
 
 class MixerExit(_ExitScope):
@@ -251,7 +260,7 @@ class MixerExit(_ExitScope):
         if ex.leaves_declared:
             return cls(plan, path, fwd, _LEAVE_DECLARED)
         if ex.may_defer and fwd.num_tokens > 0:
-            return cls(plan, path, fwd, ExitDecision(ComputeFlags(fuse_mlp_allreduce=True), defer_sum=True))
+            return cls(plan, path, fwd, _DEFER_SUM)
         return cls(plan, path, fwd, COMPLETE_NOW)
 
     @property

@@ -9,8 +9,10 @@ imports a plugin.
 
 from __future__ import annotations
 
+import torch
+
 from ._errors import missing_feature
-from .plugin._manager import get_registry
+from .plugin._manager import current_registry
 from .plugin._requests import BranchRequest, BranchTransport, Overlap, OverlapRequest
 
 __all__ = ["two_batch_overlap", "branch_input", "branch_output", "merge_branch"]
@@ -36,11 +38,25 @@ def _first(records, request, what: str, feature: str, capability):
 def two_batch_overlap(forward) -> Overlap:
     """The two-batch-overlap scheduler for this batch: `.run(stages, hidden_states, forward, ...)`
     splits the batch into two microbatches, interleaves their stages and merges them back."""
-    return _first(get_registry().overlaps, OverlapRequest(forward), "two-batch overlap", "tbo", Overlap)
+    return _first(current_registry().overlaps, OverlapRequest(forward), "two-batch overlap", "tbo", Overlap)
+
+
+#: the transports found so far, by key: a plain module dict a compiled region reads (and guards on)
+_TRANSPORTS: dict = {}
+
+
+@torch._dynamo.assume_constant_result
+def _transport_key(boundary, what: str) -> str:
+    # inside a compiled region this runs once, while tracing (provider lookup is host work), and
+    # its result is a constant string of the graph; the transport itself is read from _TRANSPORTS
+    found = _first(current_registry().branches, BranchRequest(boundary), what, "branch", BranchTransport)
+    key = f"{type(found).__qualname__}@{id(found):x}"
+    _TRANSPORTS[key] = found
+    return key
 
 
 def _branches(boundary, what: str) -> BranchTransport:
-    return _first(get_registry().branches, BranchRequest(boundary), what, "branch", BranchTransport)
+    return _TRANSPORTS[_transport_key(boundary, what)]
 
 
 def branch_input(boundary, hidden_states, forward):

@@ -9,8 +9,8 @@ rank's own row count and must agree with `dp_counts`.
 from __future__ import annotations
 
 import contextlib
-import contextvars
 import enum
+import threading
 from typing import Any, Iterator, Mapping, Optional, Sequence
 
 import attrs
@@ -221,31 +221,50 @@ class ComputeFlags:
 
 
 _DEFAULT_FLAGS = ComputeFlags()
-_FLAGS: contextvars.ContextVar[ComputeFlags] = contextvars.ContextVar("layer_boundary_flags", default=_DEFAULT_FLAGS)
+
+
+class _ScopeState(threading.local):
+    """What the innermost open exit scope published (`flags`) and the rows the last `prepare()`
+    of a stage with row publishers published (`rows`), per thread.
+
+    A thread-local object rather than a `ContextVar`: a compiler's tracer (Dynamo) reads and
+    writes its attributes inside a compiled region (the exit scope sets the flags, compute reads
+    them, all at trace time) and guards on what it read at a region's start, while a ContextVar
+    is opaque to it. Ranks run as threads in the threaded world, so the state must be per
+    thread; schedulers that interleave microbatches on one thread (two-batch overlap) check at
+    every switch that no scope is open (`exit_scope_open()`)."""
+
+    def __init__(self):  # runs once in each thread, on its first use
+        self.flags = _DEFAULT_FLAGS
+        self.rows = None
+
+
+_SCOPE = _ScopeState()
 
 
 def get_forward() -> ComputeFlags:
     """The flags of the innermost open exit scope (defaults when none is open)."""
-    return _FLAGS.get()
+    return _SCOPE.flags
 
 
 def exit_scope_open() -> bool:
-    """Whether an exit scope (or a `publish_flags` block) is open in this context.
+    """Whether an exit scope (or a `publish_flags` block) is open in this thread.
 
     Schedulers that interleave work (two-batch overlap) check it where they switch microbatch:
     an open scope would publish one microbatch's flags to the other's compute.
     """
-    return _FLAGS.get() is not _DEFAULT_FLAGS
+    return _SCOPE.flags is not _DEFAULT_FLAGS
 
 
 @contextlib.contextmanager
 def publish_flags(flags: ComputeFlags) -> Iterator[ComputeFlags]:
     """Publish flags for the compute inside the block; restore the previous ones after."""
-    token = _FLAGS.set(flags)
+    previous = _SCOPE.flags
+    _SCOPE.flags = flags
     try:
         yield flags
     finally:
-        _FLAGS.reset(token)
+        _SCOPE.flags = previous
 
 
 class RowLayout(enum.Enum):
@@ -304,28 +323,26 @@ class ComputeRows:
     published: Mapping[str, Any]
 
 
-_ROWS: contextvars.ContextVar[Optional[ComputeRows]] = contextvars.ContextVar("layer_boundary_rows", default=None)
-
-
 def get_compute_rows() -> Optional[ComputeRows]:
     """The rows published by the last `prepare()` of a stage with row adapters (None if none).
 
-    A publication holds until the next one in this context: run a stage's compute before the
+    A publication holds until the next one in this thread: run a stage's compute before the
     next stage's `prepare()` (an interleaving scheduler switches between the two, never inside).
     """
-    return _ROWS.get()
+    return _SCOPE.rows
 
 
 def publish_compute_rows(rows: Optional[ComputeRows]) -> None:
     """Publish `rows` for the compute that follows (held until the next publication)."""
-    _ROWS.set(rows)
+    _SCOPE.rows = rows
 
 
 @contextlib.contextmanager
 def scoped_compute_rows(rows: ComputeRows) -> Iterator[ComputeRows]:
     """Publish `rows` for the block only (compute that runs inside an input move)."""
-    token = _ROWS.set(rows)
+    previous = _SCOPE.rows
+    _SCOPE.rows = rows
     try:
         yield rows
     finally:
-        _ROWS.reset(token)
+        _SCOPE.rows = previous

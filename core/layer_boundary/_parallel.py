@@ -16,6 +16,7 @@ from typing import Callable, Mapping, Sequence
 
 import attrs
 
+from ._graph import register_graph_object
 from .collectives import Collectives, SingleRankCollectives, TorchCollectives
 
 __all__ = ["Topology", "Parallel", "GROUP_NAMES", "TopologyError"]
@@ -131,10 +132,32 @@ class Parallel:
     rank: int
     groups: Mapping[str, Collectives] = attrs.field(repr=False)
     coords: Mapping[str, int] = attrs.field(init=False, repr=False)
+    # sizes (tp, attn_tp, ...) read through to the topology; *_rank give this rank's coordinates.
+    # Plain attributes, set once here: the hot path and a compiler's tracer (Dynamo) read them
+    # like any other attribute.
+    tp: int = attrs.field(init=False, repr=False, eq=False)
+    attn_tp: int = attrs.field(init=False, repr=False, eq=False)
+    attn_cp: int = attrs.field(init=False, repr=False, eq=False)
+    attn_dp: int = attrs.field(init=False, repr=False, eq=False)
+    moe_ep: int = attrs.field(init=False, repr=False, eq=False)
+    moe_tp: int = attrs.field(init=False, repr=False, eq=False)
+    pp: int = attrs.field(init=False, repr=False, eq=False)
+    world_size: int = attrs.field(init=False, repr=False, eq=False)
+    tp_rank: int = attrs.field(init=False, repr=False, eq=False)
+    attn_tp_rank: int = attrs.field(init=False, repr=False, eq=False)
+    attn_cp_rank: int = attrs.field(init=False, repr=False, eq=False)
+    attn_dp_rank: int = attrs.field(init=False, repr=False, eq=False)
+    moe_ep_rank: int = attrs.field(init=False, repr=False, eq=False)
+    moe_tp_rank: int = attrs.field(init=False, repr=False, eq=False)
+    pp_rank: int = attrs.field(init=False, repr=False, eq=False)
 
     def __attrs_post_init__(self):
         coords = self.topology.coordinates(self.rank)
         object.__setattr__(self, "coords", coords)
+        for name in GROUP_NAMES:
+            object.__setattr__(self, name, getattr(self.topology, name))
+            object.__setattr__(self, f"{name}_rank", coords[name])
+        object.__setattr__(self, "world_size", self.topology.world_size)
         missing = [g for g in GROUP_NAMES if g not in self.groups]
         if missing:
             raise TopologyError(f"Parallel needs a Collectives for every group; missing {missing}")
@@ -147,19 +170,13 @@ class Parallel:
                 raise TopologyError(
                     f"group {name!r} reports rank {group.rank}, but global rank {self.rank} is rank {coords[name]} of {name}"
                 )
+        for name, group in self.groups.items():  # what a compiled region's collective ops find them by
+            try:
+                register_graph_object(group, f"{name}@rank{self.rank}")
+            except TypeError:
+                pass  # a slotted Collectives of an engine's own: usable where it traces natively
 
     # sizes and ranks ----------------------------------------------------------------------
-    def __getattr__(self, item):
-        # tp, attn_tp, ... read through to the topology; *_rank give this rank's coordinates.
-        topo = object.__getattribute__(self, "topology")
-        if item.endswith("_rank"):
-            axis = item[: -len("_rank")]
-            if axis in GROUP_NAMES:
-                return object.__getattribute__(self, "coords")[axis]
-        if item in GROUP_NAMES or item == "world_size":
-            return getattr(topo, item)
-        raise AttributeError(item)
-
     def group(self, name: str) -> Collectives:
         try:
             return self.groups[name]

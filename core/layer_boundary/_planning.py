@@ -173,12 +173,19 @@ class StagePlan(Stage):
     row_publishers: tuple = ()
     #: an FFN whose sum is not one all-reduce (LoRA): defer only when a provider accepts the batch
     fused_consumer_only: bool = False
+    #: `paths` as a plain dict, what `path_for` looks up (a tracer such as Dynamo reads a dict with
+    #: enum keys, not a mappingproxy)
+    _lookup: dict = attrs.field(init=False, repr=False)
+
+    def __attrs_post_init__(self):
+        super().__attrs_post_init__()
+        object.__setattr__(self, "_lookup", dict(self.paths))
 
     def path_for(self, fwd) -> StagePath:
-        try:
-            return self.paths[fwd.variant]
-        except KeyError:
-            raise NotImplementedError(self.missing_variant(fwd.variant)) from None
+        path = self._lookup.get(fwd.variant)
+        if path is None:
+            raise NotImplementedError(self.missing_variant(fwd.variant))
+        return path
 
     def missing_variant(self, variant: BatchVariant) -> str:
         """The guide's error for an absent variant, verbatim on its first line; this stage's

@@ -17,6 +17,8 @@ from typing import Protocol, Sequence, runtime_checkable
 
 import torch
 
+from ._graph import graph_collectives
+
 __all__ = [
     "Collectives",
     "CollectivesBase",
@@ -30,7 +32,7 @@ __all__ = [
 
 def split_sizes(rows: int, parts: int) -> tuple[int, ...]:
     """Rows per part when `rows` are split as evenly as possible; earlier parts take the extra."""
-    base, extra = divmod(rows, parts)
+    base, extra = rows // parts, rows % parts  # not divmod: Dynamo rejects it on a symbolic row count
     return tuple(base + (1 if i < extra else 0) for i in range(parts))
 
 
@@ -57,13 +59,22 @@ class Collectives(Protocol):
         """True only when `ok` holds on every rank (CollectivesBase implements it)."""
 
 
+@graph_collectives
 class CollectivesBase:
     """Shape checks and the variable-size operations written over the equal-size ones.
 
     Subclasses implement `_all_reduce`, `_reduce_scatter` and `_all_gather` (equal shares,
     dim 0). An empty tensor is returned at once: every rank of a group passes the same shape to
     these operations, so the skip is the same on all of them and never leaves a rank waiting.
+
+    Inside a compiled region each operation over more than one rank is one
+    `layer_boundary::<operation>` graph node (`graph_collectives`), unless the subclass traces
+    natively (`graph_native`: `TorchCollectives` over a group that needs no host staging uses
+    functional collectives).
     """
+
+    #: the operations are traceable as written (no custom op around them)
+    graph_native = False
 
     name: str
     size: int
@@ -199,8 +210,13 @@ class TorchCollectives(CollectivesBase):
         self.host_staged = backend == "gloo"
         if backend == "nccl":
             self.device = f"cuda:{torch.cuda.current_device()}"
+        #: inside a compiled region: functional collectives (native graph nodes the compiler can
+        #: schedule) wherever no tensor is staged through the host; else the layer_boundary ops
+        self.graph_native = functional_collectives_ok(self)
 
     def _all_reduce(self, x: torch.Tensor) -> torch.Tensor:
+        if torch.compiler.is_dynamo_compiling():
+            return _funcol().all_reduce(x, "sum", self.group)
         if not x.is_contiguous():
             x = x.contiguous()
         if self.host_staged and x.is_cuda:
@@ -211,6 +227,8 @@ class TorchCollectives(CollectivesBase):
         return x
 
     def _reduce_scatter(self, x: torch.Tensor) -> torch.Tensor:
+        if torch.compiler.is_dynamo_compiling():
+            return _funcol().reduce_scatter_tensor(x, "sum", 0, self.group)
         if self.host_staged and x.is_cuda:
             return self._reduce_scatter(x.cpu()).to(x.device)
         out = x.new_empty((x.shape[0] // self.size,) + tuple(x.shape[1:]))
@@ -218,11 +236,31 @@ class TorchCollectives(CollectivesBase):
         return out
 
     def _all_gather(self, x: torch.Tensor) -> torch.Tensor:
+        if torch.compiler.is_dynamo_compiling():
+            return _funcol().all_gather_tensor(x, 0, self.group)
         if self.host_staged and x.is_cuda:
             return self._all_gather(x.cpu()).to(x.device)
         out = x.new_empty((x.shape[0] * self.size,) + tuple(x.shape[1:]))
         self._gather(out, x, group=self.group)
         return out
+
+
+def _funcol():
+    from torch.distributed import _functional_collectives
+
+    return _functional_collectives
+
+
+def functional_collectives_ok(group: "TorchCollectives") -> bool:
+    """Whether a compiled region can trace `group`'s operations as functional collectives: a
+    group that stages CUDA tensors through the host (gloo on a GPU, ranks sharing one) cannot, so
+    its operations become layer_boundary ops that run the staging eagerly.
+    `LAYER_BOUNDARY_FUNCTIONAL_COLLECTIVES=0` turns functional collectives off everywhere."""
+    from ._env import env_flag
+
+    if not env_flag("LAYER_BOUNDARY_FUNCTIONAL_COLLECTIVES", True):
+        return False
+    return not (group.host_staged and torch.cuda.is_available())
 
 
 class CollectiveCounter:
@@ -240,11 +278,13 @@ class CollectiveCounter:
         self.seconds = 0.0
 
 
+@graph_collectives
 class CountingCollectives:
     """Wraps a Collectives and counts what it issues (for `layer-boundary run` and tests).
 
     Only operations that reach other ranks are counted: a size-one group or an empty tensor
-    issues nothing.
+    issues nothing. Inside a compiled region each operation is one graph node that counts when
+    it runs, never when it is traced.
     """
 
     def __init__(self, inner: Collectives, counter: CollectiveCounter):

@@ -63,6 +63,10 @@ def layer_boundary_benchmarks():
         description="host overhead of a 32-layer stack through the boundaries against the same torch ops by hand",
     )
     yield Benchmark.of_module(
+        "layer_boundary.bench.compile", name="core.compile", command="compile", priority=Priority.BUILTIN,
+        description="host time per forward of the 32-layer stack compiled (fullgraph) against eager and the hand-written stack compiled",
+    )
+    yield Benchmark.of_module(
         "layer_boundary.bench.decode", name="core.decode", command="decode", priority=Priority.BUILTIN,
         description="decode step time of a Qwen3 through the boundaries, eager against CUDA-graph replay (GPU)",
     )

@@ -95,6 +95,8 @@ class OwedOutput:
         object.__setattr__(self, "_contribution", contribution)
 
     def __getattr__(self, item):
+        if item.startswith("__"):  # protocol probes (__dict__, __torch_function__, ...) get Python's answer
+            raise AttributeError(item)
         raise TypeError(
             f"an OwedOutput has no {item!r}: it is an unfinished layer output, not a tensor; pass it to the next "
             "boundary, or call residual_batch.complete_output() for the tensor"

@@ -46,8 +46,11 @@ class Stack(nn.Module):
         self.parallel = parallel
 
     # the model as an engine writes it with the boundaries ------------------------------------
-    def boundary_forward(self, x: torch.Tensor, timers=None) -> torch.Tensor:
-        fwd = Forward(self.parallel, x.shape[0])
+    def boundary_forward(self, x: torch.Tensor, timers=None, fwd=None) -> torch.Tensor:
+        """`fwd`: the batch's Forward, built by the caller (as a compiled engine passes it in);
+        built here from the row count when None."""
+        if fwd is None:
+            fwd = Forward(self.parallel, x.shape[0])
         residual_batch.start(fwd)
         h = x
         for layer in self.layers:

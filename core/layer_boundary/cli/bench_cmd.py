@@ -17,7 +17,7 @@ from .main import UsageError
 
 def add_parser(sub) -> None:
     p = sub.add_parser(
-        "bench", help="run a benchmark (host, decode; cutedsl and fusion with their plugins); JSON + PNG under benchmarks/results/"
+        "bench", help="run a benchmark (host, compile, decode; cutedsl and fusion with their plugins); JSON + PNG under benchmarks/results/"
     )
     p.add_argument("--json", action="store_true", help="print the results as one JSON object on stdout (tables go to stderr)")
     p.add_argument("name", help="the benchmark's command (`layer-boundary plugins` lists them)")

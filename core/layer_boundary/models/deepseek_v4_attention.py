@@ -154,8 +154,9 @@ class DeepseekV4Attention(nn.Module):
         query_pos = torch.arange(lead, lead + count, device=q.device)[:, None]
         key_pos = torch.arange(total, device=q.device)[None, :]
         visible = (key_pos <= query_pos) & (key_pos > query_pos - self.window)
-        if not bool(visible.all()):
-            scores = scores + torch.zeros_like(visible, dtype=scores.dtype).masked_fill(~visible, torch.finfo(scores.dtype).min)
+        # masked unconditionally (adding zeros where all is visible changes no bit), so the graph
+        # never depends on tensor data
+        scores = scores + torch.zeros_like(visible, dtype=scores.dtype).masked_fill(~visible, torch.finfo(scores.dtype).min)
         sinks = self.sinks.to(scores.dtype)[:, None, None].expand(-1, count, 1)
         logits = torch.cat((scores, sinks), dim=-1)
         logits = logits - logits.max(dim=-1, keepdim=True).values

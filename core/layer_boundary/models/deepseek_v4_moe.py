@@ -13,7 +13,7 @@ import torch
 from torch import nn
 
 from .._layers import reduce_output, shard_cols, shard_rows
-from .mlp import activation
+from .mlp import activation, dense_experts
 
 __all__ = ["DeepseekV4MoE", "score_function"]
 
@@ -83,7 +83,13 @@ class DeepseekV4MoE(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         weights, chosen = self.route(x)
         out = torch.zeros_like(x)
+        dense = dense_experts(x)
         for j in range(self.owned):
+            if dense:  # every token through expert j, weighted by its weight for j (zero if not chosen)
+                h = self._swiglu(nn.functional.linear(x, self.gate_up[j]), self.width)
+                w = (weights * (chosen == self.first + j).to(weights.dtype)).sum(dim=1, keepdim=True)
+                out = out + nn.functional.linear(h, self.down[j]) * w
+                continue
             tok, k = torch.where(chosen == self.first + j)
             if tok.numel() == 0:
                 continue

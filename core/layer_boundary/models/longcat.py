@@ -34,7 +34,7 @@ from .attention import KVCache, RotaryEmbedding, StepLayout
 from .config import NO_PIPELINE, ConfigError
 from .overlapped import run_layers, run_operations
 from .mla import TPLatentAttention
-from .mlp import TPGatedMLP, activation
+from .mlp import TPGatedMLP, activation, dense_experts
 from .weights import TensorSource
 
 __all__ = ["LongcatConfig", "LongcatMoE", "LongcatLayer", "LongcatForCausalLM"]
@@ -201,14 +201,22 @@ class LongcatMoE(nn.Module):
     def forward(self, x: torch.Tensor):
         weights, idx = self.route(x)
         rows = x.new_zeros(x.shape[0], self.top_k, x.shape[1])
-        for j in range(self.owned):
-            tok, k = torch.where(idx == self.first + j)
-            if tok.numel():
-                gate, up = nn.functional.linear(x[tok], self.gate_up[j]).split(self.width, dim=-1)
-                rows[tok, k] = nn.functional.linear(self.act(gate) * up, self.down[j])
-        if self.adds_identity:
-            tok, k = torch.where(idx >= self.num_experts)
-            rows[tok, k] = x[tok]
+        if dense_experts(x):  # every owned expert on every row, kept where the router chose it
+            for j in range(self.owned):
+                gate, up = nn.functional.linear(x, self.gate_up[j]).split(self.width, dim=-1)
+                y = nn.functional.linear(self.act(gate) * up, self.down[j])
+                rows = rows + (idx == self.first + j).unsqueeze(-1).to(rows.dtype) * y.unsqueeze(1)
+            if self.adds_identity:
+                rows = torch.where((idx >= self.num_experts).unsqueeze(-1), x.unsqueeze(1), rows)
+        else:
+            for j in range(self.owned):
+                tok, k = torch.where(idx == self.first + j)
+                if tok.numel():
+                    gate, up = nn.functional.linear(x[tok], self.gate_up[j]).split(self.width, dim=-1)
+                    rows[tok, k] = nn.functional.linear(self.act(gate) * up, self.down[j])
+            if self.adds_identity:
+                tok, k = torch.where(idx >= self.num_experts)
+                rows[tok, k] = x[tok]
         if get_forward().defer_moe_finalize:
             return MoeFinalizeHandoff(rows, weights, idx, None, self.group, SumGroup.MOE_OUTPUT)
         return reduce_output((rows * weights.unsqueeze(-1)).sum(dim=1).to(x.dtype), self.group)

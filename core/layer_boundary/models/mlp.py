@@ -7,7 +7,18 @@ from torch import nn
 
 from .._layers import RowParallelLinear, linear, shard_rows
 
-__all__ = ["TPGatedMLP", "activation"]
+__all__ = ["TPGatedMLP", "activation", "dense_experts"]
+
+
+def dense_experts(x) -> bool:
+    """Whether an MoE runs every owned expert on every token (keeping each token's chosen rows)
+    instead of gathering each expert's tokens: inside a compiled region (a gather's row count
+    depends on tensor data, which a graph cannot hold) and under CUDA graph capture."""
+    import torch
+
+    if torch.compiler.is_compiling():
+        return True
+    return x.is_cuda and torch.cuda.is_current_stream_capturing()
 
 
 def activation(name: str):

@@ -15,7 +15,7 @@ from torch import nn
 from .._forward import get_forward
 from .._layers import MoeFinalizeHandoff, reduce_output, shard_cols, shard_rows
 from .._layout import SumGroup
-from .mlp import TPGatedMLP, activation
+from .mlp import TPGatedMLP, activation, dense_experts
 
 __all__ = ["TPMoE"]
 
@@ -79,7 +79,7 @@ class TPMoE(nn.Module):
     def forward(self, x: torch.Tensor):
         weights, idx = self.route(x)
         rows = x.new_zeros(x.shape[0], self.top_k, x.shape[1])
-        dense = x.shape[0] <= self.DENSE_DISPATCH_TOKENS or (x.is_cuda and torch.cuda.is_current_stream_capturing())
+        dense = dense_experts(x) or x.shape[0] <= self.DENSE_DISPATCH_TOKENS
         for j in range(self.owned):
             if dense:
                 # the same rows as the sparse path: each (token, k) matches one expert, others add zeros

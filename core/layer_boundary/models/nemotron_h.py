@@ -29,7 +29,7 @@ from .._residual.add_norm import RMSNorm
 from .attention import KVCache, StepLayout, TPAttention
 from .config import ConfigError
 from .mamba import MambaStates, TPMamba2Mixer
-from .mlp import activation
+from .mlp import activation, dense_experts
 from .pipeline import PipelineHandoff, pipeline_layers
 
 __all__ = ["NemotronHConfig", "NemotronHRMSNorm", "NemotronHForCausalLM", "NemotronHCache", "stage_declaration", "pipeline_layers"]
@@ -304,19 +304,22 @@ class NemotronHRouter(nn.Module):
         time, and its float32 logits and sigmoid round differently with the row count (a single
         row is a matrix-vector product; vectorised loops end in a scalar tail), so each request's
         rows are scored alone, which reproduces those bits; rows outside every segment (padding)
-        are scored together."""
+        are scored per gap, the tail together."""
         E = self.weight.shape[0]
         x32, w32 = x.type(torch.float32), self.weight.type(torch.float32)
         if not segments:
             scores = F.linear(x32, w32).sigmoid()
         else:
             scores = x32.new_empty(x.shape[0], E)
-            rest = torch.ones(x.shape[0], dtype=torch.bool, device=x.device)
+            covered = 0  # segments come in row order; the gaps between them and the tail are padding
             for start, count in segments:
+                if start > covered:
+                    scores[covered:start] = F.linear(x32[covered:start], w32).sigmoid()
                 scores[start : start + count] = F.linear(x32[start : start + count], w32).sigmoid()
-                rest[start : start + count] = False
-            if bool(rest.any()):
-                scores[rest] = F.linear(x32[rest], w32).sigmoid()
+                covered = max(covered, start + count)
+            # the padding after the last request, scored together (computed from the segments, a
+            # host fact, so the shape never depends on tensor data)
+            scores[covered:] = F.linear(x32[covered:], w32).sigmoid()
         choice = scores + self.score_bias
         best_two = choice.view(-1, self.n_group, E // self.n_group).topk(2, dim=-1)[0].sum(dim=-1)
         groups = torch.topk(best_two, k=self.topk_group, dim=-1, sorted=False)[1]
@@ -374,7 +377,12 @@ class TPNemotronHMoE(nn.Module):
         weights, idx = self.router(x, segments)
         inner = x if self.latent_in is None else self.latent_in(x)
         rows = inner.new_zeros(x.shape[0], self.top_k, inner.shape[-1])
+        dense = dense_experts(x)
         for j in range(self.owned):
+            if dense:  # expert j on every row, kept where the router chose it
+                y = F.linear(self.act(F.linear(inner, self.up[j])), self.down[j])
+                rows = rows + (idx == self.first + j).unsqueeze(-1).to(rows.dtype) * y.unsqueeze(1)
+                continue
             tok, k = torch.where(idx == self.first + j)
             if tok.numel():
                 rows[tok, k] = F.linear(self.act(F.linear(inner[tok], self.up[j])), self.down[j])

@@ -30,7 +30,9 @@ def run_operations(operations):
         try:
             next(operations)
         except StopIteration as done:
-            return done.value
+            # the value from `args`: a compiler's tracer (Dynamo) gives `.value` as a new tensor
+            # object, which the boundary's identity check of the handle would then reject
+            return done.args[0] if done.args else None
 
 
 def step_rows(step: StepLayout, start: int, stop: int) -> StepLayout:
@@ -70,7 +72,7 @@ def run_overlapped(layers, hidden_states, forward, step: StepLayout, rope, cache
                 try:
                     next(operations)
                 except StopIteration as done:
-                    hidden_states = done.value
+                    hidden_states = done.args[0] if done.args else None  # see run_operations
                     break
                 keep_cache()
                 yield

@@ -45,6 +45,9 @@ class RunJob:
     #: extra per-forward facts for plugins (kept out of the core's job fields); LoRA reads
     #: "lora" (adapter count), "lora_seed" and "lora_assignment" (a slot per request, -1: none)
     options: dict = attrs.field(factory=dict)
+    #: run every step through `torch.compile(model, backend=compile, fullgraph=True)` (a backend
+    #: name: "eager", "aot_eager", "inductor"); the result reports the graphs compiled
+    compile: Optional[str] = None
 
 
 def make_requests(vocab: int, batch: int, prompt_tokens: int, decode_steps: int, seed: int):
@@ -108,6 +111,14 @@ def run_rank(parallel, job: RunJob, *, fusions=None) -> dict:
     mine = [r for r in range(len(job.prompts)) if r % dp == dp_rank]
     requests_of = lambda per_request: tuple(tuple(per_request(r) for r in range(len(job.prompts)) if r % dp == d) for d in range(dp))  # noqa: E731
     cache = model.new_cache()
+    run_model, backend = model, None
+    if job.compile:
+        from ..compiling import CountingBackend, graph_breaks
+
+        torch._dynamo.reset()  # a fresh cache: counts of this run only, and no earlier run's recompile budget spent
+        breaks_before = graph_breaks()
+        backend = CountingBackend(job.compile)
+        run_model = torch.compile(model, backend=backend, fullgraph=True)
     logits: dict[int, list] = {r: [] for r in mine}
     steps = [("prefill", ForwardMode.EXTEND)] + [(f"decode{s + 1}", ForwardMode.DECODE) for s in range(len(job.decode_tokens))]
     timings: dict[str, float] = {}
@@ -143,7 +154,7 @@ def run_rank(parallel, job: RunJob, *, fusions=None) -> dict:
         counter.reset()
         _sync(device)
         start = time.perf_counter()
-        out = model(input_ids, fwd, step, cache)
+        out = run_model(input_ids, fwd, step, cache)
         _sync(device)
         timings[name] = time.perf_counter() - start
         collectives[name] = counter.snapshot()
@@ -163,4 +174,6 @@ def run_rank(parallel, job: RunJob, *, fusions=None) -> dict:
         "node_layouts": groups,
         "collectives": collectives,
         "tokens": {name: (sum(len(p) for p in job.prompts) if i == 0 else len(job.prompts)) for i, (name, _) in enumerate(steps)},
+        "graphs": None if backend is None else backend.graphs,
+        "graph_breaks": None if backend is None else graph_breaks() - breaks_before,
     }

@@ -33,6 +33,7 @@ Registry and loading: `get_registry`, `reset_registry`, `register_inline` /
 """
 
 from .._env import env_flag, env_names
+from .._graph import graph_collectives, graph_key, graph_object, register_graph_object
 from .._ops import align_rows, dp_gather, dp_scatter, gather_slices, move_residual, take_slice
 from .._paths import EntryMode, EntryPath, ExitPath, ExitRole, Owed, ReduceScatter, StagePath, defers_to_next_input, writes_at_exit
 from .._planning import Stage, StagePlan
@@ -167,4 +168,9 @@ __all__ = [
     "env_names",
     "DISABLE_ENV",
     "STRICT_ENV",
+    # compiled regions (docs/compiled.md): objects a custom op finds at run time, by a string key
+    "register_graph_object",
+    "graph_object",
+    "graph_key",
+    "graph_collectives",
 ]

@@ -301,9 +301,28 @@ def _lifecycle_call(impl):
     return lambda request: function()
 
 
+#: the registry `get_registry()` built last, in a plain list: what `current_registry()` reads
+_CURRENT: list = []
+
+
+def current_registry() -> Registry:
+    """`get_registry()` for code that runs inside a model's forward: once the registry is built
+    (building a model builds it) this is one read of a plain module list, which a compiler's
+    tracer (Dynamo) follows and guards on; it cannot follow the cached call itself."""
+    if _CURRENT:
+        return _CURRENT[0]
+    return get_registry()
+
+
 @functools.lru_cache(maxsize=None)
 def get_registry() -> Registry:
     """The registry of this process (cached; `reset_registry()` forgets it)."""
+    registry = _build_registry()
+    _CURRENT[:] = [registry]
+    return registry
+
+
+def _build_registry() -> Registry:
     state = _plugins()
     collected: dict[str, list[Registered]] = {key: [] for key in HOOKS}
     for key, (hook, rtype) in HOOKS.items():
@@ -337,6 +356,7 @@ _ON_RESET: list = []
 
 def _forget_registry() -> None:
     get_registry.cache_clear()
+    _CURRENT.clear()
     for callback in _ON_RESET:
         callback()
 

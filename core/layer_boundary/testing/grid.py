@@ -129,13 +129,10 @@ class _Stage(nn.Module):
         _, idx = torch.topk(logits, self.top_k, dim=-1)
         rows = q.new_zeros(q.shape[0], self.top_k, q.shape[1])
         for e in self.owned:
-            mask = idx == e
-            if not bool(mask.any()):
-                continue
-            tok, k = mask.nonzero(as_tuple=True)
-            x = q[tok]
-            y = quant((x @ self.expert_up[e].T) * 0.5) @ self.expert_down[e].T
-            rows[tok, k] = y
+            # every owned expert on every token, kept where the router chose it: exact on the grid
+            # (zeros elsewhere), with no data-dependent shape, so a compiled region holds it whole
+            y = quant((q @ self.expert_up[e].T) * 0.5) @ self.expert_down[e].T
+            rows = rows + (idx == e).unsqueeze(-1).to(q.dtype) * y.unsqueeze(1)
         weights = self.route_weights.expand(q.shape[0], -1)
         if get_forward().defer_moe_finalize:
             return MoeFinalizeHandoff(rows, weights, idx, None, self.tp_group, SumGroup.MOE_OUTPUT)

@@ -46,7 +46,11 @@ class ForkedResidual:
     def _fail(self, *args, **kwargs):
         raise RuntimeError(Messages.FORKED.format(label=self.label))
 
-    __getattr__ = _fail
+    def __getattr__(self, item):
+        if item.startswith("__"):  # protocol probes (a tracer's, copy's) get Python's answer
+            raise AttributeError(item)
+        self._fail()
+
     __getitem__ = __add__ = __radd__ = __mul__ = __rmul__ = __len__ = __iter__ = _fail
 
     def __repr__(self) -> str:

@@ -1,0 +1,108 @@
+"""Every reference model through the boundaries under `torch.compile(fullgraph=True)`: zero graph
+breaks, a bounded number of graphs (prefill, the first decode, one decode with dynamic sizes),
+and the eager logits (bit for bit where the compiled region runs the same kernels; the sparse
+MoEs switch to dense dispatch inside a compiled region, so theirs agree to rounding).
+
+Graph-break counts: `pytest tests/models/test_compile.py -q -rA` (each case asserts 0)."""
+
+import functools
+
+import attrs
+import pytest
+import torch
+
+from layer_boundary import Parallel, Topology
+from layer_boundary.models import family, model_config
+from layer_boundary.models.runner import RunJob, make_requests
+from layer_boundary.testing.compiled import compiled_vs_eager
+
+#: the smallest configs that still reach every kind of layer of each family
+SMALL = {
+    "qwen3": {"num_hidden_layers": 2},
+    "qwen3_moe": {"num_hidden_layers": 2, "mlp_only_layers": [1]},
+    "gemma": {"num_hidden_layers": 2},
+    "nemotron_h": {"hybrid_override_pattern": "M-E*"},
+    # mHC's Sinkhorn loop unrolls in the graph: a few iterations trace the same ops as twenty
+    "deepseek_v4": {"num_hidden_layers": 2, "layer_types": ["sliding_attention"] * 2, "mlp_layer_types": ["moe"] * 2, "hc_sinkhorn_iters": 3},
+    "longcat_flash": {"num_layers": 1},
+}
+#: families whose eager MoE gathers each expert's rows (the compiled region runs them dense)
+DENSE_WHEN_COMPILED = {"nemotron_h", "deepseek_v4", "longcat_flash"}
+#: prefill, the first decode (a new mode and row count), one recompile with sizes made dynamic
+MAX_GRAPHS = 3
+
+
+@pytest.fixture(autouse=True, scope="module")
+def one_thread():
+    """Tiny shapes: one intra-op thread (several contend for a loaded machine's cores)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+@pytest.fixture(scope="module")
+def weights_dir(tmp_path_factory):
+    return str(tmp_path_factory.mktemp("compile-weights"))
+
+
+@functools.lru_cache(maxsize=None)
+def small_job(model: str, weights_dir: str, batch: int = 4, steps: int = 3) -> RunJob:
+    config = model_config(model, {**dict(model_config(model).hf), **SMALL[model]})
+    path = f"{weights_dir}/{model}.pt"
+    torch.save(family(model).random_weights(config, torch.float64, seed=7), path)
+    prompts, decode = make_requests(config.vocab_size, batch, 5, steps, seed=3)
+    return RunJob(
+        model=model, hf_config=dict(config.hf), topology=Topology(), reduction="ar", dtype="float64",
+        weights=path, prompts=prompts, decode_tokens=decode,
+    )
+
+
+def check(results, model, *, bitwise=None):
+    bitwise = model not in DENSE_WHEN_COMPILED if bitwise is None else bitwise
+    for r in results:
+        assert r["graph_breaks"] == 0, r
+        assert 1 <= r["graphs"] <= MAX_GRAPHS, r
+        if bitwise:
+            assert r["equal"], r
+        else:
+            assert r["max_diff"] < 1e-10, r
+    print(f"{model}: graph breaks {[r['graph_breaks'] for r in results]}, graphs {[r['graphs'] for r in results]}")
+
+
+@pytest.mark.parametrize("model", sorted(SMALL))
+def test_tp1_prefill_and_decode_compile_whole(weights_dir, model):
+    check([compiled_vs_eager(Parallel.single(), small_job(model, weights_dir))], model)
+
+
+def test_aot_eager_equals_eager_bitwise(weights_dir):
+    """AOT autograd's functionalized graph, run eagerly: the same bits in float64."""
+    r = compiled_vs_eager(Parallel.single(), small_job("qwen3_moe", weights_dir), backend="aot_eager")
+    check([r], "qwen3_moe", bitwise=True)
+
+
+@pytest.mark.gloo
+@pytest.mark.parametrize(
+    "model, topology, reduction",
+    [
+        ("qwen3_moe", Topology(tp=2, attn_dp=2), "rs+rsv"),
+        ("qwen3_moe", Topology(tp=2, attn_dp=2), "rs"),
+        ("qwen3_moe", Topology(tp=2), "rsv"),
+        ("gemma", Topology(tp=2), "ar"),
+        ("nemotron_h", Topology(tp=2), "ar"),
+        ("deepseek_v4", Topology(tp=2), "ar"),
+        ("longcat_flash", Topology(tp=2), "ar"),
+    ],
+    ids=["moe-dp2-rs+rsv", "moe-dp2-rs", "moe-tp2-rsv", "gemma-tp2", "nemotron_h-tp2", "deepseek_v4-tp2", "longcat-tp2"],
+)
+def test_tp2_gloo_compiles_whole(gloo_world, weights_dir, model, topology, reduction):
+    job = attrs.evolve(small_job(model, weights_dir), topology=topology, reduction=reduction)
+    check(gloo_world(2).run(compiled_vs_eager, topology, job, timeout=600), model)
+
+
+@pytest.mark.gloo
+def test_tp2_aot_eager_equals_eager_bitwise(gloo_world, weights_dir):
+    """qwen3 at TP=2: functional collectives in AOT autograd's graph, the same bits as eager."""
+    topology = Topology(tp=2)
+    job = attrs.evolve(small_job("qwen3", weights_dir), topology=topology)
+    check(gloo_world(2).run(compiled_vs_eager, topology, job, backend="aot_eager", timeout=600), "qwen3", bitwise=True)

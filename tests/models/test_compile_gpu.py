@@ -1,0 +1,179 @@
+"""Compiled decode on the GPU (group `compile` of scripts/gpu_tests.sh), and its CPU twin.
+
+- qwen3 TP=1 decode through a static KV cache, `torch.compile(mode="reduce-overhead",
+  fullgraph=True)` (Inductor + CUDA graphs), equals the eager step; its step time against
+  `CapturedStep` (our own CUDA graph of the eager step) is reported, not asserted
+  (printed, and written to $LAYER_BOUNDARY_COMPILE_JSON or benchmarks/results/compile_gpu.json).
+- TP=2 with the flashinfer plugin in the shared-device world (both ranks on one GPU when it is
+  the only one), compiled fullgraph, equal to eager on every rank.
+
+The CPU twin compiles the same static decode step (backend "eager") so the path is checked on
+every run of the suite."""
+
+import json
+import os
+import statistics
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from layer_boundary import Forward, ForwardMode, Parallel, Topology
+from layer_boundary.compiling import CountingBackend, graph_breaks, reset_graph_breaks
+from layer_boundary.models import build_model, family, model_config
+from layer_boundary.models.attention import DecodeLayout
+from layer_boundary.models.decode import static_prefill
+from layer_boundary.models.runner import make_requests
+from layer_boundary.models.weights import StateDictSource
+
+needs_gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+
+
+def _model(name, dtype, device, parallel=None, layers=None):
+    hf = dict(model_config(name).hf)
+    if layers:
+        hf["num_hidden_layers"] = layers
+    config = model_config(name, hf)
+    state = family(name).random_weights(config, dtype, seed=5)
+    model = build_model(config, parallel or Parallel.single(), dtype=dtype, device=device)
+    family(name).load_weights(model, StateDictSource(state))
+    return config, model.eval()
+
+
+def _decode(model, parallel, cache, ids, slots, positions, run=None):
+    """One static decode step; the engine's pattern: Forward built here, outside `run`."""
+    fwd = Forward(parallel, ids.shape[0], mode=ForwardMode.DECODE)
+    return (model if run is None else run)(ids, fwd, DecodeLayout(slots, positions), cache)
+
+
+def _steps(config, batch, steps, device):
+    prompts, decode = make_requests(config.vocab_size, batch, 6, steps, seed=3)
+    base = torch.tensor([len(p) for p in prompts], device=device)
+    return prompts, [torch.tensor(t, device=device) for t in decode], base
+
+
+@torch.inference_mode()
+def test_cpu_twin_static_decode_compiles_whole():
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        torch._dynamo.reset()
+        reset_graph_breaks()
+        parallel = Parallel.single()
+        config, model = _model("qwen3", torch.float64, "cpu", layers=2)
+        prompts, decode, base = _steps(config, 4, 4, "cpu")
+        cache = model.new_static_cache(len(prompts), 16)
+        static_prefill(model, parallel, cache, prompts, "cpu")
+        slots = torch.arange(len(prompts))
+        backend = CountingBackend("eager")
+        run = torch.compile(model, backend=backend, fullgraph=True)
+        for s, ids in enumerate(decode):
+            snap = cache.snapshot()
+            eager = _decode(model, parallel, cache, ids, slots, base + s).clone()
+            cache.restore(snap)
+            assert torch.equal(_decode(model, parallel, cache, ids, slots, base + s, run), eager)
+        assert graph_breaks() == 0 and backend.graphs == 1  # positions are tensors: one graph for every step
+    finally:
+        torch.set_num_threads(threads)
+
+
+def _median_us(fn, repeats=50):
+    samples = []
+    for _ in range(repeats):
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        fn()
+        torch.cuda.synchronize()
+        samples.append((time.perf_counter() - start) * 1e6)
+    return statistics.median(samples)
+
+
+@pytest.mark.gpu
+@needs_gpu
+@pytest.mark.parametrize("batch", [4, 32])
+@torch.inference_mode()
+def test_reduce_overhead_decode_equals_eager_and_is_timed_against_captured_step(batch):
+    from layer_boundary._cuda_graphs import CapturedStep
+
+    torch._dynamo.reset()
+    reset_graph_breaks()
+    parallel = Parallel.single()
+    config, model = _model("qwen3", torch.bfloat16, "cuda")
+    prompts, decode, base = _steps(config, batch, 4, "cuda")
+    cache = model.new_static_cache(len(prompts), 32)
+    slots = torch.arange(len(prompts), device="cuda")
+    ids0 = torch.zeros(len(prompts), dtype=torch.long, device="cuda")
+    pos0 = torch.zeros(len(prompts), dtype=torch.long, device="cuda")
+    captured = CapturedStep(lambda i, p: _decode(model, parallel, cache, i, slots, p), (ids0, pos0))
+    static_prefill(model, parallel, cache, prompts, "cuda")
+    run = torch.compile(model, mode="reduce-overhead", fullgraph=True)
+    worst = 0.0
+    for s, ids in enumerate(decode):
+        snap = cache.snapshot()
+        eager = _decode(model, parallel, cache, ids, slots, base + s).float().clone()
+        cache.restore(snap)
+        compiled = _decode(model, parallel, cache, ids, slots, base + s, run).float().clone()
+        cache.restore(snap)
+        worst = max(worst, ((compiled - eager).abs().max() / eager.abs().max().clamp_min(1e-6)).item())
+        _decode(model, parallel, cache, ids, slots, base + s)  # advance the cache as eager does
+    assert graph_breaks() == 0
+    assert worst < 2e-2, f"compiled vs eager: relative max diff {worst}"  # bf16, Inductor's own fusions
+    ids, pos = decode[0], base
+    snap = cache.snapshot()
+    timings = {
+        "batch": batch,
+        "eager_us": _median_us(lambda: _decode(model, parallel, cache, ids, slots, pos)),
+        "captured_step_us": _median_us(lambda: captured.replay(ids, pos)),
+        "reduce_overhead_us": _median_us(lambda: _decode(model, parallel, cache, ids, slots, pos, run)),
+        "relative_max_diff": worst,
+        "device": torch.cuda.get_device_name(),
+    }
+    cache.restore(snap)
+    print(f"\ncompiled decode (qwen3 TP=1, batch {batch}): {json.dumps(timings)}")
+    out = Path(os.environ.get("LAYER_BOUNDARY_COMPILE_JSON", "benchmarks/results/compile_gpu.json"))
+    out.parent.mkdir(parents=True, exist_ok=True)
+    previous = json.loads(out.read_text()) if out.exists() else {}
+    previous[f"batch{batch}"] = timings
+    out.write_text(json.dumps(previous, indent=2))
+
+
+def _flashinfer_rank(parallel, steps: int = 3):
+    """A TP=2 qwen3 with the flashinfer plugin's fused candidates, decode compiled fullgraph
+    against the same model eager, on this rank."""
+    from layer_boundary._lifecycle import prepare_model, release_model
+
+    torch._dynamo.reset()
+    reset_graph_breaks()
+    device = f"cuda:{torch.cuda.current_device()}"
+    config, model = _model("qwen3", torch.bfloat16, device, parallel=parallel)
+    prompts, decode, base = _steps(config, 4, steps, device)
+    prepare_model(model, max_tokens=sum(len(p) for p in prompts))
+    cache = model.new_static_cache(len(prompts), 32)
+    static_prefill(model, parallel, cache, prompts, device)
+    slots = torch.arange(len(prompts), device=device)
+    backend = CountingBackend("inductor")
+    run = torch.compile(model, backend=backend, fullgraph=True)
+    worst = 0.0
+    try:
+        for s, ids in enumerate(decode):
+            snap = cache.snapshot()
+            eager = _decode(model, parallel, cache, ids, slots, base + s).float().clone()
+            cache.restore(snap)
+            compiled = _decode(model, parallel, cache, ids, slots, base + s, run).float().clone()
+            worst = max(worst, ((compiled - eager).abs().max() / eager.abs().max().clamp_min(1e-6)).item())
+    finally:
+        release_model(model)
+    ops = sorted({str(t) for t in backend.ops() if "flashinfer" in str(t) or "layer_boundary" in str(t)})
+    return {"rank": parallel.rank, "graph_breaks": graph_breaks(), "graphs": backend.graphs, "worst": worst, "ops": ops}
+
+
+@pytest.mark.gpu
+@needs_gpu
+def test_tp2_flashinfer_compiled_fullgraph_equals_eager(gpu_world):
+    pytest.importorskip("layer_boundary_flashinfer")
+    results = gpu_world(2).run(_flashinfer_rank, Topology(tp=2))
+    for r in results:
+        print(f"\nrank {r['rank']}: graphs {r['graphs']}, graph breaks {r['graph_breaks']}, ops {r['ops']}, rel diff {r['worst']:.2e}")
+        assert r["graph_breaks"] == 0
+        assert r["worst"] < 2e-2
