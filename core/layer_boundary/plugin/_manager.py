@@ -49,7 +49,6 @@ HOOKS = {
     "overlaps": ("layer_boundary_overlaps", rec.OverlapProvider),
     "branches": ("layer_boundary_branches", rec.BranchProvider),
     "row_publishers": ("layer_boundary_row_publishers", rec.RowPublisher),
-    "add_norm_kernels": ("layer_boundary_add_norm_kernels", rec.AddNormKernel),
     "benchmarks": ("layer_boundary_benchmarks", rec.Benchmark),
 }
 LEGACY_HOOK = "layer_boundary_adapters"
@@ -92,7 +91,6 @@ class Registry:
     overlaps: tuple[Registered, ...]
     branches: tuple[Registered, ...]
     row_publishers: tuple[Registered, ...]
-    add_norm_kernels: tuple[Registered, ...]
     benchmarks: tuple[Registered, ...]
     #: deprecated `Adapter` records as yielded (each is also mapped onto its extension point)
     adapters: tuple[Registered, ...]
@@ -349,23 +347,16 @@ def _build_registry() -> Registry:
     )
 
 
-#: called with no argument whenever the registry is forgotten (caches derived from it: the
-#: add + norm kernels the norms chose)
-_ON_RESET: list = []
-
-
 def _forget_registry() -> None:
     get_registry.cache_clear()
     _CURRENT.clear()
-    for callback in _ON_RESET:
-        callback()
 
 
 def reset_registry() -> None:
     """Forget the cached manager and registry (tests; after installing a plugin). Inline
     registrations stay."""
+    get_registry.cache_clear()
     _plugins.cache_clear()
-    _forget_registry()
 
 
 # inline registration -----------------------------------------------------------------------------
@@ -391,7 +382,7 @@ def register_inline(plugin, *, name: str, distribution: Optional[str] = None, ve
             except PluginError:
                 del _INLINE[name]
                 raise
-    _forget_registry()
+    get_registry.cache_clear()
 
 
 def unregister_inline(name: str) -> None:
@@ -405,7 +396,7 @@ def unregister_inline(name: str) -> None:
             state.forget(name)
         else:
             state.reports = [r for r in state.reports if not (r.name == name and r.inline)]
-    _forget_registry()
+    get_registry.cache_clear()
 
 
 @contextlib.contextmanager
