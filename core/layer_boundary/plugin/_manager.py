@@ -355,8 +355,8 @@ def _forget_registry() -> None:
 def reset_registry() -> None:
     """Forget the cached manager and registry (tests; after installing a plugin). Inline
     registrations stay."""
-    get_registry.cache_clear()
     _plugins.cache_clear()
+    _forget_registry()
 
 
 # inline registration -----------------------------------------------------------------------------
@@ -382,7 +382,7 @@ def register_inline(plugin, *, name: str, distribution: Optional[str] = None, ve
             except PluginError:
                 del _INLINE[name]
                 raise
-    get_registry.cache_clear()
+    _forget_registry()
 
 
 def unregister_inline(name: str) -> None:
@@ -396,7 +396,7 @@ def unregister_inline(name: str) -> None:
             state.forget(name)
         else:
             state.reports = [r for r in state.reports if not (r.name == name and r.inline)]
-    get_registry.cache_clear()
+    _forget_registry()
 
 
 @contextlib.contextmanager
