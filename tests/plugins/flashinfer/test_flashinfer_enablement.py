@@ -8,6 +8,7 @@ import torch
 
 from flashinfer_fakes import ReferenceBackend, hardware_present, tiny_model
 from layer_boundary import Topology
+from layer_boundary.testing import requires_plugins
 from layer_boundary.testing.threaded import run_threaded
 from layer_boundary_flashinfer import FlashInferSettings, WorkspaceCapturedError
 from layer_boundary_flashinfer.ordering import LaunchOrder
@@ -142,6 +143,7 @@ def test_a_rebuild_after_a_graph_was_captured_on_the_workspace_is_refused():
 # --- LoRA under FlashInfer ------------------------------------------------------------------------
 
 
+@requires_plugins("lora")
 def test_a_lora_ffn_leaves_its_sum_to_the_next_input_s_fusion_once_prepared():
     """A LoRA FFN's sum waits only for a fused consumer (`fused_consumer_only`): the flashinfer
     provider accepts it (`can_defer_all_reduce`) for the batches the next input's fused kernel
