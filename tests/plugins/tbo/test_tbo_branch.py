@@ -19,6 +19,7 @@ from layer_boundary import (
     merge_branch,
     residual_batch,
 )
+from layer_boundary.testing import requires_plugins
 from layer_boundary.testing.threaded import ThreadWorld, run_threaded
 
 from tbo_exact_branch import BranchStack, plain_reference, run_branch_rank
@@ -84,6 +85,7 @@ def test_prepare_on_a_prepared_branch_is_rejected():
     assert str(info.value) == CoreMessages.BRANCH_PREPARE == "a prepared branch must enter through branch_input, not prepare"
 
 
+@requires_plugins("cp")  # a CP stage needs the cp plugin to be built at all
 def test_branch_transport_with_context_parallel_is_rejected_at_construction():
     parallel = ThreadWorld(4).parallel(Topology(tp=4, attn_cp=2), 0)
     (moe,) = make_stages((declare_ffn(sparse=True), RMSNorm(4)), terminal=True, parallel=parallel)
