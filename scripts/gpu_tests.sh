@@ -17,6 +17,10 @@
 #   soak        benchmarks/gpu_soak.py at 2 ranks: 10,000 decode steps with the flashinfer plugin
 #               (GPU memory, live tensors and streams before and after), then a rank killed
 #               mid-forward (the others must raise, not hang); JSON in $OUT/soak.json, soak_kill.json
+#   addnorm     the local add + RMSNorm kernels (cutedsl, flashinfer) against the torch path, their
+#               order, a CUDA graph, a qwen3 TP=1 decode step launching fewer kernels
+#   bench-decode   `layer-boundary bench decode` (batch 1, 32: graph replay, kernels vs HF, floor)
+#   bench-cutedsl  `layer-boundary bench cutedsl` (CuTe DSL add + RMSNorm vs FlashInfer, copy baseline)
 #
 # The archives do not fit one command (64 MiB a command), so a fresh machine is staged in three
 # commands sent back to back (the machine keeps /tmp while it stays warm), then the groups:
@@ -105,6 +109,16 @@ run_pytest() {  # name timeout pytest-args...
   return "$rc"
 }
 
+run_bench() {  # name timeout command...: a benchmark; its table is the log's tail
+  local name=$1 limit=$2; shift 2
+  local t0=$SECONDS
+  timeout "$limit" "$@" > "$OUT/$name.log" 2>&1
+  local rc=$?
+  tail -40 "$OUT/$name.log"
+  echo "$name $rc $((SECONDS - t0)) $OUT/$name.log" >> "$RESULTS"
+  return "$rc"
+}
+
 run_check() {  # name timeout command...
   local name=$1 limit=$2; shift 2
   local t0=$SECONDS
@@ -171,6 +185,9 @@ group() {
       run_check shadow_dense 90 $fi --models qwen3 --out "$OUT/shadow_dense" || rc=1
       return $rc ;;
     smoke-cutedsl) run_check cutedsl_smoke "${SMOKE_TIMEOUT:-240}" python3 -m layer_boundary_cutedsl.allreduce_smoke --ranks 2 --json "$OUT/cutedsl_smoke.json" ;;
+    addnorm) run_pytest addnorm 560 tests/plugins/test_add_norm_gpu.py ;;
+    bench-decode) run_bench bench_decode 290 python3 -m layer_boundary bench decode -- --out "$OUT/decode.json" ;;
+    bench-cutedsl) run_bench bench_cutedsl 290 python3 -m layer_boundary bench cutedsl -- --out "$OUT/cutedsl_bench.json" ;;
     # the soak stops at its --budget-s (agreed by the ranks) with the steps it ran and its rate
     soak)
       local soak="python3 benchmarks/gpu_soak.py --device cuda --tp 2" rc=0
@@ -178,7 +195,7 @@ group() {
       run_check soak_kill 150 $soak --only kill --out "$OUT/soak_kill.json" || rc=1
       return $rc ;;
     contract) run_pytest contract 560 tests/plugins/test_contract_plugins.py tests/plugins/test_contract_suite.py tests/test_example_provider.py ;;
-    *) log "unknown group $1 (core cutedsl flashinfer flashinfer4 contract soak compile shadow probe probe-moe final smoke-cutedsl)"; return 2 ;;
+    *) log "unknown group $1 (core cutedsl flashinfer flashinfer4 contract soak compile addnorm shadow probe probe-moe final smoke-cutedsl bench-decode bench-cutedsl)"; return 2 ;;
   esac
 }
 
@@ -235,7 +252,7 @@ while [ $i -lt ${#steps[@]} ]; do
       while [ $((i + 1)) -lt ${#steps[@]} ] && [ "${steps[$((i + 1))]}" != stage ] && [ "${steps[$((i + 1))]}" != summary ]; do
         i=$((i + 1)); groups+=("${steps[$i]}")
       done
-      [ ${#groups[@]} -eq 0 ] && groups=(core cutedsl flashinfer flashinfer4 contract soak)
+      [ ${#groups[@]} -eq 0 ] && groups=(core cutedsl flashinfer flashinfer4 contract soak addnorm compile)
       for g in "${groups[@]}"; do
         log "group $g"
         group "$g" || status=1

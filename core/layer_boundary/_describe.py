@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from ._forward import RowLayout
 from ._paths import EntryMode, ExitRole, Owed
+from ._residual.kernels import describe as describe_add_norm
 from ._row_publishers import describe_publication
 
 __all__ = ["plan", "entry", "exit"]
@@ -75,6 +76,9 @@ def plan(p) -> dict:
         "consumer": decl.following.describe() if decl.following is not None else ("final norm" if p.terminal else "next stage"),
         "variants": {v.value: {"entry": entry(path.entry, p), "exit": exit(path.exit, p)} for v, path in p.paths.items()},
     }
+    add_norm = None if p.enters_stack or p.is_branch else describe_add_norm(p.norm)  # the stack entry only norms
+    if add_norm is not None:
+        out["add_norm"] = add_norm
     if p.unsupported:
         out["unsupported"] = {v.value: reason for v, reason in p.unsupported.items()}
     return out

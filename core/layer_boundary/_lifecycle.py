@@ -19,7 +19,12 @@ def prepare_model(model, *, max_tokens: int = 2048, settings=None) -> list[str]:
     """Let every installed plugin prepare `model` for forwards of up to `max_tokens` tokens
     (collective: call on all ranks). `settings` maps a plugin's name to the engine's settings
     for it (for example `{"flashinfer": FlashInferSettings(...)}`), the same on every rank.
-    Returns the names of the plugins (and deprecated setup records) that ran, in order."""
+    Returns the names of the plugins (and deprecated setup records) that ran, in order. Every
+    RMSNorm of the model chooses (compiles, loads) its add + norm kernel first, for its weight's
+    device and dtype, so no choice runs inside a capture."""
+    from ._residual.kernels import prepare_norms
+
+    prepare_norms(model)
     request = PrepareRequest(model, max_tokens, settings)
     done = []
     for name, hook in get_registry().prepare_hooks:

@@ -115,7 +115,7 @@ class EntryPath:
     arrives_plain: Optional[bool] = None
     #: fused consumer candidates, in order (the last never declines)
     candidates: tuple = ()
-    #: the norm's own fused add + norm when the read is a plain norm of an RMSNorm (bound once)
+    #: the norm's add + norm (its chosen kernel) when the read is a plain norm of an RMSNorm (bound once)
     add_norm: Optional[Callable] = None
     #: a capture of the residual on the producer's rows allocates (it gathers rows)
     capture_allocates: bool = False

@@ -278,7 +278,7 @@ def _entry_path(stage: Stage, variant: BatchVariant, candidates, publishers) -> 
         candidates=candidates if use_candidates else (),
         arrives_plain=arrives_plain,
         owed=owed,
-        add_norm=stage.norm.add_forward if plain and is_rms_norm(stage.norm) and type(decl.read) is NormRead else None,
+        add_norm=stage.norm.fused_add_forward if plain and is_rms_norm(stage.norm) and type(decl.read) is NormRead else None,
         compute_rows=rows,
     )
 

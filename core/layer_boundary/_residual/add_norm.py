@@ -4,9 +4,15 @@
 formed in max(dtype, fp32), rounded once into the new residual, and the norm reads the
 unrounded sum (as fused add+norm kernels do). The norm statistic runs in `compute_dtype`
 (fp32 by default, like fused kernels and Hugging Face's RMSNorm).
+
+What the boundaries run is `RMSNorm.fused_add_forward`: the first `AddNormKernel` a plugin
+registers that accepts the norm's device and dtypes (one fused kernel), else `add_forward`
+(see `kernels.py`).
 """
 
 from __future__ import annotations
+
+import types
 
 import torch
 from torch import nn
@@ -22,6 +28,7 @@ __all__ = [
     "NORM_READ",
     "PLAIN_RESIDUAL",
     "add_rms_norm",
+    "add_norm",
     "is_rms_norm",
 ]
 
@@ -34,15 +41,22 @@ class RMSNorm(nn.Module):
     """RMSNorm, `weight * normalize(x)` (the Llama/Qwen order: round, then scale).
 
     `gemma_weight` is the multiplier as applied, which fused kernels take as gamma.
+    `kernels=False` keeps this norm on its torch path (no plugin kernel is asked).
     """
 
     offset = 0.0
+    #: the chosen add + norm per (device, residual dtype, contribution dtype), filled by the first
+    #: call on each (an instance dict then shadows this empty one; see `kernels.py`)
+    _add_norm_kernels = types.MappingProxyType({})
 
-    def __init__(self, hidden_size: int, eps: float = 1e-6, *, dtype=None, device=None, compute_dtype=torch.float32):
+    def __init__(
+        self, hidden_size: int, eps: float = 1e-6, *, dtype=None, device=None, compute_dtype=torch.float32, kernels: bool = True
+    ):
         super().__init__()
         self.weight = nn.Parameter(torch.ones(hidden_size, dtype=dtype, device=device))
         self.eps = float(eps)
         self.compute_dtype = compute_dtype
+        self.kernels = bool(kernels)
 
     @property
     def hidden_size(self) -> int:
@@ -73,6 +87,37 @@ class RMSNorm(nn.Module):
             return new_residual.new_empty(new_residual.shape), new_residual
         return self._scale(self._normalize(total), residual.dtype), new_residual
 
+    def fused_add_forward(self, contribution: torch.Tensor, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """`add_forward` through the chosen kernel: one fused launch where a plugin's
+        `AddNormKernel` accepts this device and these dtypes, else `add_forward` itself. New
+        tensors out; the inputs are never written."""
+        run = self._add_norm_kernels.get((residual.device, residual.dtype, contribution.dtype))
+        if run is None:
+            from .kernels import first_call
+
+            return first_call(self, contribution, residual)
+        return run(contribution, residual)
+
+    def add_norm_kernel(self, device=None, dtype=None) -> str:
+        """The name of the add + norm this norm runs on `device` for `dtype` rows (default: its
+        weight's), choosing it now if no call has."""
+        from .kernels import choose
+
+        device = self.weight.device if device is None else torch.device(device)
+        dtype = self.weight.dtype if dtype is None else dtype
+        return choose(self, device, dtype, dtype).name
+
+    def _apply(self, fn, recurse=True):
+        self.__dict__.pop("_add_norm_kernels", None)  # moved or cast: choose again
+        self.__dict__.pop("_add_norm_choices", None)
+        return super()._apply(fn, recurse)
+
+    def __getstate__(self):
+        state = dict(super().__getstate__())
+        state.pop("_add_norm_kernels", None)  # bound to this instance's weight: a copy chooses its own
+        state.pop("_add_norm_choices", None)
+        return state
+
     def extra_repr(self) -> str:
         return f"{self.hidden_size}, eps={self.eps}"
 
@@ -82,8 +127,10 @@ class GemmaRMSNorm(RMSNorm):
 
     offset = 1.0
 
-    def __init__(self, hidden_size: int, eps: float = 1e-6, *, dtype=None, device=None, compute_dtype=torch.float32):
-        super().__init__(hidden_size, eps, dtype=dtype, device=device, compute_dtype=compute_dtype)
+    def __init__(
+        self, hidden_size: int, eps: float = 1e-6, *, dtype=None, device=None, compute_dtype=torch.float32, kernels: bool = True
+    ):
+        super().__init__(hidden_size, eps, dtype=dtype, device=device, compute_dtype=compute_dtype, kernels=kernels)
         with torch.no_grad():
             self.weight.zero_()
 
@@ -97,9 +144,19 @@ def is_rms_norm(norm) -> bool:
 
 
 def add_rms_norm(norm, contribution, residual):
-    """Unfused add + norm for any norm module; fused FP32 accumulation for an `RMSNorm`."""
+    """Unfused add + norm for any norm module; fused FP32 accumulation for an `RMSNorm`
+    (the torch reference: never a plugin kernel)."""
     if is_rms_norm(norm):
         return norm.add_forward(contribution, residual)
+    new_residual = PLAIN_ADD.apply(contribution, residual)
+    return norm(new_residual), new_residual
+
+
+def add_norm(norm, contribution, residual):
+    """What the boundaries run for a plain add + norm: the norm's chosen kernel for an
+    `RMSNorm` (`fused_add_forward`), else the unfused add then the norm."""
+    if is_rms_norm(norm):
+        return norm.fused_add_forward(contribution, residual)
     new_residual = PLAIN_ADD.apply(contribution, residual)
     return norm(new_residual), new_residual
 
@@ -133,7 +190,7 @@ class NormRead:
 
     def update_and_read(self, update, contribution, residual, norm):
         if update.plain_add:
-            return add_rms_norm(norm, contribution, residual)
+            return add_norm(norm, contribution, residual)
         new_residual = update.apply(contribution, residual)
         return norm(new_residual), new_residual
 

@@ -141,7 +141,7 @@ def norm(
                 new_residual = update.apply(value, residual)
                 normed = new_residual
             elif update.plain_add and is_rms_norm(layernorm):
-                normed, new_residual = layernorm.add_forward(value, residual)
+                normed, new_residual = layernorm.fused_add_forward(value, residual)
             else:
                 new_residual = update.apply(value, residual)
                 normed = layernorm(new_residual)

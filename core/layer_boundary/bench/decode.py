@@ -1,5 +1,11 @@
 """End-to-end decode step time of a realistic-width Qwen3 through the boundaries on GPU:
-eager vs CUDA-graph replay (graph checked equal to eager first), per batch size, with peak memory.
+eager vs CUDA-graph replay (graph checked equal to eager first), per batch size, with peak memory;
+what one step launches (torch.profiler: kernel count and summed kernel time) for ours and for
+Hugging Face transformers on the same config and GPU (sdpa attention, eager, its DynamicCache);
+and the weight-streaming floor of a step: the bytes of every weight a decode step reads (all
+parameters but the input embedding, of which it reads a row per token) over 4.3 TB/s, the
+H200's measured device-to-device copy bandwidth. Targets (issue 24): kernel time <= 0.8x HF's,
+graph replay <= 1.5x the floor.
 
 TP=1 runs in this process on one GPU. TP>1 (fused vs unfused with the flashinfer plugin) needs as
 many GPUs as ranks and runs under torchrun: `torchrun --nproc-per-node 2 -m layer_boundary bench
@@ -45,6 +51,59 @@ def _random_init(model) -> None:
                 p.copy_(torch.randn_like(p) / p.shape[-1] ** 0.5)
 
 
+#: bytes per second a step can stream weights at (H200, device-to-device copy, measured)
+STREAM_BYTES_PER_S = 4.3e12
+
+
+def weight_floor(model) -> tuple[int, float]:
+    """(bytes, microseconds at STREAM_BYTES_PER_S) of the weights one decode step streams:
+    every parameter except the input embedding."""
+    embed = getattr(model, "embed_tokens", None)
+    skip = {id(p) for p in embed.parameters()} if isinstance(embed, torch.nn.Module) else set()
+    lm_head = getattr(model, "lm_head", None)
+    if isinstance(lm_head, torch.nn.Module):
+        skip -= {id(p) for p in lm_head.parameters()}  # tied: the head still streams it
+    nbytes = sum(p.numel() * p.element_size() for p in model.parameters() if id(p) not in skip)
+    return nbytes, nbytes / STREAM_BYTES_PER_S * 1e6
+
+
+def _add_norm_kernels(model) -> dict:
+    """Which add + norm each RMSNorm of the model runs (name -> how many norms)."""
+    from .._residual.add_norm import RMSNorm
+
+    out: dict = {}
+    for module in model.modules():
+        if isinstance(module, RMSNorm) and module.__dict__.get("_add_norm_choices"):
+            name = module.add_norm_kernel()
+            out[name] = out.get(name, 0) + 1
+    return out
+
+
+def _hf_model(cfg: dict):
+    import transformers
+
+    config = transformers.AutoConfig.for_model(cfg["model_type"], **{k: v for k, v in cfg.items() if k != "model_type"})
+    with torch.device("cuda"):
+        model = transformers.AutoModelForCausalLM.from_config(config, attn_implementation="sdpa")
+    return model.to(torch.bfloat16).eval()
+
+
+@torch.inference_mode()
+def hf_profile(hf, batches, prompt: int, vocab: int) -> dict:
+    """Per batch: what one Hugging Face decode step launches (after a prefill of `prompt` tokens)."""
+    from .profile import profile_step
+
+    out = {}
+    for batch in batches:
+        gen = torch.Generator().manual_seed(batch)
+        ids = torch.randint(0, vocab, (batch, prompt), generator=gen).cuda()
+        past = hf(input_ids=ids, use_cache=True).past_key_values
+        step_ids = torch.randint(0, vocab, (batch, 1), generator=gen).cuda()
+        out[batch] = profile_step(lambda: hf(input_ids=step_ids, past_key_values=past, use_cache=True).logits)
+        del past
+    return out
+
+
 def _events_us(fn, repeats: int) -> float:
     times = []
     for _ in range(repeats):
@@ -58,8 +117,9 @@ def _events_us(fn, repeats: int) -> float:
 
 
 @torch.inference_mode()
-def run(batches, layers: int, prompt: int, repeats: int, parallel=None) -> dict:
+def run(batches, layers: int, prompt: int, repeats: int, parallel=None, hf: bool = True) -> dict:
     from .._cuda_graphs import CapturedStep
+    from .profile import profile_step
     from ..models import build_model, model_config
     from ..models.decode import static_decode_step, static_prefill
     from .._parallel import Parallel
@@ -69,6 +129,7 @@ def run(batches, layers: int, prompt: int, repeats: int, parallel=None) -> dict:
     config = model_config("qwen3", cfg)
     model = build_model(config, parallel, dtype=torch.bfloat16, device="cuda")
     _random_init(model)
+    weight_bytes, floor_us = weight_floor(model)
     rows = []
     for batch in batches:
         torch.cuda.empty_cache()
@@ -88,6 +149,7 @@ def run(batches, layers: int, prompt: int, repeats: int, parallel=None) -> dict:
         equal = bool(torch.equal(eager_out, replay_out))
         eager_us = _events_us(lambda: static_decode_step(model, parallel, cache, ids, slots, pos), repeats)
         graph_us = _events_us(lambda: graph.replay(ids, pos), repeats * 3)
+        ours = profile_step(lambda: static_decode_step(model, parallel, cache, ids, slots, pos))
         rows.append(
             {
                 "batch": batch,
@@ -96,29 +158,56 @@ def run(batches, layers: int, prompt: int, repeats: int, parallel=None) -> dict:
                 "eager_over_graph": eager_us / graph_us,
                 "graph_equals_eager": equal,
                 "peak_mem_gib": torch.cuda.max_memory_allocated() / 2**30,
+                "floor_us": floor_us,
+                "graph_over_floor": graph_us / floor_us,
+                "kernels": ours["kernels"],
+                "kernel_us": ours["kernel_us"],
+                "copies": ours["copies"],
+                "by_name": ours["by_name"],
             }
         )
         del graph, cache
-    return {"model": cfg, "tp": parallel.topology.tp, "prompt": prompt, "rows": rows, "device": torch.cuda.get_device_name()}
+    add_norm = _add_norm_kernels(model)
+    if hf and parallel.topology.tp == 1:
+        del model
+        torch.cuda.empty_cache()
+        hf_model = _hf_model(cfg)
+        for row, (batch, theirs) in zip(rows, hf_profile(hf_model, batches, prompt, config.vocab_size).items()):
+            row.update(hf_kernels=theirs["kernels"], hf_kernel_us=theirs["kernel_us"], hf_copies=theirs["copies"],
+                       hf_by_name=theirs["by_name"], kernel_us_over_hf=row["kernel_us"] / theirs["kernel_us"])
+        del hf_model
+    return {"model": cfg, "tp": parallel.topology.tp, "prompt": prompt, "rows": rows, "device": torch.cuda.get_device_name(),
+            "weight_bytes": weight_bytes, "floor_us": floor_us, "stream_bytes_per_s": STREAM_BYTES_PER_S,
+            "add_norm_kernels": add_norm, "hf": "transformers, sdpa, eager, DynamicCache" if hf and parallel.topology.tp == 1 else None,
+            "targets": {"kernel_us_over_hf": 0.8, "graph_over_floor": 1.5}}
 
 
 def main(argv=None) -> dict:
     ap = OneLineParser(prog=f"layer-boundary bench {Path(__file__).stem}", description=__doc__)
-    ap.add_argument("--batches", type=positive_int, nargs="+", default=[1, 8, 32, 64, 128, 256])
+    ap.add_argument("--batches", type=positive_int, nargs="+", default=[1, 32])
     ap.add_argument("--layers", type=positive_int, default=8)
     ap.add_argument("--prompt", type=positive_int, default=32)
     ap.add_argument("--repeats", type=positive_int, default=30)
     ap.add_argument("--out", default="benchmarks/results/decode.json")
+    ap.add_argument("--no-hf", action="store_true", help="skip the Hugging Face transformers profile")
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():
         raise SystemExit("bench decode needs a CUDA GPU")
-    result = run(args.batches, args.layers, args.prompt, args.repeats)
+    result = run(args.batches, args.layers, args.prompt, args.repeats, hf=not args.no_hf)
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(result, indent=2))
     print(f"decode step, qwen3 hidden 4096 x {args.layers} layers, bf16, TP={result['tp']}, {result['device']}")
     print(f"{'batch':>6} {'eager us':>10} {'graph us':>10} {'eager/graph':>12} {'graph==eager':>13} {'peak GiB':>9}")
     for r in result["rows"]:
         print(f"{r['batch']:>6} {r['eager_us']:>10.1f} {r['graph_us']:>10.1f} {r['eager_over_graph']:>12.2f} {str(r['graph_equals_eager']):>13} {r['peak_mem_gib']:>9.2f}")
+    print(f"\none step under torch.profiler; weight-streaming floor {result['floor_us']:.0f} us "
+          f"({result['weight_bytes'] / 1e9:.2f} GB at {result['stream_bytes_per_s'] / 1e12:.1f} TB/s); add + norm: {result['add_norm_kernels']}")
+    print(f"{'batch':>6} {'kernels':>8} {'kernel us':>10} {'HF kernels':>11} {'HF kernel us':>13} {'ours/HF':>8} {'graph/floor':>12}")
+    for r in result["rows"]:
+        hf_k = r.get("hf_kernels", "-")
+        hf_us = f"{r['hf_kernel_us']:.1f}" if "hf_kernel_us" in r else "-"
+        ratio = f"{r['kernel_us_over_hf']:.2f}" if "kernel_us_over_hf" in r else "-"
+        print(f"{r['batch']:>6} {r['kernels']:>8} {r['kernel_us']:>10.1f} {hf_k:>11} {hf_us:>13} {ratio:>8} {r['graph_over_floor']:>12.2f}")
     from .plot import line_plot
 
     xs = [r["batch"] for r in result["rows"]]

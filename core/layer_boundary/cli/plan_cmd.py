@@ -39,11 +39,14 @@ def add_parser(sub) -> None:
     p.add_argument("--reduction", default="auto", choices=["ar", "rs", "rsv", "rs+rsv", "auto"])
     p.add_argument("--lora", type=non_negative_int, default=0, metavar="N", help="N LoRA adapters (needs layer-boundary-lora)")
     p.add_argument("--rank", type=non_negative_int, default=0, help="whose view to show (default 0)")
+    p.add_argument("--device", default="meta",
+                   help="where to build the model (default meta: no weights); on a GPU the add + norm lines name the chosen kernel")
+    p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
     p.add_argument("--json", action="store_true")
     p.set_defaults(handler=run)
 
 
-def build_plans(model_name: str, hf_config, topology: Topology, reduction: str, rank: int = 0, lora: int = 0):
+def build_plans(model_name: str, hf_config, topology: Topology, reduction: str, rank: int = 0, lora: int = 0, device="meta", dtype=None):
     from .._errors import MissingPluginError
     from ..models import ConfigError, build_model, load_hf_config, model_config
     from ..models.lora_layers import random_lora_spec
@@ -54,7 +57,8 @@ def build_plans(model_name: str, hf_config, topology: Topology, reduction: str, 
         policy = resolve_reduction(reduction, dict(config.hf))
         parallel = Parallel.create(topology, rank, lambda name, ranks: PlanningCollectives(name, ranks, rank))
         spec = random_lora_spec(lora) if lora else None
-        model = build_model(config, parallel, reduction=policy, device="meta", lora=spec)
+        extra = {} if dtype is None else {"dtype": dtype}
+        model = build_model(config, parallel, reduction=policy, device=device, lora=spec, **extra)
     except (ConfigError, TopologyError, MissingPluginError, ValueError, NotImplementedError) as exc:
         raise UsageError(str(exc)) from None
     from .._stage import boundaries_of
@@ -69,13 +73,18 @@ def run(args) -> int:
         raise UsageError(str(exc)) from None
     if not 0 <= args.rank < topology.world_size:
         raise UsageError(f"--rank {args.rank} is outside a world of {topology.world_size}")
-    config, policy, plans = build_plans(args.model, args.hf_config, topology, args.reduction, args.rank, args.lora)
+    import torch
+
+    dtype = getattr(torch, args.dtype) if args.device != "meta" else None
+    config, policy, plans = build_plans(args.model, args.hf_config, topology, args.reduction, args.rank, args.lora, args.device, dtype)
     if args.json:
         print(json.dumps({"model": args.model, "topology": topology.describe(), "reduction": policy.value, "boundaries": plans}, indent=2))
         return 0
     print(f"{args.model}: {config.num_layers} layers, {topology.describe()}, reduction={policy.value}, rank {args.rank}'s view")
     for plan in plans:
         print(f"\n{plan['label']}  {plan['stage']}  (producer: {plan['producer']}; consumer: {plan['consumer']})")
+        if "add_norm" in plan:
+            print(f"  {plan['add_norm']}")
         for variant, paths in plan["variants"].items():
             print(f"  [{variant}]")
             for step in paths["entry"]:

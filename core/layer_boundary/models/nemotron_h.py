@@ -258,6 +258,9 @@ def stage_declaration(pattern: str, layer: int):
 class NemotronHRMSNorm(RMSNorm):
     """Nemotron-H's RMSNorm: the weight multiplies in float32 before rounding to the input dtype."""
 
+    #: the fused add + norm kernels scale the same way (fp32 weight multiply, one rounding)
+    scale_as_kernels = True
+
     def _scale(self, normalized: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
         return (self.weight.to(normalized.dtype) * normalized).to(out_dtype)
 

@@ -13,6 +13,7 @@ Registration (one hook per extension point; `docs/plugins.md` walks through them
 | `layer_boundary_overlaps` | `OverlapProvider` | `OverlapRequest` | an `Overlap` |
 | `layer_boundary_branches` | `BranchProvider` | `BranchRequest` | a `BranchTransport` |
 | `layer_boundary_row_publishers` | `RowPublisher` | `RowPublisherRequest` | a `PublishesRows` |
+| `layer_boundary_add_norm_kernels` | `AddNormKernel` | `AddNormRequest` | `kernel(contribution, residual, weight) -> (normed, new_residual)` |
 | `layer_boundary_benchmarks` | `Benchmark` | the option strings of `layer-boundary bench` | (runs it) |
 
 Life cycle (verbs, called on every rank): `layer_boundary_prepare_model(request:
@@ -56,6 +57,7 @@ from ._manager import (
     unregister_inline,
 )
 from ._records import (
+    AddNormKernel,
     Adapter,
     Benchmark,
     BranchProvider,
@@ -69,6 +71,7 @@ from ._records import (
     TokenMappingProvider,
 )
 from ._requests import (
+    AddNormRequest,
     AttentionInputFusion,
     BranchRequest,
     BranchTransport,
@@ -100,6 +103,7 @@ __all__ = [
     "OverlapProvider",
     "BranchProvider",
     "RowPublisher",
+    "AddNormKernel",
     "Benchmark",
     "Adapter",
     "Registered",
@@ -109,6 +113,7 @@ __all__ = [
     "OverlapRequest",
     "BranchRequest",
     "RowPublisherRequest",
+    "AddNormRequest",
     "PrepareRequest",
     "ReleaseRequest",
     # capabilities

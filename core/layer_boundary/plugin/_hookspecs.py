@@ -97,6 +97,17 @@ class LayerBoundarySpecs:
         yield from ()
 
     @hookspec
+    def layer_boundary_add_norm_kernels(self) -> "Iterable[records.AddNormKernel]":
+        """Yield `AddNormKernel` records: local add + RMSNorm kernels (no collective).
+
+        Every plain add + RMSNorm read that no fusion provider takes (TP=1, after an unfused
+        all-reduce, the final norm, Gemma norms) runs the first record whose
+        `factory(request)` (an `AddNormRequest`: device, dtypes, width, offset, eps) returns a
+        kernel, chosen once per norm, device and dtypes; the norm's torch path runs when none does.
+        """
+        yield from ()
+
+    @hookspec
     def layer_boundary_benchmarks(self) -> "Iterable[records.Benchmark]":
         """Yield `Benchmark` records: `layer-boundary bench COMMAND [options]` runs the record
         whose `command` it names, `factory(options)`."""

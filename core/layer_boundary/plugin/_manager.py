@@ -49,6 +49,7 @@ HOOKS = {
     "overlaps": ("layer_boundary_overlaps", rec.OverlapProvider),
     "branches": ("layer_boundary_branches", rec.BranchProvider),
     "row_publishers": ("layer_boundary_row_publishers", rec.RowPublisher),
+    "add_norm_kernels": ("layer_boundary_add_norm_kernels", rec.AddNormKernel),
     "benchmarks": ("layer_boundary_benchmarks", rec.Benchmark),
 }
 LEGACY_HOOK = "layer_boundary_adapters"
@@ -91,6 +92,7 @@ class Registry:
     overlaps: tuple[Registered, ...]
     branches: tuple[Registered, ...]
     row_publishers: tuple[Registered, ...]
+    add_norm_kernels: tuple[Registered, ...]
     benchmarks: tuple[Registered, ...]
     #: deprecated `Adapter` records as yielded (each is also mapped onto its extension point)
     adapters: tuple[Registered, ...]
@@ -347,9 +349,16 @@ def _build_registry() -> Registry:
     )
 
 
+#: called with no argument whenever the registry is forgotten (caches derived from it: the
+#: add + norm kernels the norms chose)
+_ON_RESET: list = []
+
+
 def _forget_registry() -> None:
     get_registry.cache_clear()
     _CURRENT.clear()
+    for callback in _ON_RESET:
+        callback()
 
 
 def reset_registry() -> None:

@@ -123,6 +123,31 @@ class RowPublisher(_Record):
 
 
 @attrs.frozen(kw_only=True)
+class AddNormKernel(_Record):
+    """Hook `layer_boundary_add_norm_kernels`: a local kernel for the plain residual add +
+    RMSNorm of one rank's rows (no collective): what a boundary runs when nothing is owed (TP=1,
+    or after the sum completed unfused) and what the final norm runs.
+
+    `factory(request: AddNormRequest)` runs once per (norm, device, dtypes) at the first call
+    (or at `prepare_model`) and returns `kernel(contribution, residual, weight) -> (normed,
+    new_residual)`, or None to decline (another device, dtype, width, a missing library). The
+    kernel keeps the reference numerics (`add_rms_norm`: the sum in fp32 rounded once into the
+    new residual, the norm reads the unrounded sum), returns new tensors and never writes into
+    its inputs (the caller may still hold them: captures, snapshots). The first accepting record
+    in (-priority, name) order wins; the norm's own torch `add_forward` runs when none accepts.
+    The choice is per rank (it changes no collective). Compile or load in the factory: the kernel
+    may then be called inside a CUDA-graph capture and must be traceable by torch.compile
+    (a `torch.library.custom_op` with a fake implementation, when compiling).
+
+    `contract_preparation`: "module:callable" returning the factory the contract suite runs on
+    a machine without the hardware (the plugin's kernels bound to references); on CUDA the
+    suite runs `factory` itself.
+    """
+
+    contract_preparation: Optional[str] = None
+
+
+@attrs.frozen(kw_only=True)
 class Benchmark(_Record):
     """Hook `layer_boundary_benchmarks`: `layer-boundary bench COMMAND [options]` calls
     `factory(options)` (the option strings); a benchmark prints a table and writes its results

@@ -65,6 +65,31 @@ class RowPublisherRequest:
     stage: "Stage"
 
 
+@attrs.frozen(kw_only=True)
+class AddNormRequest:
+    """What a local add + RMSNorm kernel is asked to run: rows of `hidden_size` elements,
+    `normed = (sum * rsqrt(mean(sum^2) + eps)) * (weight + offset)` with the sum in fp32 and the
+    statistic in `compute_dtype`, on `device`. `dtype` is the residual's (and the outputs'),
+    `contribution_dtype` and `weight_dtype` those of the other two inputs; `norm_kind` is
+    "rms" (offset 0) or "gemma_rms" (offset 1, the weight is the raw `w` of `1 + w`)."""
+
+    device: "torch.device"
+    dtype: "torch.dtype"
+    contribution_dtype: "torch.dtype"
+    weight_dtype: "torch.dtype"
+    hidden_size: int
+    offset: float
+    eps: float
+    compute_dtype: "torch.dtype"
+    norm_kind: str
+
+    @property
+    def uniform_dtype(self) -> Optional["torch.dtype"]:
+        """The one dtype of residual, contribution and weight, or None when they differ."""
+        same = self.dtype == self.contribution_dtype == self.weight_dtype
+        return self.dtype if same else None
+
+
 @attrs.frozen
 class PrepareRequest:
     """`prepare_model(model, max_tokens=...)`: a model whose weights are in place, before its

@@ -33,6 +33,12 @@ Rules of a fusion provider (`FUSION_CHECKS`):
 - parity: accepted results match the unfused reference (`add_rms_norm` of the completed sum)
   within the dtype's tolerance, and a candidate claiming `preserves_residual` keeps it.
 
+Rules of an add + norm kernel (`ADD_NORM_CHECKS`, `check_add_norm_kernel`): record,
+construction (the factory answers every request with a callable or None, never raising), purity
+(new tensors out, contribution and residual unchanged: values and version counters) and parity
+(the torch reference `add_rms_norm` within the dtype's tolerance, zero rows included; a record
+that accepts nothing fails, unless its `contract_preparation` readies reference kernels).
+
 Rules of a residual kind (`RESIDUAL_CHECKS`): record, without_hardware, construction (the
 factory returns `ResidualOps`, the same flags twice), parity (`update_and_read` equals `read`
 after `apply`; a `plain_add` update adds, a `plain_norm` read norms) and row_local (rows are
@@ -55,7 +61,8 @@ import attrs
 import torch
 
 from ..plugin._manager import get_registry
-from ..plugin._records import FusionProvider, ResidualKind
+from ..plugin._records import AddNormKernel, FusionProvider, ResidualKind
+from ._contract.add_norm import ADD_NORM_CHECKS, add_norm_report
 from ._contract.fusion import runtime_report
 from ._contract.hardware import settings_from_json, without_hardware, without_hardware_here, without_hardware_subprocess
 from ._contract.records import check_record, kind_of, registered_entries, resolve
@@ -78,11 +85,13 @@ __all__ = [
     "ContractCase",
     "FUSION_CHECKS",
     "RESIDUAL_CHECKS",
+    "ADD_NORM_CHECKS",
     "ADAPTER_CHECKS",
     "DEVICE_FREE_CHECKS",
     "TOLERANCES",
     "check_fusion_provider",
     "check_residual_kind",
+    "check_add_norm_kernel",
     "contract_cases",
     "contract_params",
 ]
@@ -107,6 +116,8 @@ def _report(record_ref, check: str, device: str, settings: ContractSettings, opt
     if key not in _PASSES:  # one pass feeds several checks: run it once per record, device and settings
         if isinstance(record, FusionProvider):
             _PASSES[key] = runtime_report(record_ref if world is not None else record, name, settings, world)
+        elif isinstance(record, AddNormKernel):
+            _PASSES[key] = add_norm_report(record, settings)
         else:
             _PASSES[key] = residual_report(record, options, settings)
     return _PASSES[key]
@@ -116,7 +127,7 @@ _PASSES: dict = {}
 
 
 def _checks_for(record, checks):
-    allowed = {FusionProvider: FUSION_CHECKS, ResidualKind: RESIDUAL_CHECKS}.get(type(record), ADAPTER_CHECKS)
+    allowed = {FusionProvider: FUSION_CHECKS, ResidualKind: RESIDUAL_CHECKS, AddNormKernel: ADD_NORM_CHECKS}.get(type(record), ADAPTER_CHECKS)
     checks = allowed if checks is None else tuple(checks)
     unknown = [c for c in checks if c not in allowed]
     if unknown:
@@ -146,6 +157,16 @@ def check_residual_kind(record, *, options: Sequence[dict] = ({},), checks: Opti
     if not isinstance(resolved, ResidualKind):
         raise TypeError(f"{resolved.name!r} is a {kind_of(resolved)}; use check_fusion_provider")
     return _check(record, resolved, checks, devices, settings or ContractSettings(), tuple(dict(o) for o in options), None)
+
+
+def check_add_norm_kernel(record, *, checks: Optional[Sequence[str]] = None, devices: Sequence[str] = ("cpu",),
+                          settings: Optional[ContractSettings] = None) -> ContractReport:
+    """Run the contract on an `AddNormKernel` (the record, or its registered name): the factory
+    never raises, accepted kernels write nothing they read and match `add_rms_norm`."""
+    resolved, _ = resolve(record)
+    if not isinstance(resolved, AddNormKernel):
+        raise TypeError(f"{resolved.name!r} is a {kind_of(resolved)}, not an add norm kernel")
+    return _check(record, resolved, checks, devices, settings or ContractSettings(), (), None)
 
 
 def _check(ref, resolved, checks, devices, settings, options, world) -> ContractReport:

@@ -2,10 +2,14 @@
 
     python benchmarks/cutedsl_bench.py --out results.json [--quick] [--no-flashinfer]
 
-(a) fused residual add + RMSNorm against the device's copy bandwidth measured in the same run
-    (torch `copy_` of 1 GiB), an unfused torch path, and flashinfer.norm.fused_add_rmsnorm when
-    it imports. Bandwidth counts the bytes a perfect kernel moves: read x and residual, write
-    the new residual and the norm (4 * T * H * 2 bytes).
+(a) fused residual add + RMSNorm over T 1..32768 and H 2048/4096/7168/8192 against the device's
+    copy bandwidth measured in the same run, an unfused torch path, and FlashInfer's
+    `flashinfer.norm.fused_add_rmsnorm` (which implementation it dispatched to, "cute-dsl" or
+    "cuda", is recorded, and its output is compared with ours; FlashInfer missing or failing is
+    a failure of the bench, unless --no-flashinfer). Bandwidth counts the bytes a perfect kernel
+    moves: read x and residual, write the new residual and the norm (4 * T * H * 2 bytes). The
+    copy baseline is the faster of a copy-engine `copy_` and an SM copy kernel of 1 GiB, each
+    counted as the bytes it reads plus the bytes it writes (2 GiB); both are recorded.
 (b) MoE finalize + add + RMSNorm (top_k 8, gathered rows, shared expert) against the unfused
     torch path (gather, weight, sum, add shared, add + norm).
 
@@ -67,15 +71,22 @@ def time_graph(fn, iters: int, repeats: int) -> float:
     return statistics.median(times)
 
 
-def copy_bandwidth(iters: int, repeats: int) -> float:
-    """GB/s of a device-to-device torch copy of 1 GiB, counting bytes read plus written."""
+def copy_bandwidths(iters: int, repeats: int) -> dict:
+    """GB/s of device-to-device copies of 1 GiB, each counting the bytes read plus the bytes
+    written (2 GiB a copy): "copy_engine" (`dst.copy_(src)`, a memcpy node in the graph, run by
+    a copy engine) and "sm_kernel" (an elementwise kernel reading src and writing dst:
+    `torch.neg(src, out=dst)`, the access pattern of a bandwidth-bound kernel)."""
     n = 1 << 29  # 2^29 bf16 = 1 GiB
     src = torch.randn(n, device="cuda", dtype=torch.float32).to(DT)
     dst = torch.empty_like(src)
-    us = time_graph(lambda: dst.copy_(src), max(2, iters // 5), repeats)
+    moved = 2 * n * src.element_size()  # read n elements, write n elements
+    out = {}
+    for name, fn in (("copy_engine", lambda: dst.copy_(src)), ("sm_kernel", lambda: torch.neg(src, out=dst))):
+        us = time_graph(fn, max(2, iters // 5), repeats)
+        out[name] = moved / (us * 1e-6) / 1e9
     del src, dst
     torch.cuda.empty_cache()
-    return 2 * n * 2 / (us * 1e-6) / 1e9
+    return out
 
 
 def torch_add_rmsnorm(x, r, gamma):
@@ -160,31 +171,70 @@ def bench_moe(cases, top_k, iters, repeats, results):
         del routed, indices, weights, shared, residual, normed, res
 
 
+def flashinfer_implementation(fnorm) -> str:
+    """Which implementation `flashinfer.norm.fused_add_rmsnorm` dispatches to on this GPU:
+    "cute-dsl" (its CuTe DSL kernels) or "cuda" (its CUDA JIT kernels), as FlashInfer 0.7.2 decides."""
+    device = torch.device("cuda", torch.cuda.current_device())
+    use_cuda = getattr(fnorm, "_use_cuda_norm", None)
+    if use_cuda is not None:
+        return "cuda" if use_cuda(device) else "cute-dsl"
+    return "cuda" if getattr(fnorm, "_USE_CUDA_NORM", True) else "cute-dsl"
+
+
+def compare_flashinfer(fi_fused, tokens, hidden) -> dict:
+    """FlashInfer's output on the inputs ours ran on (copies: it works in place), against ours
+    and the float64 reference: the new residual bit-exact?, the norm's max error relative to
+    the reference (the measure `check_add_norm` uses) and its max difference from ours in bf16 ulps."""
+    gen = torch.Generator(device="cuda").manual_seed(tokens + hidden)
+    x = torch.randn(tokens, hidden, generator=gen, device="cuda").to(DT)
+    r = torch.randn(tokens, hidden, generator=gen, device="cuda").to(DT)
+    gamma = (1 + 0.1 * torch.randn(hidden, generator=gen, device="cuda")).to(DT)
+    ours_normed, ours_res = fused_add_rmsnorm(x, r, gamma, EPS)
+    fi_x, fi_r = x.clone(), r.clone()
+    fi_fused(fi_x, fi_r, gamma, EPS)
+    torch.cuda.synchronize()
+    n = min(tokens, 256)
+    ref, _ = add_rmsnorm_reference(x[:n], r[:n], gamma, EPS, exact=True)
+    err = ((fi_x[:n].double() - ref).abs() / ref.abs().clamp(min=1e-3)).max().item()
+    ulp = 2.0 ** torch.floor(torch.log2(ours_normed.float().abs().clamp(min=2**-6))) * 2**-7  # bf16 ulp (1/64 floor)
+    vs_ours = ((fi_x.float() - ours_normed.float()).abs() / ulp).max().item()
+    return dict(flashinfer_residual_equals_ours=bool(torch.equal(fi_r, ours_res)), flashinfer_max_rel_err=err,
+                flashinfer_vs_ours_max_ulps=vs_ours)
+
+
 def bench_flashinfer(results, iters, repeats):
-    """flashinfer.norm.fused_add_rmsnorm (in place: input <- norm, residual <- sum) on the same shapes."""
+    """flashinfer.norm.fused_add_rmsnorm (in place: input <- norm, residual <- sum) on the same
+    shapes: its implementation, its output against ours, its time. Returns "ok" or what failed."""
     try:
+        import flashinfer
+        import flashinfer.norm as fnorm
         from flashinfer.norm import fused_add_rmsnorm as fi_fused
-    except Exception as exc:  # not installed, or its import fails
-        print(f"  flashinfer not importable: {type(exc).__name__}: {exc}", flush=True)
-        return f"not importable: {type(exc).__name__}: {exc}"
+    except Exception as exc:  # not installed, or its import fails: the bench fails
+        print(f"FAIL: flashinfer does not import: {type(exc).__name__}: {exc}", flush=True)
+        return f"failed: flashinfer does not import: {type(exc).__name__}: {exc}"
+    implementation = flashinfer_implementation(fnorm)
+    print(f"  flashinfer {getattr(flashinfer, '__version__', '?')}: fused_add_rmsnorm runs its {implementation} implementation", flush=True)
     for row in results:
         if row["kernel"] != "add_rmsnorm":
             continue
         tokens, hidden = row["tokens"], row["hidden"]
         try:
+            t0 = time.time()
+            row.update(compare_flashinfer(fi_fused, tokens, hidden), flashinfer_implementation=implementation)
+            first = time.time() - t0
             x = torch.randn(tokens, hidden, device="cuda").to(DT)
             r = torch.randn(tokens, hidden, device="cuda").to(DT)
             gamma = (1 + 0.1 * torch.randn(hidden, device="cuda")).to(DT)
-            t0 = time.time()
-            fi_fused(x, r, gamma, EPS)
-            torch.cuda.synchronize()
             us = time_graph(lambda: fi_fused(x, r, gamma, EPS), iters, repeats)
             row["flashinfer_us"] = us
             row["flashinfer_gbs"] = row["bytes"] / (us * 1e-6) / 1e9
-            print(f"  flashinfer T={tokens:6d} H={hidden}: {us:8.2f} us (first call {time.time() - t0:.1f} s)", flush=True)
+            row["ours_over_flashinfer"] = row["cutedsl_us"] / us
+            print(f"  flashinfer T={tokens:6d} H={hidden}: {us:8.2f} us (first call {first:.1f} s); residual equal: "
+                  f"{row['flashinfer_residual_equals_ours']}, norm vs ours {row['flashinfer_vs_ours_max_ulps']:.1f} ulp", flush=True)
+            del x, r
         except Exception as exc:
             row["flashinfer_error"] = f"{type(exc).__name__}: {exc}"
-            print(f"  flashinfer failed at T={tokens} H={hidden}: {exc}", flush=True)
+            print(f"FAIL: flashinfer failed at T={tokens} H={hidden}: {exc}", flush=True)
             return f"failed: {type(exc).__name__}: {exc}"
     return "ok"
 
@@ -222,12 +272,13 @@ def flashinfer_in_child(results, iters, repeats, budget_s: float):
 
 def table(results) -> str:
     lines = []
-    head = f"{'kernel':<26}{'T':>7}{'H':>6}{'cutedsl us':>12}{'GB/s':>8}{'%copy':>7}{'torch us':>10}{'flashinfer us':>15}"
+    head = f"{'kernel':<26}{'T':>7}{'H':>6}{'cutedsl us':>12}{'GB/s':>8}{'%copy':>7}{'torch us':>10}{'flashinfer us':>15}{'ours/fi':>9}"
     lines.append(head)
     lines.append("-" * len(head))
     for r in results:
         frac = f"{100 * r['frac_of_copy']:6.1f}%" if "frac_of_copy" in r else f"{'':>7}"
         fi = f"{r['flashinfer_us']:15.2f}" if "flashinfer_us" in r else f"{'-':>15}"
+        fi += f"{r['ours_over_flashinfer']:9.2f}" if "ours_over_flashinfer" in r else f"{'-':>9}"
         name = r["kernel"] + (f" k{r['top_k']}" if "top_k" in r else "")
         lines.append(
             f"{name:<26}{r['tokens']:>7}{r['hidden']:>6}{r['cutedsl_us']:12.2f}{r['cutedsl_gbs']:8.0f}{frac}{r['torch_unfused_us']:10.2f}{fi}"
@@ -251,7 +302,7 @@ def main(argv=None):
     ap.add_argument("--no-flashinfer", action="store_true")
     ap.add_argument("--iters", type=positive_int, default=20, help="calls per captured graph")
     ap.add_argument("--repeats", type=positive_int, default=50, help="graph replays timed (median taken)")
-    ap.add_argument("--budget-s", type=positive_float, default=220, help="wall-clock budget; flashinfer gets what is left")
+    ap.add_argument("--budget-s", type=positive_float, default=270, help="wall-clock budget; flashinfer gets what is left")
     ap.add_argument("--flashinfer-child", nargs=2, metavar=("IN", "OUT"), help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     if args.flashinfer_child:
@@ -279,13 +330,16 @@ def main(argv=None):
         meta["cutlass_dsl"] = f"not importable: {exc}"
     print(f"# {meta}", flush=True)
 
-    copy_gbs = copy_bandwidth(iters, repeats)
-    print(f"  torch copy: {copy_gbs:.0f} GB/s (read + write)", flush=True)
+    copies = copy_bandwidths(iters, repeats)
+    copy_gbs = max(copies.values())
+    print(f"  device copy of 1 GiB, read + write counted: copy engine {copies['copy_engine']:.0f} GB/s, "
+          f"SM kernel {copies['sm_kernel']:.0f} GB/s; baseline {copy_gbs:.0f} GB/s", flush=True)
     meta["copy_gbs"] = copy_gbs
+    meta["copy_gbs_by_method"] = copies
 
-    big = [(8192, 4096), (8192, 8192), (16384, 4096), (32768, 4096)]
-    small = [(1, 4096), (16, 4096), (128, 4096), (1024, 4096), (1024, 8192)]
-    add_cases = small + big if not args.quick else [(1, 4096), (128, 4096), (8192, 4096), (8192, 8192)]
+    add_cases = [(t, h) for h in (2048, 4096, 7168, 8192) for t in (1, 16, 128, 1024, 8192, 32768)]
+    if args.quick:
+        add_cases = [(1, 4096), (128, 4096), (1024, 8192), (8192, 4096), (8192, 8192)]
     moe_cases = [(1, 4096), (16, 4096), (128, 4096), (1024, 4096), (4096, 4096), (1024, 7168)]
     if args.quick:
         moe_cases = [(1, 4096), (128, 4096), (4096, 4096)]
@@ -302,8 +356,15 @@ def main(argv=None):
     print(table(results), flush=True)
     if not args.no_flashinfer:
         payload["flashinfer"] = flashinfer_in_child(results, iters, repeats, args.budget_s - (time.time() - t_start))
+        implementations = sorted({r["flashinfer_implementation"] for r in results if "flashinfer_implementation" in r})
+        payload["flashinfer_implementation"] = ", ".join(implementations) or None
         write(args.out, payload)
         print(table(results), flush=True)
+        print(f"flashinfer: {payload['flashinfer']} (implementation: {payload['flashinfer_implementation']})", flush=True)
+        if payload["flashinfer"] != "ok":
+            print("FAIL: the FlashInfer comparison did not run (pass --no-flashinfer to skip it on purpose)", flush=True)
+            payload["error"] = payload.get("error") or f"flashinfer: {payload['flashinfer']}"
+            write(args.out, payload)
     target = [r for r in results if r["kernel"] == "add_rmsnorm" and (r["tokens"], r["hidden"]) == (8192, 4096)]
     if target:
         frac = target[0]["frac_of_copy"]

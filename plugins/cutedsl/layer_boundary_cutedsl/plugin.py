@@ -5,9 +5,13 @@ The registry's provider is opt-in: set LAYER_BOUNDARY_CUTEDSL=1 to give every st
 as its `fusions` option. Either way `layer_boundary.prepare_model(model, max_tokens=...)`
 installs the model's service (`install_cutedsl_fusion`) and prepares it, and
 `layer_boundary.release_model(model)` releases it: the same life cycle as every fusion plugin.
+
+The local add + RMSNorm kernel ("cutedsl.add_rmsnorm", `local_add_norm.py`) needs no opt-in:
+installed, it runs every plain add + RMSNorm no fusion takes (TP=1, the final norm, ...) on CUDA
+bf16/fp16 rows, and declines everything else.
 """
 
-from layer_boundary.plugin import Benchmark, FusionProvider, Priority, env_flag, hookimpl
+from layer_boundary.plugin import AddNormKernel, Benchmark, FusionProvider, Priority, env_flag, hookimpl
 
 ENABLE_ENV = "LAYER_BOUNDARY_CUTEDSL"
 
@@ -29,6 +33,21 @@ def layer_boundary_fusion_providers():
             f"MoE finalize / TP sum, then add + RMSNorm in CuTe DSL kernels (opt-in: {ENABLE_ENV}=1); "
             "under TP one launch of the one-shot all-reduce over CUDA IPC peer buffers once a service is prepared"
         ),
+    )
+
+
+def _add_norm_factory(request):
+    from .local_add_norm import factory
+
+    return factory(request)
+
+
+@hookimpl
+def layer_boundary_add_norm_kernels():
+    yield AddNormKernel(
+        name="cutedsl.add_rmsnorm", factory=_add_norm_factory, priority=Priority.ARCH_SPECIFIC,
+        contract_preparation="layer_boundary_cutedsl.local_add_norm:contract_factory",
+        description="residual add + RMSNorm (and Gemma's) in one CuTe DSL kernel, out of place; CUDA bf16/fp16 rows",
     )
 
 

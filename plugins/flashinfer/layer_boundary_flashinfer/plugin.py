@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import torch
 
-from layer_boundary.plugin import Benchmark, FusionProvider, Priority, hookimpl
+from layer_boundary.plugin import AddNormKernel, Benchmark, FusionProvider, Priority, hookimpl
 
 from .eligibility import ENABLE_ENV, finalize_stage_reason, flashinfer_installed, settings, stage_reason
 
@@ -50,6 +50,22 @@ def layer_boundary_fusion_providers():
             "all-reduce + residual add + RMSNorm (and MoE finalize) in one FlashInfer trtllm kernel; "
             f"active after prepare_flashinfer_fusion(model) (Hopper/Blackwell, TP>1, one node; {ENABLE_ENV}=0 disables)"
         ),
+    )
+
+
+def build_add_norm(request):
+    """FlashInfer's fused add + RMSNorm (on copies: it works in place) for a CUDA bf16/fp16 norm."""
+    from .local_add_norm import factory
+
+    return factory(request)
+
+
+@hookimpl
+def layer_boundary_add_norm_kernels():
+    yield AddNormKernel(
+        name="flashinfer.add_rmsnorm", factory=build_add_norm, priority=Priority.VENDOR,
+        contract_preparation="layer_boundary_flashinfer.local_add_norm:contract_factory",
+        description="residual add + RMSNorm (and Gemma's) in FlashInfer's fused_add_rmsnorm, run on copies (it works in place)",
     )
 
 

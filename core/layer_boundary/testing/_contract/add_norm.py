@@ -1,0 +1,103 @@
+"""The contract of an `AddNormKernel` (a local add + RMSNorm kernel), one pass per device.
+
+- construction: the factory answers every request of the pass (RMSNorm and Gemma, each dtype,
+  the settings' width) with a callable or None, never raising;
+- purity: an accepted kernel returns new tensors and leaves contribution and residual unchanged
+  (values and version counters): the caller may still hold both (captures, snapshots);
+- parity: its (normed, new residual) match the torch reference `add_rms_norm` within the dtype's
+  tolerance, at every row count of the settings (zero rows included). A record that accepts no
+  request on a device fails parity there unless it names a `contract_preparation` (then the pass
+  runs the factory that returns on this machine; cutedsl and flashinfer bind their reference
+  kernels) - or, on CUDA, whatever the hardware takes.
+"""
+
+from __future__ import annotations
+
+import importlib
+
+import torch
+
+from ..._residual.add_norm import GemmaRMSNorm, RMSNorm, add_rms_norm
+from ..._residual.kernels import request_for
+from .report import DTYPES, ContractReport, ContractSettings, relative_error
+
+__all__ = ["ADD_NORM_CHECKS", "add_norm_report"]
+
+ADD_NORM_CHECKS = ("record", "construction", "purity", "parity")
+
+
+def _factory(record, device: str):
+    path = getattr(record, "contract_preparation", None)
+    if not path or device == "cuda":
+        return record.factory
+    module, _, attr = path.partition(":")
+    try:
+        return getattr(importlib.import_module(module), attr)()
+    except Exception as exc:
+        raise RuntimeError(f"record {record.name!r}: its contract_preparation {path!r} did not load: {type(exc).__name__}: {exc}") from exc
+
+
+def add_norm_report(record, settings: ContractSettings) -> ContractReport:
+    report = ContractReport(record.name, "add norm kernel")
+    device = torch.device(settings.device)
+    factory = _factory(record, settings.device)
+    g = torch.Generator().manual_seed(settings.seed)
+    accepted = 0
+    for norm_cls in (RMSNorm, GemmaRMSNorm):
+        for dtype_name in settings.dtypes:
+            dtype = DTYPES[dtype_name]
+            # float64 rows take float64 statistics (the reference then matches to 1e-10)
+            norm = norm_cls(settings.hidden_size, dtype=dtype, compute_dtype=torch.promote_types(dtype, torch.float32))
+            with torch.no_grad():
+                norm.weight.copy_((0.0 if norm.offset else 1.0) + 0.1 * torch.randn(settings.hidden_size, generator=g))
+            norm = norm.to(device)
+            case = f"{norm_cls.__name__} {dtype_name} H={settings.hidden_size} on {settings.device}"
+            request = request_for(norm, device, dtype, dtype)
+            try:
+                kernel = factory(request)
+            except Exception as exc:  # noqa: BLE001 - the rule is "never raises"
+                report.add("construction", f"{case}: the factory raised {type(exc).__name__}: {exc} (decline with None)")
+                continue
+            if kernel is None:
+                report.stats["declined"] += 1
+                continue
+            if not callable(kernel):
+                report.add("construction", f"{case}: the factory returned {kernel!r}, which is not callable")
+                continue
+            accepted += 1
+            for rows in settings.rows:
+                _run(report, kernel, norm, rows, dtype, dtype_name, settings, g, f"{case} T={rows}")
+    report.stats["accepted"] += accepted
+    if not accepted and (getattr(record, "contract_preparation", None) or settings.device == "cpu"):
+        report.add("parity", f"accepted no request on {settings.device}: nothing was checked. A record whose kernels need "
+                             "hardware names a contract_preparation (AddNormKernel.contract_preparation) that readies them here")
+    return report
+
+
+def _run(report, kernel, norm, rows, dtype, dtype_name, settings, g, case) -> None:
+    hidden = settings.hidden_size
+    c = (torch.randn(rows, hidden, generator=g) * 2).to(dtype).to(settings.device)
+    r = torch.randn(rows, hidden, generator=g).to(dtype).to(settings.device)
+    held = (c.clone(), r.clone(), c._version, r._version)
+    try:
+        normed, new_residual = kernel(c, r, norm.weight)
+    except Exception as exc:  # noqa: BLE001
+        report.add("parity", f"{case}: the kernel raised {type(exc).__name__}: {exc}")
+        return
+    report.stats["launches"] += 1
+    if not (torch.equal(c, held[0]) and torch.equal(r, held[1])) or (c._version, r._version) != held[2:]:
+        report.add("purity", f"{case}: the kernel wrote its contribution or residual (return new tensors)")
+    ptrs = {c.data_ptr(), r.data_ptr()} if rows else set()
+    if rows and (normed.data_ptr() in ptrs or new_residual.data_ptr() in ptrs):
+        report.add("purity", f"{case}: an output is an input's memory")
+    want_normed, want_residual = add_rms_norm(norm, held[0], held[1])
+    if normed.shape != want_normed.shape or new_residual.shape != want_residual.shape:
+        report.add("parity", f"{case}: shapes {tuple(normed.shape)}, {tuple(new_residual.shape)}; expected {tuple(want_normed.shape)}")
+        return
+    if normed.dtype != dtype or new_residual.dtype != dtype:
+        report.add("parity", f"{case}: dtypes {normed.dtype}, {new_residual.dtype}; expected {dtype}")
+    tol = settings.tolerance(dtype_name)
+    for what, got, want in (("normed", normed, want_normed), ("new residual", new_residual, want_residual)):
+        err = relative_error(got, want)
+        if err > tol:
+            report.add("parity", f"{case}: {what} differs from add_rms_norm by {err:.2e} relative (tolerance {tol:.0e})")
