@@ -141,7 +141,9 @@ def _pairs(parallel, hidden, dtype=torch.bfloat16, **kinds):
 def _boundary_case(checks, pair, group, tokens, rank, limit, label):
     hidden, dtype = pair.norm.hidden_size, pair.norm.weight.dtype
     residual, partial = _inputs(tokens, hidden, dtype, rank, seed=tokens)
-    want_normed, want_residual = pair.norm.add_forward(_summed(group, partial), residual)
+    # the core's unfused path: the sum, then the add + norm the norm runs (a plugin's local kernel
+    # where one accepts, else torch)
+    want_normed, want_residual = pair.norm.fused_add_forward(_summed(group, partial), residual)
     ref_normed, ref_residual = _reference64(_summed(group, partial.double()), residual, pair.norm)
     fwd = pair.start(residual)
     normed, new_residual = pair.step(partial.clone(), fwd)
@@ -411,7 +413,7 @@ def check_fallback(checks, parallel, rank, args):
         agreed = not report.available and not any(s.available for s in default_manager().slots.values())
         for tokens in (3, 200):
             residual, partial = _inputs(tokens, args.hidden, torch.bfloat16, rank, seed=tokens + 17)
-            want = pair.norm.add_forward(_summed(group, partial), residual)
+            want = pair.norm.fused_add_forward(_summed(group, partial), residual)  # what the unfused path runs
             fwd = pair.start(residual)
             got = pair.step(partial.clone(), fwd)
             _sync()
