@@ -119,10 +119,11 @@ def bench_add_norm(cases, iters, repeats, copy_gbs, results):
         # the torch baseline allocates fp32 temporaries per call: fewer calls per graph
         unfused = time_graph(lambda: torch_add_rmsnorm(x, r, gamma), max(2, iters // 4), repeats)
         gbs = nbytes / (ours * 1e-6) / 1e9
+        l2 = torch.cuda.get_device_properties(x.device).L2_cache_size
         results.append(
             dict(
                 kernel="add_rmsnorm", tokens=tokens, hidden=hidden, bytes=nbytes, cutedsl_us=ours, torch_unfused_us=unfused,
-                cutedsl_gbs=gbs, copy_gbs=copy_gbs, frac_of_copy=gbs / copy_gbs, max_rel_err=err,
+                cutedsl_gbs=gbs, copy_gbs=copy_gbs, frac_of_copy=gbs / copy_gbs, max_rel_err=err, fits_l2=nbytes <= l2,
             )
         )
         print(f"  add_rmsnorm T={tokens:6d} H={hidden}: {ours:8.2f} us  {gbs:7.0f} GB/s = {100 * gbs / copy_gbs:5.1f}% of copy", flush=True)
@@ -263,10 +264,8 @@ def flashinfer_in_child(results, iters, repeats, budget_s: float):
             return f"child failed (rc {proc.returncode})"
         with open(dst) as f:
             child = json.load(f)
-    for mine, theirs in zip(results, child["results"]):
-        for key in ("flashinfer_us", "flashinfer_gbs", "flashinfer_error"):
-            if key in theirs:
-                mine[key] = theirs[key]
+    for mine, theirs in zip(results, child["results"]):  # every field the child added (times, ratio, comparison)
+        mine.update({key: value for key, value in theirs.items() if "flashinfer" in key})
     return child["status"]
 
 
@@ -277,12 +276,16 @@ def table(results) -> str:
     lines.append("-" * len(head))
     for r in results:
         frac = f"{100 * r['frac_of_copy']:6.1f}%" if "frac_of_copy" in r else f"{'':>7}"
+        if r.get("fits_l2"):  # replayed calls find the data in L2: above the DRAM copy rate is possible
+            frac = frac[1:] + "*"
         fi = f"{r['flashinfer_us']:15.2f}" if "flashinfer_us" in r else f"{'-':>15}"
         fi += f"{r['ours_over_flashinfer']:9.2f}" if "ours_over_flashinfer" in r else f"{'-':>9}"
         name = r["kernel"] + (f" k{r['top_k']}" if "top_k" in r else "")
         lines.append(
             f"{name:<26}{r['tokens']:>7}{r['hidden']:>6}{r['cutedsl_us']:12.2f}{r['cutedsl_gbs']:8.0f}{frac}{r['torch_unfused_us']:10.2f}{fi}"
         )
+    if any(r.get("fits_l2") for r in results):
+        lines.append("* the inputs and outputs fit in the L2 cache, which serves the replayed calls faster than DRAM")
     return "\n".join(lines)
 
 

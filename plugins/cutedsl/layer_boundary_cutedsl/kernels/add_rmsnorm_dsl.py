@@ -10,7 +10,7 @@ from __future__ import annotations
 import cuda.bindings.driver as cuda
 import cutlass
 import cutlass.cute as cute
-from cutlass import Float32, Int32, Int64
+from cutlass import Float32, Int32, Int64, const_expr
 
 from .dsl_rows import RowKernel
 from .tiling import AddNormVariant
@@ -28,6 +28,7 @@ class AddRMSNormKernel(RowKernel):
         super().__init__(variant.dtype, variant.tiling())
         self.variant = variant
         self.weight_offset = float(variant.weight_offset)
+        self.gamma_per_row = bool(variant.gamma_per_row)
 
     @cute.jit
     def __call__(
@@ -52,14 +53,27 @@ class AddRMSNormKernel(RowKernel):
         bidx, _, _ = cute.arch.block_idx()
         gdim, _, _ = cute.arch.grid_dim()
         red = self.alloc_reduction()
-        gam = self.load_gamma(gamma, tidx, self.weight_offset)
-        parity = Int32(0)
-        for row in cutlass.range(bidx, rows, gdim):
-            row_elem = Int64(row) * self.hidden
-            xf = self.new_frag()
-            rf = self.new_frag()
-            self.load_row(x, row_elem, xf, tidx)
-            self.load_row(residual, row_elem, rf, tidx)
-            total = xf.load().to(Float32) + rf.load().to(Float32)
-            self.norm_and_store(total, gam, eps, red, parity, residual_out, out, row_elem, tidx)
-            parity = 1 - parity
+        if const_expr(self.gamma_per_row):
+            parity = Int32(0)
+            for row in cutlass.range(bidx, rows, gdim):
+                row_elem = Int64(row) * self.hidden
+                xf = self.new_frag()
+                rf = self.new_frag()
+                self.load_row(x, row_elem, xf, tidx)
+                self.load_row(residual, row_elem, rf, tidx)
+                gam = self.load_gamma(gamma, tidx, self.weight_offset)  # issued behind the row's loads
+                total = xf.load().to(Float32) + rf.load().to(Float32)
+                self.norm_and_store(total, gam, eps, red, parity, residual_out, out, row_elem, tidx)
+                parity = 1 - parity
+        else:
+            gam = self.load_gamma(gamma, tidx, self.weight_offset)
+            parity = Int32(0)
+            for row in cutlass.range(bidx, rows, gdim):
+                row_elem = Int64(row) * self.hidden
+                xf = self.new_frag()
+                rf = self.new_frag()
+                self.load_row(x, row_elem, xf, tidx)
+                self.load_row(residual, row_elem, rf, tidx)
+                total = xf.load().to(Float32) + rf.load().to(Float32)
+                self.norm_and_store(total, gam, eps, red, parity, residual_out, out, row_elem, tidx)
+                parity = 1 - parity

@@ -1,0 +1,108 @@
+"""Which row tiling of the CuTe DSL add + RMSNorm is fastest at each (T, H), against FlashInfer.
+
+    python -m layer_boundary_cutedsl.tiling_sweep --out sweep.json
+
+For every width H and token count T it times each candidate tiling (vectors per thread 1, 2 or
+4; gamma loaded once before the row loop or with each row's loads) by CUDA-graph replay on
+random bf16 data, after checking its output against the default tiling's (the residual bit
+for bit, the norm within one rounding), and FlashInfer's `fused_add_rmsnorm` on the same
+shapes. It prints, per (T, H), the best tiling and its time over FlashInfer's: the data that
+`tiling._ADD_NORM_SHAPES` is written from.
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+
+import torch
+
+from layer_boundary.cli.args import OneLineParser, positive_int
+
+from .bench import EPS, time_graph, write
+from .kernels import fused_add_rmsnorm
+
+DT = torch.bfloat16
+SHAPES = [(vpt, per_row) for vpt in (1, 2, 4) for per_row in (False, True)]
+WIDTHS = (2048, 4096, 7168, 8192)
+TOKENS = (1, 16, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 32768)
+
+
+def _inputs(tokens: int, hidden: int):
+    gen = torch.Generator(device="cuda").manual_seed(tokens * 7 + hidden)
+    x = torch.randn(tokens, hidden, generator=gen, device="cuda").to(DT)
+    r = torch.randn(tokens, hidden, generator=gen, device="cuda").to(DT)
+    gamma = (1 + 0.1 * torch.randn(hidden, generator=gen, device="cuda")).to(DT)
+    return x, r, gamma
+
+
+def _flashinfer():
+    try:
+        from flashinfer.norm import fused_add_rmsnorm as fi
+
+        return fi, None
+    except Exception as exc:  # the sweep still ranks our tilings
+        return None, f"{type(exc).__name__}: {exc}"
+
+
+def _measure(t: int, hidden: int, fi, iters: int, repeats: int) -> dict:
+    """Every tiling's time at (t, hidden), each checked against the default tiling first."""
+    x, r, gamma = _inputs(t, hidden)
+    normed, res = torch.empty_like(x), torch.empty_like(r)
+    ref_n, ref_r = fused_add_rmsnorm(x, r, gamma, EPS, shape=(4, False))
+    n_iters = iters if t * hidden <= 1024 * 8192 else max(2, iters // 4)
+    row = dict(tokens=t, hidden=hidden, us={})
+    for shape in SHAPES:
+        n, s = fused_add_rmsnorm(x, r, gamma, EPS, out=normed, residual_out=res, shape=shape)
+        torch.cuda.synchronize()
+        if not torch.equal(s, ref_r):
+            raise AssertionError(f"tiling {shape} at T={t} H={hidden}: new residual differs")
+        if not torch.allclose(n.float(), ref_n.float(), rtol=2**-7, atol=2**-7):
+            raise AssertionError(f"tiling {shape} at T={t} H={hidden}: norm differs beyond a rounding")
+        run = lambda shape=shape: fused_add_rmsnorm(x, r, gamma, EPS, out=normed, residual_out=res, shape=shape)  # noqa: E731
+        row["us"][f"v{shape[0]}{'g' if shape[1] else ''}"] = time_graph(run, n_iters, repeats)
+    if fi is not None:
+        fx, fr = x.clone(), r.clone()
+        row["flashinfer_us"] = time_graph(lambda: fi(fx, fr, gamma, EPS), n_iters, repeats)
+    row["best"] = min(row["us"], key=row["us"].get)
+    if "flashinfer_us" in row:
+        row["best_over_flashinfer"] = row["us"][row["best"]] / row["flashinfer_us"]
+        row["default_over_flashinfer"] = row["us"]["v4"] / row["flashinfer_us"]
+    return row
+
+
+def sweep(widths, tokens, iters: int, repeats: int) -> dict:
+    fi, fi_error = _flashinfer()
+    rows = []
+    for hidden in widths:
+        for t in tokens:
+            row = _measure(t, hidden, fi, iters, repeats)
+            rows.append(row)
+            fi_txt = f"fi {row['flashinfer_us']:7.2f}  best/fi {row['best_over_flashinfer']:5.2f}" if "flashinfer_us" in row else ""
+            cells = "  ".join(f"{k} {v:7.2f}" for k, v in row["us"].items())
+            print(f"T={t:6d} H={hidden}: {cells}  best {row['best']:4}  {fi_txt}", flush=True)
+    return dict(rows=rows, flashinfer_error=fi_error)
+
+
+def main(argv=None) -> int:
+    ap = OneLineParser(prog="python -m layer_boundary_cutedsl.tiling_sweep", description=__doc__.split("\n\n")[0])
+    ap.add_argument("--out", default="")
+    ap.add_argument("--iters", type=positive_int, default=20)
+    ap.add_argument("--repeats", type=positive_int, default=30)
+    ap.add_argument("--widths", type=positive_int, nargs="*", default=list(WIDTHS))
+    ap.add_argument("--tokens", type=positive_int, nargs="*", default=list(TOKENS))
+    args = ap.parse_args(argv)
+    if not torch.cuda.is_available():
+        print("no CUDA device: nothing to sweep", file=sys.stderr)
+        return 2
+    t0 = time.time()
+    payload = dict(device=torch.cuda.get_device_name(), torch=torch.__version__)
+    payload.update(sweep(args.widths, args.tokens, args.iters, args.repeats))
+    payload["seconds"] = time.time() - t0
+    write(args.out, payload)
+    print(f"done in {payload['seconds']:.0f} s")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
