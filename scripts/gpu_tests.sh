@@ -17,6 +17,8 @@
 #   soak        benchmarks/gpu_soak.py at 2 ranks: 10,000 decode steps with the flashinfer plugin
 #               (GPU memory, live tensors and streams before and after), then a rank killed
 #               mid-forward (the others must raise, not hang); JSON in $OUT/soak.json, soak_kill.json
+#   compile     torch.compile on the GPU: reduce-overhead decode vs CapturedStep, TP=2 flashinfer fullgraph
+#   compile-ops torch.library.opcheck on the plugins' fused kernel ops (cutedsl MoE, flashinfer at 2 ranks)
 #   addnorm     the local add + RMSNorm kernels (cutedsl, flashinfer) against the torch path, their
 #               order, a CUDA graph, a qwen3 TP=1 decode step launching fewer kernels
 #   bench-decode   `layer-boundary bench decode` (batch 1, 32: graph replay, kernels vs HF, floor)
@@ -138,6 +140,9 @@ group() {
     # torch.compile: reduce-overhead decode vs CapturedStep (timings printed and in compile_gpu.json),
     # TP=2 with the flashinfer plugin compiled fullgraph
     compile) LAYER_BOUNDARY_COMPILE_JSON="$OUT/compile_gpu.json" run_pytest compile 560 -s tests/models/test_compile_gpu.py ;;
+    # the plugins' fused kernel ops: torch.library.opcheck (CuTe DSL MoE ops on one rank, FlashInfer's fused
+    # all-reduce + add + RMSNorm on 2 ranks of the shared-device world)
+    compile-ops) run_pytest compile_ops 560 -s tests/plugins/test_fused_ops_gpu.py ;;
     # the check in parts, each a fresh pair of ranks with its own time limit (a hang costs one part)
     flashinfer)
       local fi="python3 -m layer_boundary_flashinfer.gpu_check --ranks 2 --watchdog 60" rc=0
@@ -197,7 +202,7 @@ group() {
       run_check soak_kill 150 $soak --only kill --out "$OUT/soak_kill.json" || rc=1
       return $rc ;;
     contract) run_pytest contract 560 tests/plugins/test_contract_plugins.py tests/plugins/test_contract_suite.py tests/test_example_provider.py ;;
-    *) log "unknown group $1 (core cutedsl flashinfer flashinfer4 contract soak compile addnorm shadow probe probe-moe final smoke-cutedsl bench-decode bench-cutedsl sweep-cutedsl)"; return 2 ;;
+    *) log "unknown group $1 (core cutedsl flashinfer flashinfer4 contract soak compile compile-ops addnorm shadow probe probe-moe final smoke-cutedsl bench-decode bench-cutedsl sweep-cutedsl)"; return 2 ;;
   esac
 }
 
@@ -254,7 +259,7 @@ while [ $i -lt ${#steps[@]} ]; do
       while [ $((i + 1)) -lt ${#steps[@]} ] && [ "${steps[$((i + 1))]}" != stage ] && [ "${steps[$((i + 1))]}" != summary ]; do
         i=$((i + 1)); groups+=("${steps[$i]}")
       done
-      [ ${#groups[@]} -eq 0 ] && groups=(core cutedsl flashinfer flashinfer4 contract soak addnorm compile)
+      [ ${#groups[@]} -eq 0 ] && groups=(core cutedsl flashinfer flashinfer4 contract soak addnorm compile compile-ops)
       for g in "${groups[@]}"; do
         log "group $g"
         group "$g" || status=1

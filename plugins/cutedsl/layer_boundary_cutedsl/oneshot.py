@@ -20,6 +20,10 @@ group shares:
   within its capacity, the dtype and width are the model's. Tensors a kernel cannot read as they
   are (strided, unaligned, expanded weights) are copied locally; that never makes a rank decline.
 
+Inside a compiled region (`torch.compile`) each launch is one custom op (graph_ops.py) that
+finds the workspace by its graph key at run time; the decisions above are made while tracing
+(they read shapes, dtypes and the workspace's capacity) and become guards.
+
 Environment (read when the workspace is created, checked equal across the group):
 `LAYER_BOUNDARY_CUTEDSL_ONESHOT=0` turns the path off; `LAYER_BOUNDARY_CUTEDSL_ONESHOT_MAX_TOKENS`
 (default 256) caps the rows per call (above it the old path runs: one-shot traffic grows with
@@ -39,8 +43,9 @@ from typing import Callable, Optional
 import torch
 
 from layer_boundary import MoeFinalizeHandoff, UnreducedOutput
-from layer_boundary.plugin import is_rms_norm
+from layer_boundary.plugin import graph_key, is_rms_norm, register_graph_object
 
+from .graph_ops import ONESHOT_ALL_REDUCE_ADD_RMSNORM, ONESHOT_FINALIZE_ALL_REDUCE_ADD_RMSNORM
 from .kernels.allreduce_layout import DIAG_WORDS, STATE_WORDS, WORLD_SIZES, AllReduceVariant, buffer_layout
 from .kernels.tiling import MAX_HIDDEN, MAX_TOP_K, SUPPORTED_DTYPES
 from .peer_memory import HANDLE_BYTES, CudaIpcMemory, HostWords, PeerMemory
@@ -193,6 +198,8 @@ class OneShotWorkspace:
         self.max_ctas: Optional[int] = None
         self.launches = 0
         self.released = False
+        # inside a compiled region a launch is one op of graph_ops.py, which finds this workspace by its key
+        register_graph_object(self, f"cutedsl.oneshot@rank{self.rank}{list(self.ranks)}")
 
     @property
     def nbytes(self) -> int:
@@ -207,6 +214,8 @@ class OneShotWorkspace:
         RMSNorm with `gamma + weight_offset`. `out` / `residual_out`: rows to write (readable
         as they are), default new tensors."""
         self._check_open()
+        if torch.compiler.is_compiling() and out is None and residual_out is None:
+            return ONESHOT_ALL_REDUCE_ADD_RMSNORM(partial, residual, gamma, float(eps), float(weight_offset), graph_key(self))
         partial, residual, gamma = (_readable(t, self.dtype) for t in (partial, residual, gamma))
         self.launches += 1
         return self.kernels.all_reduce_add_rmsnorm(
@@ -219,6 +228,9 @@ class OneShotWorkspace:
         """The same with this rank's partial = its MoE finalize: dense `rows` [T, top_k, H],
         `weights` [T, top_k], optional `shared` [T, H]."""
         self._check_open()
+        if torch.compiler.is_compiling() and out is None and residual_out is None:
+            return ONESHOT_FINALIZE_ALL_REDUCE_ADD_RMSNORM(rows, weights, shared, residual, gamma, float(eps), float(weight_offset),
+                                                           graph_key(self))
         rows, residual, gamma = (_readable(t, self.dtype) for t in (rows, residual, gamma))
         shared = None if shared is None else _readable(shared, self.dtype)
         weights = _readable(weights, weights.dtype)  # the kernels take the dtype they need

@@ -315,6 +315,7 @@ class FlashInferBackend:
                None, residual, residual_out, None, quant, scale_out, gamma, eps, scale, None, None, bias)
             return Fp8Input(quant, static_view if scale_out is None else scale_out, dtype), residual_out
 
+        launch.per_token = scale_out_of is not None  # the scale's shape: [tokens, 1], else 0-d
         return launch
 
     def bind_plain_all_reduce(self, slot) -> Callable:

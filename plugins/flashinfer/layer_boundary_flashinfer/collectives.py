@@ -15,6 +15,10 @@ takes a tensor when its group's workspace is bound for its dtype and it fits (ro
 the kernel takes, at most the workspace's elements); anything else goes to the wrapped group.
 Both tests read only the shape and dtype, which every rank of a group shares, so ranks never
 disagree on which path runs.
+
+Inside a compiled region each operation is one `layer_boundary::<operation>` op (the core's
+`graph_collectives`) whose run-time implementation is this object's method: the kernel or the
+wrapped group is chosen when it runs, as eagerly, and no launch is traced.
 """
 
 from __future__ import annotations
@@ -22,6 +26,8 @@ from __future__ import annotations
 from typing import Callable, Optional
 
 import torch
+
+from layer_boundary.plugin import graph_collectives
 
 from .eligibility import kernel_width_reason
 
@@ -37,8 +43,12 @@ class _BoundAllReduce:
         self.launch, self.capacity, self.hidden, self.max_tokens, self.cuda = launch, capacity, hidden, max_tokens, cuda
 
 
+@graph_collectives
 class FlashInferCollectives:
     """A `Collectives` whose `all_reduce` runs FlashInfer's all-reduce kernel once prepared."""
+
+    #: its kernel is opaque to a tracer (and the wrapped group's own nature does not matter)
+    graph_native = False
 
     def __init__(self, inner):
         self.inner = inner

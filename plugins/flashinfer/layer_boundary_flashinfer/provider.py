@@ -15,6 +15,10 @@ A candidate declines (None, before touching anything) on facts every rank of the
 not bound, a token count outside (0, limit], another dtype or width, another device type, a sum
 over other ranks. Inputs that are not contiguous or not 16-byte aligned are copied locally
 (this never changes which collective runs). Outputs are new tensors: the old residual is kept.
+
+Inside a compiled region (`torch.compile`) a candidate that accepts is one custom op of
+`graph_ops.py` (its declines are the same tests, made while tracing, and become guards); eager
+calls launch directly.
 """
 
 from __future__ import annotations
@@ -22,6 +26,9 @@ from __future__ import annotations
 import torch
 
 from layer_boundary import FusedMlpInput, MoeFinalizeHandoff, SumGroup, UnreducedOutput
+from layer_boundary.plugin import Fp8Input, graph_key, register_graph_object
+
+from . import graph_ops
 
 __all__ = [
     "FlashInferFusion",
@@ -51,7 +58,7 @@ def _aligned(t: _Tensor) -> _Tensor:
 class _Bound:
     """What a candidate needs at run time, set by `bind` (None fields: not bound)."""
 
-    __slots__ = ("launch", "limit", "dtype", "hidden", "group", "ranks", "cuda", "__weakref__")
+    __slots__ = ("launch", "limit", "dtype", "hidden", "group", "ranks", "cuda", "_graph_key", "__weakref__")
 
     def __init__(self):
         self.launch = None
@@ -61,11 +68,14 @@ class _Bound:
         self.group = None
         self.ranks = ()
         self.cuda = True
+        self._graph_key = None
 
     def bind(self, launch, *, limit: int, dtype, hidden: int, group, cuda: bool = True) -> None:
         self.limit, self.dtype, self.hidden, self.cuda = int(limit), dtype, int(hidden), bool(cuda)
         self.group, self.ranks = group, tuple(group.ranks)
         self.launch = launch
+        # what this candidate's op finds it by inside a compiled region (graph_ops.py)
+        register_graph_object(self, f"flashinfer.{type(self).__name__}@{getattr(group, 'name', 'group')}{list(self.ranks)}")
 
     def unbind(self) -> None:
         self.launch = None
@@ -98,18 +108,29 @@ class AllReduceAddNorm(_Bound):
             return None
         if partial.is_cuda is not self.cuda or residual.is_cuda is not self.cuda or not self._same_group(owed.group):
             return None
+        if torch.compiler.is_compiling():
+            return self._graph_call(partial, residual)
         return launch(_aligned(partial), _aligned(residual), tokens)
+
+    def _graph_call(self, partial, residual):
+        return graph_ops.ALL_REDUCE_ADD_RMSNORM(partial, residual, graph_key(self))
 
 
 class FinalizeAddNorm(_Bound):
     """Candidate for a `MoeFinalizeHandoff`: one kernel for combine + all-reduce + add + RMSNorm
     (up to the finalize kernel's token limit), else a torch combine and the fused rest."""
 
-    __slots__ = ("all_reduce",)
+    __slots__ = ("all_reduce", "max_tokens", "max_top_k")
 
     def __init__(self, all_reduce: AllReduceAddNorm):
         super().__init__()
         self.all_reduce = all_reduce
+        self.max_tokens = self.max_top_k = 0
+
+    def bind(self, launch, **facts) -> None:
+        super().bind(launch, **facts)
+        #: where the one finalize kernel runs (above: a torch combine and the fused all-reduce)
+        self.max_tokens, self.max_top_k = int(launch.max_tokens), int(launch.max_top_k)
 
     def __call__(self, owed, residual, forward=None):
         launch = self.launch
@@ -134,12 +155,17 @@ class FinalizeAddNorm(_Bound):
             return None
         if (shared is not None and shared.is_cuda is not cuda) or not self._same_group(owed.group):
             return None
-        if tokens <= launch.max_tokens and top_k <= launch.max_top_k:
+        compiling = torch.compiler.is_compiling()
+        if tokens <= self.max_tokens and top_k <= self.max_top_k:
             scales = weights if weights.dtype is dtype else weights.to(dtype)  # the kernel reads scales as the data dtype
+            if compiling:
+                return graph_ops.FINALIZE_ALL_REDUCE_ADD_RMSNORM(rows, scales, shared, residual, graph_key(self))
             return launch(_aligned(rows), _aligned(scales), None if shared is None else _aligned(shared), _aligned(residual))
         fused = self.all_reduce.launch
         if fused is None:  # pragma: no cover - both are bound and unbound together
             return None
+        if compiling:
+            return self.all_reduce._graph_call(owed.finalize_local(), residual)
         return fused(_aligned(owed.finalize_local()), _aligned(residual), tokens)
 
 
@@ -148,7 +174,19 @@ class AllReduceAddNormFp8(AllReduceAddNorm):
     E4M3 quantization in one kernel (`fmt` "fp8_static": the read's fixed scale; "fp8_dynamic": one
     scale per token). Returns `(Fp8Input, new_residual)`; the same declines as the plain candidate."""
 
-    __slots__ = ()
+    __slots__ = ("per_token",)
+
+    def __init__(self):
+        super().__init__()
+        self.per_token = False
+
+    def bind(self, launch, **facts) -> None:
+        super().bind(launch, **facts)
+        self.per_token = bool(getattr(launch, "per_token", False))
+
+    def _graph_call(self, partial, residual):
+        data, scale, new_residual = graph_ops.ALL_REDUCE_ADD_RMSNORM_FP8(partial, residual, graph_key(self), self.per_token)
+        return Fp8Input(data, scale, self.dtype), new_residual
 
 
 class Fp8HandoffAddNorm(_Bound):
@@ -176,6 +214,8 @@ class Fp8HandoffAddNorm(_Bound):
             return None
         if residual.is_cuda is not fused.cuda or not fused._same_group(owed.group):
             return None
+        if torch.compiler.is_compiling():
+            return fused._graph_call(owed.finalize_local(), residual)
         return fused.launch(_aligned(owed.finalize_local()), _aligned(residual), tokens)
 
     def bind(self, *args, **kwargs) -> None:  # pragma: no cover - bound through `fused`

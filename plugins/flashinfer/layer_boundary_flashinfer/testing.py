@@ -146,6 +146,7 @@ class ReferenceBackend:
             y = total * torch.rsqrt(total.pow(2).mean(-1, keepdim=True) + eps) * (gamma.to(torch.float32) + weight_bias)
             return quantize_fp8(y, residual.dtype, static_scale), total.to(residual.dtype)
 
+        launch.per_token = static_scale is None
         return launch
 
     def bind_plain_all_reduce(self, slot):
