@@ -34,7 +34,9 @@ def test_opcheck_cutedsl_moe_ops(shared):
     gamma = torch.rand(2048, dtype=torch.bfloat16, device="cuda")
     torch.library.opcheck(graph_ops.MOE_FINALIZE, (rows, weights, extra), test_utils=TESTS)
     torch.library.opcheck(graph_ops.MOE_FINALIZE_ADD_RMSNORM, (rows, weights, extra, residual, gamma, 1e-6, 0.0), test_utils=TESTS)
-    torch.library.opcheck(torch.ops.layer_boundary_cutedsl.local_add_rmsnorm, (rows[:, 0], residual, gamma, 1e-6, 1.0), test_utils=TESTS)
+    from layer_boundary_cutedsl import local_add_norm  # registers layer_boundary_cutedsl::local_add_rmsnorm
+
+    torch.library.opcheck(local_add_norm._local_add_rmsnorm, (rows[:, 0], residual, gamma, 1e-6, 1.0), test_utils=TESTS)
 
 
 def _flashinfer_opcheck_rank(parallel):
