@@ -23,7 +23,7 @@
 #               order, a CUDA graph, a qwen3 TP=1 decode step launching fewer kernels
 #   bench-decode   `layer-boundary bench decode` (batch 1, 32: graph replay, kernels vs HF, floor)
 #   bench-cutedsl  `layer-boundary bench cutedsl` (CuTe DSL add + RMSNorm vs FlashInfer, copy baseline)
-#   sweep-cutedsl  every row tiling of the CuTe DSL add + RMSNorm at each (T, H), against FlashInfer
+#   sweep-cutedsl  the CuTe DSL add + RMSNorm with and without PDL, new buffers or in place, against FlashInfer
 #
 # The archives do not fit one command (64 MiB a command), so a fresh machine is staged in three
 # commands sent back to back (the machine keeps /tmp while it stays warm), then the groups:
@@ -193,7 +193,7 @@ group() {
     smoke-cutedsl) run_check cutedsl_smoke "${SMOKE_TIMEOUT:-240}" python3 -m layer_boundary_cutedsl.allreduce_smoke --ranks 2 --json "$OUT/cutedsl_smoke.json" ;;
     addnorm) run_pytest addnorm 560 tests/plugins/test_add_norm_gpu.py ;;
     bench-decode) run_bench bench_decode 290 python3 -m layer_boundary bench decode -- --out "$OUT/decode.json" ;;
-    sweep-cutedsl) run_bench sweep_cutedsl 400 python3 -m layer_boundary_cutedsl.tiling_sweep --out "$OUT/tiling_sweep.json" ;;
+    sweep-cutedsl) run_bench sweep_cutedsl 400 python3 -m layer_boundary_cutedsl.add_norm_sweep --out "$OUT/add_norm_sweep.json" ;;
     bench-cutedsl) run_bench bench_cutedsl 290 python3 -m layer_boundary bench cutedsl -- --out "$OUT/cutedsl_bench.json" ;;
     # the soak stops at its --budget-s (agreed by the ranks) with the steps it ran and its rate
     soak)

@@ -140,6 +140,30 @@ def test_cuda_graph_capture_and_replay():
         _check_add_norm(x, r, gamma, 0.0, normed, res)
 
 
+def test_pdl_launch_equals_plain_launch_in_a_graph_chain():
+    """The default launch is a programmatic dependent (PDL): each call's CTAs start while the
+    previous kernel drains and wait before reading x. A chain of dependent calls in one graph
+    (each reading the one before's output) must give what plain launches give, bit for bit."""
+    gen = torch.Generator(device="cuda").manual_seed(8)
+    hidden, tokens, steps = 8192, 5, 6
+    x0 = torch.randn(tokens, hidden, generator=gen, device="cuda").to(torch.bfloat16)
+    r0 = torch.randn(tokens, hidden, generator=gen, device="cuda").to(torch.bfloat16)
+    gamma = _gamma(hidden, 0.0, torch.bfloat16, gen)
+    outs = {}
+    for pdl in (False, True):
+        x, r = x0.clone(), r0.clone()
+        fused_add_rmsnorm(x.clone(), r.clone(), gamma, EPS, pdl=pdl)  # compile + load before capture
+        torch.cuda.synchronize()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            for _ in range(steps):  # in place: every call reads what the previous one wrote
+                fused_add_rmsnorm(x, r, gamma, EPS, out=x, residual_out=r, pdl=pdl)
+        graph.replay()
+        torch.cuda.synchronize()
+        outs[pdl] = (x, r)
+    assert torch.equal(outs[True][0], outs[False][0]) and torch.equal(outs[True][1], outs[False][1])
+
+
 # ---------------------------------------------------------------- MoE finalize
 
 

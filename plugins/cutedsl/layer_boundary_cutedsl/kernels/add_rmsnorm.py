@@ -11,25 +11,23 @@ from typing import Optional
 import torch
 
 from ._launch import check_all, executor_for, launch, rows_ok
-from .tiling import AddNormVariant, add_norm_shape, add_norm_shapes, check_hidden
+from .tiling import AddNormVariant, check_hidden
 
 __all__ = ["fused_add_rmsnorm", "prepare_add_rmsnorm"]
 
 _entries: dict = {}  # ((variant key), device) -> launcher entry, the per-call lookup
 
 
-def _entry(dtype: torch.dtype, hidden: int, weight_offset: float, device: torch.device, shape: tuple):
-    key = ("add_rmsnorm", dtype, hidden, weight_offset, shape)
-    return executor_for(key, device, lambda: AddNormVariant(dtype, hidden, weight_offset, *shape), 5)
+def _entry(dtype: torch.dtype, hidden: int, weight_offset: float, device: torch.device, pdl: bool = True):
+    key = ("add_rmsnorm", dtype, hidden, weight_offset, pdl)
+    return executor_for(key, device, lambda: AddNormVariant(dtype, hidden, weight_offset, pdl), 5)
 
 
 def prepare_add_rmsnorm(dtype: torch.dtype, hidden: int, *, weight_offset: float = 0.0, device=None) -> None:
-    """Compile and load the kernel now (before a CUDA graph capture, or at model load): every
-    row tiling `add_norm_shape` can pick for this width, so no token count compiles later."""
+    """Compile and load the kernel now (before a CUDA graph capture, or at model load)."""
     check_hidden(hidden, dtype)
     device = torch.device("cuda", torch.cuda.current_device()) if device is None else torch.device(device)
-    for shape in add_norm_shapes(hidden, dtype):
-        _entry(dtype, hidden, float(weight_offset), device, shape)
+    _entry(dtype, hidden, float(weight_offset), device)
 
 
 def fused_add_rmsnorm(
@@ -41,7 +39,7 @@ def fused_add_rmsnorm(
     *,
     residual_out: Optional[torch.Tensor] = None,
     weight_offset: float = 0.0,
-    shape: Optional[tuple] = None,
+    pdl: bool = True,
 ):
     """(normed, new_residual) with new_residual = x + residual and
     normed = new_residual_fp32 * rsqrt(mean(new_residual_fp32^2) + eps) * (gamma + weight_offset).
@@ -51,7 +49,7 @@ def fused_add_rmsnorm(
     already applied multiplier (`RMSNorm.gemma_weight`) with offset 0 is equally valid.
     `out` / `residual_out` default to new tensors; `residual_out=residual` updates the residual
     in place and `out=x` overwrites x (out and residual_out must not be the same memory).
-    `shape`: (max_vpt, gamma_per_row) of the row tiling, for benchmarks; default `add_norm_shape`.
+    `pdl=False` launches the kernel as an ordinary one (benchmarks compare the two).
     """
     hidden = x.shape[-1]
     shape, dtype, device = x.shape, x.dtype, x.device
@@ -77,14 +75,13 @@ def fused_add_rmsnorm(
     rows = x.numel() // hidden if hidden else 0
     if rows == 0:
         return out, residual_out
-    shape = add_norm_shape(hidden, rows) if shape is None else shape
-    key = ("add_rmsnorm", dtype, hidden, weight_offset, shape)
+    key = ("add_rmsnorm", dtype, hidden, weight_offset, pdl)
     entry = _entries.get((key, device))
     if entry is None:
         check_hidden(hidden, dtype)
         if out.data_ptr() == residual_out.data_ptr():
             raise ValueError("out and residual_out must not be the same memory")
-        entry = _entries[(key, device)] = _entry(dtype, hidden, float(weight_offset), device, tuple(shape))
+        entry = _entries[(key, device)] = _entry(dtype, hidden, float(weight_offset), device, bool(pdl))
     elif out.data_ptr() == residual_out.data_ptr():
         raise ValueError("out and residual_out must not be the same memory")
     launch(entry, rows, [x.data_ptr(), residual.data_ptr(), gamma.data_ptr(), residual_out.data_ptr(), out.data_ptr()], eps, device)

@@ -2,7 +2,9 @@
 
 One pass over HBM: read x and residual, write the new residual (x + residual rounded once)
 and the norm of the unrounded fp32 sum. The CTA holds a whole row in registers, so the sum
-of squares needs no second read.
+of squares needs no second read. Launched as a programmatic dependent by default (PDL), as
+FlashInfer's norms are: back-to-back launches overlap their prologues, which is most of a
+small call's time.
 """
 
 from __future__ import annotations
@@ -28,7 +30,7 @@ class AddRMSNormKernel(RowKernel):
         super().__init__(variant.dtype, variant.tiling())
         self.variant = variant
         self.weight_offset = float(variant.weight_offset)
-        self.gamma_per_row = bool(variant.gamma_per_row)
+        self.pdl = bool(variant.pdl)
 
     @cute.jit
     def __call__(
@@ -44,7 +46,7 @@ class AddRMSNormKernel(RowKernel):
         stream: cuda.CUstream,
     ):
         self.kernel(x, residual, gamma, residual_out, out, rows, eps).launch(
-            grid=[grid, 1, 1], block=[self.threads, 1, 1], stream=stream
+            grid=[grid, 1, 1], block=[self.threads, 1, 1], stream=stream, use_pdl=self.pdl
         )
 
     @cute.kernel
@@ -53,27 +55,19 @@ class AddRMSNormKernel(RowKernel):
         bidx, _, _ = cute.arch.block_idx()
         gdim, _, _ = cute.arch.grid_dim()
         red = self.alloc_reduction()
-        if const_expr(self.gamma_per_row):
-            parity = Int32(0)
-            for row in cutlass.range(bidx, rows, gdim):
-                row_elem = Int64(row) * self.hidden
-                xf = self.new_frag()
-                rf = self.new_frag()
-                self.load_row(x, row_elem, xf, tidx)
-                self.load_row(residual, row_elem, rf, tidx)
-                gam = self.load_gamma(gamma, tidx, self.weight_offset)  # issued behind the row's loads
-                total = xf.load().to(Float32) + rf.load().to(Float32)
-                self.norm_and_store(total, gam, eps, red, parity, residual_out, out, row_elem, tidx)
-                parity = 1 - parity
-        else:
-            gam = self.load_gamma(gamma, tidx, self.weight_offset)
-            parity = Int32(0)
-            for row in cutlass.range(bidx, rows, gdim):
-                row_elem = Int64(row) * self.hidden
-                xf = self.new_frag()
-                rf = self.new_frag()
-                self.load_row(x, row_elem, xf, tidx)
-                self.load_row(residual, row_elem, rf, tidx)
-                total = xf.load().to(Float32) + rf.load().to(Float32)
-                self.norm_and_store(total, gam, eps, red, parity, residual_out, out, row_elem, tidx)
-                parity = 1 - parity
+        gam = self.load_gamma(gamma, tidx, self.weight_offset)
+        if const_expr(self.pdl):
+            # x and the residual may come from the kernel before: wait for it to finish (a no-op
+            # when not launched as a dependent), and let the kernel after start its own prologue
+            cute.arch.griddepcontrol_wait()
+            cute.arch.griddepcontrol_launch_dependents()
+        parity = Int32(0)
+        for row in cutlass.range(bidx, rows, gdim):
+            row_elem = Int64(row) * self.hidden
+            xf = self.new_frag()
+            rf = self.new_frag()
+            self.load_row(x, row_elem, xf, tidx)
+            self.load_row(residual, row_elem, rf, tidx)
+            total = xf.load().to(Float32) + rf.load().to(Float32)
+            self.norm_and_store(total, gam, eps, red, parity, residual_out, out, row_elem, tidx)
+            parity = 1 - parity

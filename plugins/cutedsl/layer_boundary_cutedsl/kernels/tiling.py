@@ -24,8 +24,6 @@ __all__ = [
     "RowTiling",
     "row_tiling",
     "AddNormVariant",
-    "add_norm_shape",
-    "add_norm_shapes",
     "MoeVariant",
     "check_hidden",
     "TESTED_TOP_K",
@@ -112,38 +110,17 @@ class AddNormVariant:
     dtype: torch.dtype
     hidden: int
     weight_offset: float = 0.0  # 0.0: plain RMSNorm; 1.0: Gemma (1 + w)
-    #: vectors of the row per thread at most (4: fewer, fatter threads; 1: one vector each)
-    max_vpt: int = 4
-    #: load gamma inside the row loop, next to the row's own loads, instead of once before it:
-    #: with one row per CTA the gamma load then overlaps the row's instead of preceding it
-    gamma_per_row: bool = False
+    #: launched as a programmatic dependent (PDL): the CTAs start while the previous kernel on
+    #: the stream drains, load gamma (a weight, never produced there), then wait for it
+    pdl: bool = True
 
     def tiling(self) -> RowTiling:
-        return row_tiling(self.hidden, self.dtype, max_vpt=self.max_vpt, min_threads=128)
+        return row_tiling(self.hidden, self.dtype, max_vpt=4, min_threads=128)
 
     @property
     def name(self) -> str:
         g = "_gemma" if self.weight_offset else ""
-        shape = "" if (self.max_vpt, self.gamma_per_row) == (4, False) else f"_v{self.max_vpt}{'g' if self.gamma_per_row else ''}"
-        return f"add_rmsnorm_{_DTYPE_NAMES[self.dtype]}_h{self.hidden}{g}{shape}"
-
-
-#: (max_vpt, gamma_per_row) by token count, per width: measured on an H200 (bf16, graph replay;
-#: `python -m layer_boundary_cutedsl.tiling_sweep`, results in benchmarks/results/cutedsl/)
-_ADD_NORM_SHAPES: tuple = ((None, (4, False)),)
-
-
-def add_norm_shape(hidden: int, rows: int) -> tuple:
-    """The row tiling (max_vpt, gamma_per_row) of the add + RMSNorm kernel for `rows` tokens."""
-    for max_rows, shape in _ADD_NORM_SHAPES:
-        if max_rows is None or rows <= max_rows:
-            return shape
-    return (4, False)
-
-
-def add_norm_shapes(hidden: int, dtype: torch.dtype = torch.bfloat16) -> tuple:
-    """Every tiling `add_norm_shape` can choose for `hidden` (what prepare compiles)."""
-    return tuple(dict.fromkeys(shape for _, shape in _ADD_NORM_SHAPES))
+        return f"add_rmsnorm_{_DTYPE_NAMES[self.dtype]}_h{self.hidden}{g}{'' if self.pdl else '_nopdl'}"
 
 
 @dataclass(frozen=True)
