@@ -401,3 +401,76 @@ def test_the_plugins_kernels_pass_the_contract_on_their_references(name, fresh_r
         pytest.skip(f"{name}'s plugin is not installed")
     report = check_add_norm_kernel(name)
     assert report.stats["accepted"] >= 4 and report.stats["launches"] >= 16
+
+
+# ---------------------------------------------------------------- plain norms (no add): `norm_factory`
+
+
+class NormKernels:
+    """An inline plugin whose records offer a plain-norm kernel (`norm_factory`) or none."""
+
+    def __init__(self, *specs):
+        self.calls = []
+        self.records = [self._record(*spec) for spec in specs]
+
+    def _record(self, name, priority, has_norm):
+        def norm_factory(request):
+            def run(x, weight):
+                self.calls.append((name, tuple(x.shape)))
+                xf = x.float()
+                return (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + request.eps) * (weight.float() + request.offset)).to(x.dtype)
+
+            return run
+
+        return AddNormKernel(name=name, factory=lambda request: None, priority=priority, description=f"test kernel {name}",
+                             norm_factory=norm_factory if has_norm else None)
+
+    @hookimpl
+    def layer_boundary_add_norm_kernels(self):
+        return self.records
+
+
+@pytest.mark.parametrize("norm_cls", [RMSNorm, GemmaRMSNorm])
+def test_plain_norm_runs_the_first_record_with_a_norm_factory(fresh_registry, inline_plugin, norm_cls):
+    """A record without `norm_factory` declines plain norms; the next one's kernel runs, on the
+    3-D per-head rows Qwen3's q/k norms pass, and only once it is chosen outside a trace."""
+    plugin = inline_plugin(NormKernels(("a.nonorm", 300, False), ("b.norm", 200, True)), name="normkernels")
+    norm = norm_cls(16)
+    with torch.no_grad():
+        norm.weight.uniform_(0.5, 1.5)
+    x = torch.randn(3, 4, 16)
+    got = norm(x)
+    assert plugin.calls == [("b.norm", (3, 4, 16))]
+    choice = kernels.choose_norm(norm, x.device, x.dtype)
+    assert choice.name == "b.norm" and choice.declined[0] == "a.nonorm"  # then any installed plugin above b
+    torch.testing.assert_close(got, norm.torch_forward(x), rtol=1e-6, atol=1e-6)
+    assert kernels.prepare_norms(torch.nn.Sequential(norm)) == [("0", kernels.TORCH), ("0 (no add)", "b.norm")]
+
+
+def test_plain_norm_without_any_norm_factory_runs_torch(fresh_registry, inline_plugin):
+    inline_plugin(NormKernels(("a.nonorm", 300, False)), name="normkernels")
+    norm = RMSNorm(16)
+    x = torch.randn(2, 16)
+    assert torch.equal(norm(x), norm.torch_forward(x))
+    assert kernels.choose_norm(norm, x.device, x.dtype).name == kernels.TORCH
+
+
+def test_plain_norm_choice_is_forgotten_with_the_registry_and_on_move(fresh_registry, inline_plugin):
+    inline_plugin(NormKernels(("b.norm", 200, True)), name="normkernels")
+    norm = RMSNorm(16)
+    x = torch.randn(2, 16)
+    norm(x)
+    assert norm.__dict__["_norm_kernels"]
+    reset_registry()
+    assert not norm.__dict__["_norm_kernels"] and not norm.__dict__["_norm_choices"]
+    norm(x)
+    norm.double()
+    assert "_norm_kernels" not in norm.__dict__ and "_norm_choices" not in norm.__dict__
+
+
+def test_plain_norm_never_chooses_inside_torch_compile(fresh_registry, inline_plugin):
+    plugin = inline_plugin(NormKernels(("b.norm", 200, True)), name="normkernels")
+    norm = RMSNorm(16)
+    x = torch.randn(2, 16)
+    out = torch.compile(norm, backend="eager", fullgraph=True)(x)
+    assert plugin.calls == [] and torch.equal(out, norm.torch_forward(x))

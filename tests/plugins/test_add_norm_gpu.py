@@ -77,6 +77,26 @@ def test_candidate_matches_the_torch_path(name, hidden, dtype, norm_cls):
         del c, r, held_c, held_r, normed, new_residual, want_normed, want_residual
 
 
+@pytest.mark.parametrize("norm_cls", [RMSNorm, GemmaRMSNorm], ids=["rms", "gemma"])
+@pytest.mark.parametrize("shape", [(1, 32, 128), (7, 8, 128), (300, 4096), (1, 7168)], ids=str)
+@torch.inference_mode()
+def test_plain_norm_kernel_matches_the_torch_path(shape, norm_cls):
+    """The norm without an add (Qwen3's per-head q/k norms, a first layer's input norm) runs the
+    first record's `norm_factory` (FlashInfer's rmsnorm; cutedsl offers none): against the torch
+    path, which rounds before the weight multiply, within 3u; a new tensor, x untouched."""
+    _needs("flashinfer")
+    norm = _norm(norm_cls, shape[-1], torch.bfloat16, seed=shape[0])
+    g = torch.Generator(device="cuda").manual_seed(11)
+    x = torch.randn(*shape, generator=g, device="cuda").to(torch.bfloat16)
+    held = x.clone()
+    got = norm(x)
+    torch.cuda.synchronize()
+    assert kernels.choose_norm(norm, x.device, x.dtype).name == "flashinfer.add_rmsnorm"
+    assert torch.equal(x, held) and got.data_ptr() != x.data_ptr() and got.shape == x.shape
+    u = U[torch.bfloat16]
+    torch.testing.assert_close(got.float(), norm.torch_forward(x).float(), rtol=3 * u, atol=3 * u)
+
+
 @torch.inference_mode()
 def test_the_chain_picks_by_priority_and_declines_what_no_kernel_runs(monkeypatch):
     for _, library in CANDIDATES.values():
@@ -162,6 +182,8 @@ def test_qwen3_tp1_decode_step_launches_fewer_kernels_with_the_plugin(batch):
     print(f"batch {batch}: kernels {without['kernels']} -> {with_['kernels']}, kernel time {without['kernel_us']:.1f} -> "
           f"{with_['kernel_us']:.1f} us, norms run {sorted(chosen)}")
     assert chosen == {"cutedsl.add_rmsnorm"}
+    plain = {kernels.choose_norm(m, m.weight.device, m.weight.dtype).name for m in model.modules() if isinstance(m, RMSNorm)}
+    assert plain == {"flashinfer.add_rmsnorm"}, plain  # the q/k norms and the input norm: FlashInfer's rmsnorm
     assert with_["kernels"] < without["kernels"], (without, with_)
     ref, got = results[False][1], results[True][1]
     rel = ((got - ref).abs().max() / ref.abs().max()).item()

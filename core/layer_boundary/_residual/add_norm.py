@@ -48,6 +48,8 @@ class RMSNorm(nn.Module):
     #: the chosen add + norm per (device, residual dtype, contribution dtype), filled by the first
     #: call on each (an instance dict then shadows this empty one; see `kernels.py`)
     _add_norm_kernels = types.MappingProxyType({})
+    #: the chosen plain norm (no add) per (device, dtype), filled the same way
+    _norm_kernels = types.MappingProxyType({})
 
     def __init__(
         self, hidden_size: int, eps: float = 1e-6, *, dtype=None, device=None, compute_dtype=torch.float32, kernels: bool = True
@@ -75,6 +77,17 @@ class RMSNorm(nn.Module):
         return self.weight * normalized.to(out_dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """The norm of x through the chosen kernel: one launch where a plugin's `AddNormKernel`
+        has a `norm_factory` that accepts this device and dtype, else `torch_forward`."""
+        run = self._norm_kernels.get((x.device, x.dtype))
+        if run is None:
+            from .kernels import first_norm_call
+
+            return first_norm_call(self, x)
+        return run(x)
+
+    def torch_forward(self, x: torch.Tensor) -> torch.Tensor:
+        """The norm in torch: statistics in `compute_dtype`, rounded, then scaled."""
         if x.shape[0] == 0:
             return x.new_empty(x.shape)
         return self._scale(self._normalize(x), x.dtype)
@@ -110,12 +123,16 @@ class RMSNorm(nn.Module):
     def _apply(self, fn, recurse=True):
         self.__dict__.pop("_add_norm_kernels", None)  # moved or cast: choose again
         self.__dict__.pop("_add_norm_choices", None)
+        self.__dict__.pop("_norm_kernels", None)
+        self.__dict__.pop("_norm_choices", None)
         return super()._apply(fn, recurse)
 
     def __getstate__(self):
         state = dict(super().__getstate__())
         state.pop("_add_norm_kernels", None)  # bound to this instance's weight: a copy chooses its own
         state.pop("_add_norm_choices", None)
+        state.pop("_norm_kernels", None)
+        state.pop("_norm_choices", None)
         return state
 
     def extra_repr(self) -> str:

@@ -25,7 +25,7 @@ import torch
 from ..plugin import _manager
 from ..plugin._requests import AddNormRequest
 
-__all__ = ["TORCH", "Choice", "choose", "first_call", "describe", "forget", "prepare_norms"]
+__all__ = ["TORCH", "Choice", "choose", "choose_norm", "first_call", "first_norm_call", "describe", "forget", "prepare_norms"]
 
 #: the name of the norm's own torch path in plans and choices
 TORCH = "core.torch"
@@ -34,6 +34,8 @@ TORCH = "core.torch"
 _NORMS: "weakref.WeakSet" = weakref.WeakSet()
 #: request -> (record name, kernel, declined names): norms with equal facts share one answer
 _BY_REQUEST: dict = {}
+#: the same for plain norms (`norm_factory`)
+_BY_NORM_REQUEST: dict = {}
 
 
 @attrs.frozen
@@ -49,13 +51,15 @@ class Choice:
     reason: str = ""
 
 
-def _own_math(norm) -> str:
-    """Why `norm`'s add + norm is not the one kernels implement, or ""."""
+def _own_math(norm, plain: bool = False) -> str:
+    """Why `norm`'s add + norm (its plain norm when `plain`) is not the one kernels implement, or ""."""
     from .add_norm import GemmaRMSNorm, RMSNorm
 
     cls = type(norm)
     if not getattr(norm, "kernels", True):
         return "kernels=False"
+    if plain and (cls.forward is not RMSNorm.forward or cls.torch_forward is not RMSNorm.torch_forward):
+        return f"{cls.__name__} overrides the norm"
     if cls.add_forward is not RMSNorm.add_forward or cls._normalize is not RMSNorm._normalize:
         return f"{cls.__name__} overrides the add + norm"
     if getattr(cls, "scale_as_kernels", False) and cls.offset in (0.0, 1.0):
@@ -116,11 +120,13 @@ def choose(norm, device: torch.device, dtype: torch.dtype, contribution_dtype: t
     return choice
 
 
-def _ask(request: AddNormRequest) -> tuple:
-    """(name, kernel, declined) of the first record accepting `request` ((TORCH, None, all) if none)."""
+def _ask(request: AddNormRequest, plain: bool = False) -> tuple:
+    """(name, kernel, declined) of the first record accepting `request` ((TORCH, None, all) if
+    none); `plain`: asking the records' `norm_factory` (a record without one declines)."""
     declined: list[str] = []
     for item in _manager.get_registry().add_norm_kernels:
-        kernel = item.record.factory(request)
+        make = item.record.norm_factory if plain else item.record.factory
+        kernel = make(request) if make is not None else None
         if kernel is None:
             declined.append(item.name)
             continue
@@ -128,6 +134,47 @@ def _ask(request: AddNormRequest) -> tuple:
             raise TypeError(f"add + norm kernel {item.name!r} returned {kernel!r}, which is not callable")
         return item.name, kernel, tuple(declined)
     return TORCH, None, tuple(declined)
+
+
+def _bound_norm(kernel: Callable, norm) -> Callable:
+    def run(x):
+        return kernel(x, norm.weight)
+
+    return run
+
+
+def choose_norm(norm, device: torch.device, dtype: torch.dtype) -> Choice:
+    """The plain norm's (no add) choice for this key: the first record whose `norm_factory`
+    accepts, else the norm's `torch_forward`."""
+    key = (torch.device(device), dtype)
+    choices = norm.__dict__.setdefault("_norm_choices", {})
+    choice = choices.get(key)
+    if choice is not None:
+        return choice
+    reason = _own_math(norm, plain=True)
+    declined: tuple = ()
+    choice = None
+    if not reason:
+        request = request_for(norm, key[0], dtype, dtype)
+        answer = _BY_NORM_REQUEST.get(request)
+        if answer is None:
+            answer = _BY_NORM_REQUEST[request] = _ask(request, plain=True)
+        name, kernel, declined = answer
+        if kernel is not None:
+            choice = Choice(name, _bound_norm(kernel, norm), declined)
+    if choice is None:
+        choice = Choice(TORCH, norm.torch_forward, declined, reason)
+    choices[key] = choice
+    norm.__dict__.setdefault("_norm_kernels", {})[key] = choice.run
+    _NORMS.add(norm)
+    return choice
+
+
+def first_norm_call(norm, x):
+    """The slow path of `RMSNorm.forward`: choose (never inside a trace or a capture), then run."""
+    if torch.compiler.is_compiling() or (x.is_cuda and torch.cuda.is_current_stream_capturing()):
+        return norm.torch_forward(x)
+    return choose_norm(norm, x.device, x.dtype).run(x)
 
 
 def first_call(norm, contribution, residual):
@@ -146,9 +193,10 @@ def forget(norm=None) -> None:
     """Drop the cached choices of `norm` (of every norm and request when None)."""
     if norm is None:
         _BY_REQUEST.clear()
+        _BY_NORM_REQUEST.clear()
     for n in [norm] if norm is not None else list(_NORMS):
-        n.__dict__.get("_add_norm_kernels", {}).clear()
-        n.__dict__.get("_add_norm_choices", {}).clear()
+        for cache in ("_add_norm_kernels", "_add_norm_choices", "_norm_kernels", "_norm_choices"):
+            n.__dict__.get(cache, {}).clear()
 
 
 _manager._ON_RESET.append(forget)
@@ -173,8 +221,9 @@ def describe(norm) -> Optional[str]:
 
 
 def prepare_norms(model: Any) -> list[tuple[str, str]]:
-    """Choose (and so compile or load) the kernel of every RMSNorm in `model` for its weight's
-    device and dtype, before the first forward and any CUDA-graph capture: (module name, kernel)."""
+    """Choose (and so compile or load) the kernels of every RMSNorm in `model` for its weight's
+    device and dtype, before the first forward and any CUDA-graph capture: (module name, kernel)
+    for the add + norm and ("<module name> (no add)", kernel) for the plain norm."""
     from .add_norm import is_rms_norm
 
     if not isinstance(model, torch.nn.Module):
@@ -184,4 +233,5 @@ def prepare_norms(model: Any) -> list[tuple[str, str]]:
         if is_rms_norm(module) and module.weight.device.type != "meta":
             w = module.weight
             out.append((name, choose(module, w.device, w.dtype, w.dtype).name))
+            out.append((f"{name} (no add)", choose_norm(module, w.device, w.dtype).name))
     return out

@@ -76,6 +76,9 @@ def _add_norm_kernels(model) -> dict:
         if isinstance(module, RMSNorm) and module.__dict__.get("_add_norm_choices"):
             name = module.add_norm_kernel()
             out[name] = out.get(name, 0) + 1
+        for choice in (module.__dict__.get("_norm_choices") or {}).values():  # norms run without an add
+            name = f"{choice.name} (no add)"
+            out[name] = out.get(name, 0) + 1
     return out
 
 

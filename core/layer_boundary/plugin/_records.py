@@ -142,9 +142,15 @@ class AddNormKernel(_Record):
     `contract_preparation`: "module:callable" returning the factory the contract suite runs on
     a machine without the hardware (the plugin's kernels bound to references); on CUDA the
     suite runs `factory` itself.
+
+    `norm_factory(request: AddNormRequest)`, optional: the same for a norm with no add (Qwen3's
+    per-head q/k norms, a first layer's input norm): `kernel(x, weight) -> normed`, new tensor
+    out, the norm of x in fp32 times `weight + offset`, rounded once; None declines. A record
+    without one declines every plain norm.
     """
 
     contract_preparation: Optional[str] = None
+    norm_factory: Optional[Callable] = None
 
 
 @attrs.frozen(kw_only=True)

@@ -27,7 +27,10 @@ import torch
 
 from .eligibility import flashinfer_installed, settings
 
-__all__ = ["FlashInferAddNorm", "AddNormFactory", "factory", "implementation", "contract_factory", "reference_in_place"]
+__all__ = [
+    "FlashInferAddNorm", "AddNormFactory", "factory", "implementation", "contract_factory", "reference_in_place",
+    "FlashInferNorm", "NormFactory", "norm_factory", "reference_norm",
+]
 
 log = logging.getLogger("layer_boundary.flashinfer")
 
@@ -129,6 +132,76 @@ class AddNormFactory:
 factory = AddNormFactory()
 
 
+def _norm_function(offset: float) -> Callable:
+    import flashinfer.norm as fnorm
+
+    return fnorm.gemma_rmsnorm if offset else fnorm.rmsnorm
+
+
+def _plain_norm(function: Callable, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """`function(rows, weight, eps) -> normed` over x's rows (a view when x is contiguous, as a
+    projection's per-head view is); the result has x's shape."""
+    rows = x.reshape(-1, x.shape[-1])
+    if not rows.is_contiguous():
+        rows = rows.contiguous()
+    if rows.shape[0] == 0:
+        return torch.empty_like(x, memory_format=torch.contiguous_format)
+    return function(rows, weight, eps).view(x.shape)
+
+
+class FlashInferNorm:
+    """`(x, weight) -> normed`: FlashInfer's out-of-place `rmsnorm` / `gemma_rmsnorm` (Qwen3's
+    per-head q/k norms, a first layer's input norm): one launch where torch runs about eight."""
+
+    def __init__(self, function: Callable, eps: float, offset: float):
+        self.function = function
+        self.eps = eps
+        self.offset = offset
+
+    def __call__(self, x, weight):
+        if torch.compiler.is_compiling():
+            return torch.ops.layer_boundary_flashinfer.local_rmsnorm(x, weight, self.eps, self.offset)
+        return _plain_norm(self.function, x, weight, self.eps)
+
+    def __repr__(self) -> str:
+        return f"FlashInferNorm(eps={self.eps}, offset={self.offset})"
+
+
+class NormFactory(AddNormFactory):
+    """The record's `norm_factory`: the same declines, then FlashInfer's plain norm (tests pass
+    a reference `functions(offset)` with its contract)."""
+
+    def __call__(self, request) -> Optional[FlashInferNorm]:
+        if self.reason(request) is not None:
+            return None
+        dtype, hidden, device = request.uniform_dtype, request.hidden_size, request.device
+        try:
+            function = (self.functions or _norm_function)(request.offset)
+            function(torch.zeros(1, hidden, dtype=dtype, device=device), torch.ones(hidden, dtype=dtype, device=device), request.eps)
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)
+        except Exception as exc:  # noqa: BLE001 - a kernel that cannot run here declines
+            log.warning("flashinfer.add_rmsnorm declines the plain norm %s width %d on %s: %s: %s",
+                        dtype, hidden, device, type(exc).__name__, exc)
+            return None
+        return FlashInferNorm(function, request.eps, request.offset)
+
+
+#: the record's norm factory (FlashInfer's plain norms)
+norm_factory = NormFactory()
+
+
+def reference_norm(offset: float) -> Callable:
+    """FlashInfer's plain-norm contract over the torch reference: new tensor, the norm in fp32
+    times (weight + offset), rounded once."""
+
+    def run(input, weight, eps):
+        x = input.float()
+        return (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps) * (weight.float() + offset)).to(input.dtype)
+
+    return run
+
+
 def reference_in_place(offset: float) -> Callable:
     """FlashInfer's in-place contract over the torch reference: `residual <- input + residual`
     (rounded once), `input <- norm(sum) * (weight + offset)`: to check the wrapper without a GPU."""
@@ -166,3 +239,13 @@ def _(contribution, residual, weight, eps, offset):
     return torch.empty_like(contribution, memory_format=torch.contiguous_format), torch.empty_like(
         residual, memory_format=torch.contiguous_format
     )
+
+
+@torch.library.custom_op("layer_boundary_flashinfer::local_rmsnorm", mutates_args=())
+def _local_rmsnorm(x: torch.Tensor, weight: torch.Tensor, eps: float, offset: float) -> torch.Tensor:
+    return _plain_norm(_norm_function(offset), x, weight, eps)
+
+
+@_local_rmsnorm.register_fake
+def _(x, weight, eps, offset):
+    return torch.empty_like(x, memory_format=torch.contiguous_format)

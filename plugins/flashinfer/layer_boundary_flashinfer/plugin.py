@@ -60,10 +60,17 @@ def build_add_norm(request):
     return factory(request)
 
 
+def build_norm(request):
+    """FlashInfer's out-of-place RMSNorm (no add) for a CUDA bf16/fp16 norm: q/k norms, an input norm."""
+    from .local_add_norm import norm_factory
+
+    return norm_factory(request)
+
+
 @hookimpl
 def layer_boundary_add_norm_kernels():
     yield AddNormKernel(
-        name="flashinfer.add_rmsnorm", factory=build_add_norm, priority=Priority.VENDOR,
+        name="flashinfer.add_rmsnorm", factory=build_add_norm, norm_factory=build_norm, priority=Priority.VENDOR,
         contract_preparation="layer_boundary_flashinfer.local_add_norm:contract_factory",
         description="residual add + RMSNorm (and Gemma's) in FlashInfer's fused_add_rmsnorm, run on copies (it works in place)",
     )

@@ -125,3 +125,44 @@ def test_torch_compile_fullgraph_traces_the_kernel_as_its_custom_op():
     finally:
         torch._dynamo.reset()
     assert any("local_add_rmsnorm" in t for t in seen), seen
+
+
+# ---------------------------------------------------------------- the plain norm (no add): norm_factory
+
+
+def test_plain_norm_is_offered_and_declines_like_the_add_norm():
+    from layer_boundary_flashinfer.local_add_norm import norm_factory
+
+    record = next(r for r in get_registry().add_norm_kernels if r.name == "flashinfer.add_rmsnorm")
+    assert record.record.norm_factory is not None
+    request = _request()
+    assert norm_factory.reason(request) == "a cpu device" and norm_factory(request) is None
+
+
+@pytest.mark.parametrize("offset", [0.0, 1.0], ids=["rms", "gemma"])
+def test_plain_norm_wrapper_runs_per_head_rows_out_of_place(offset):
+    """Qwen3's q norm hands [T, heads, head_dim]: the kernel sees [T * heads, head_dim] rows and
+    the result comes back in x's shape, a new tensor, with the kernels' numerics."""
+    from layer_boundary_flashinfer.local_add_norm import NormFactory, reference_norm
+
+    make = NormFactory(reference_norm, devices=("cpu",), implementation_of=lambda device: "reference")
+    kernel = make(_request(hidden_size=16, offset=offset))
+    x = torch.randn(3, 4, 16).to(torch.bfloat16)
+    weight = (torch.rand(16) + 0.5).to(torch.bfloat16)
+    before = x.clone()
+    out = kernel(x, weight)
+    assert out.shape == x.shape and out.data_ptr() != x.data_ptr() and torch.equal(x, before)
+    xf = x.float()
+    want = (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + 1e-6) * (weight.float() + offset)).to(torch.bfloat16)
+    assert torch.equal(out, want)
+    assert kernel(x[:0], weight).shape == (0, 4, 16)
+
+
+def test_plain_norm_custom_op_has_a_fake_for_torch_compile():
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from layer_boundary_flashinfer import local_add_norm  # noqa: F401 - registers the op
+
+    with FakeTensorMode():
+        out = torch.ops.layer_boundary_flashinfer.local_rmsnorm(torch.empty(2, 8, 128, dtype=torch.bfloat16), torch.empty(128, dtype=torch.bfloat16), 1e-6, 0.0)
+    assert out.shape == (2, 8, 128) and out.dtype == torch.bfloat16
