@@ -474,3 +474,28 @@ def test_plain_norm_never_chooses_inside_torch_compile(fresh_registry, inline_pl
     x = torch.randn(2, 16)
     out = torch.compile(norm, backend="eager", fullgraph=True)(x)
     assert plugin.calls == [] and torch.equal(out, norm.torch_forward(x))
+
+
+def test_contract_checks_the_plain_norm_purity_and_parity():
+    """A norm factory whose kernel normalizes in place, or computes another norm, fails the
+    contract (`check_add_norm_kernel`) while its add + norm passes."""
+    from layer_boundary.testing.contract import ContractSettings, ContractViolation, check_add_norm_kernel
+
+    def good_add_norm(request):
+        return torch_kernel([], "x") if request.dtype == torch.float32 and not request.offset else None
+
+    def in_place(request):
+        def run(x, weight):
+            return x.mul_(1.0)
+
+        return run
+
+    def wrong(request):
+        return lambda x, weight: x * 2
+
+    for name, norm_factory, rule in (("t.inplace", in_place, "purity"), ("t.wrong", wrong, "parity")):
+        record = AddNormKernel(name=name, factory=good_add_norm, norm_factory=norm_factory, description="test")
+        with pytest.raises(ContractViolation, match=rf"\[{rule}\] RMSNorm float32 H=64 on cpu \(no add\)"):
+            check_add_norm_kernel(record, settings=ContractSettings(dtypes=("float32",)))
+    check_add_norm_kernel(AddNormKernel(name="t.addonly", factory=good_add_norm, description="test"),
+                          settings=ContractSettings(dtypes=("float32",)))  # no norm factory: nothing more to check

@@ -217,8 +217,11 @@ def reference_in_place(offset: float) -> Callable:
 
 def contract_factory() -> AddNormFactory:
     """The factory over `reference_in_place` on CPU rows: what the contract suite checks on a
-    machine without a GPU (the copies, the in-place contract, the declines)."""
-    return AddNormFactory(reference_in_place, devices=("cpu",), implementation_of=lambda device: "reference")
+    machine without a GPU (the copies, the in-place contract, the declines); its `norm_factory`
+    is the plain norm's over `reference_norm`."""
+    made = AddNormFactory(reference_in_place, devices=("cpu",), implementation_of=lambda device: "reference")
+    made.norm_factory = NormFactory(reference_norm, devices=("cpu",))
+    return made
 
 
 # the custom op torch.compile traces ---------------------------------------------------------------

@@ -37,10 +37,21 @@ def _factory(record, device: str):
         raise RuntimeError(f"record {record.name!r}: its contract_preparation {path!r} did not load: {type(exc).__name__}: {exc}") from exc
 
 
+def _norm_factory(record, device: str, prepared):
+    """The plain-norm factory to check: the record's own on CUDA (or with no preparation), else
+    the prepared factory's `norm_factory` attribute (None: plain norms unchecked here)."""
+    if record.norm_factory is None:
+        return None
+    if not getattr(record, "contract_preparation", None) or device == "cuda":
+        return record.norm_factory
+    return getattr(prepared, "norm_factory", None)
+
+
 def add_norm_report(record, settings: ContractSettings) -> ContractReport:
     report = ContractReport(record.name, "add norm kernel")
     device = torch.device(settings.device)
     factory = _factory(record, settings.device)
+    norm_factory = _norm_factory(record, settings.device, factory)
     g = torch.Generator().manual_seed(settings.seed)
     accepted = 0
     for norm_cls in (RMSNorm, GemmaRMSNorm):
@@ -67,6 +78,8 @@ def add_norm_report(record, settings: ContractSettings) -> ContractReport:
             accepted += 1
             for rows in settings.rows:
                 _run(report, kernel, norm, rows, dtype, dtype_name, settings, g, f"{case} T={rows}")
+            if norm_factory is not None:
+                _plain(report, norm_factory, norm, request, dtype, dtype_name, settings, g, case)
     report.stats["accepted"] += accepted
     if not accepted and (getattr(record, "contract_preparation", None) or settings.device == "cpu"):
         report.add("parity", f"accepted no request on {settings.device}: nothing was checked. A record whose kernels need "
@@ -101,3 +114,35 @@ def _run(report, kernel, norm, rows, dtype, dtype_name, settings, g, case) -> No
         err = relative_error(got, want)
         if err > tol:
             report.add("parity", f"{case}: {what} differs from add_rms_norm by {err:.2e} relative (tolerance {tol:.0e})")
+
+
+def _plain(report, norm_factory, norm, request, dtype, dtype_name, settings, g, case) -> None:
+    """The plain norm (no add) of the same request: never raises, new tensor, x untouched, and
+    within the dtype's tolerance of the norm's torch path, on 2-D rows and on 3-D per-head rows."""
+    try:
+        kernel = norm_factory(request)
+    except Exception as exc:  # noqa: BLE001
+        report.add("construction", f"{case} (no add): the norm factory raised {type(exc).__name__}: {exc} (decline with None)")
+        return
+    if kernel is None:
+        return
+    hidden = settings.hidden_size
+    for shape in [(rows, hidden) for rows in settings.rows] + [(3, 2, hidden)]:
+        x = torch.randn(*shape, generator=g).to(dtype).to(settings.device)
+        held, version = x.clone(), x._version
+        where = f"{case} (no add) shape {shape}"
+        try:
+            out = kernel(x, norm.weight)
+        except Exception as exc:  # noqa: BLE001
+            report.add("parity", f"{where}: the kernel raised {type(exc).__name__}: {exc}")
+            continue
+        report.stats["launches"] += 1
+        if not torch.equal(x, held) or x._version != version or (x.numel() and out.data_ptr() == x.data_ptr()):
+            report.add("purity", f"{where}: the plain norm wrote x or returned its memory (return a new tensor)")
+        want = norm.torch_forward(held)
+        if out.shape != want.shape or out.dtype != dtype:
+            report.add("parity", f"{where}: {tuple(out.shape)} {out.dtype}; expected {tuple(want.shape)} {dtype}")
+            continue
+        err = relative_error(out, want)
+        if err > settings.tolerance(dtype_name):
+            report.add("parity", f"{where}: differs from the torch norm by {err:.2e} relative (tolerance {settings.tolerance(dtype_name):.0e})")
