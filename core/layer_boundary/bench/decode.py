@@ -137,7 +137,7 @@ def run(batches, layers: int, prompt: int, repeats: int, parallel=None, hf: bool
         cache = model.new_static_cache(batch, prompt + 8)
         gen = torch.Generator().manual_seed(batch)
         prompts = [torch.randint(0, config.vocab_size, (prompt,), generator=gen) for _ in range(batch)]
-        slots = torch.arange(batch, device="cuda")
+        slots = None  # row i is cache slot i: the cache is read in place (an engine with a slot table passes it)
         ids = torch.randint(0, config.vocab_size, (batch,), generator=gen).cuda()
         pos = torch.full((batch,), prompt, dtype=torch.long, device="cuda")
         graph = CapturedStep(lambda i, p: static_decode_step(model, parallel, cache, i, slots, p), (ids.clone(), pos.clone()))

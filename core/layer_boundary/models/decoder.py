@@ -12,7 +12,7 @@ from torch import nn
 
 from .. import declare_attn, declare_ffn, layer_stack, make_stages, residual_batch
 from .._residual.add_norm import GemmaRMSNorm, RMSNorm
-from .attention import KVCache, RotaryEmbedding, StaticKVCache, StepLayout, TPAttention
+from .attention import DecodeLayout, KVCache, RotaryEmbedding, StaticKVCache, StepLayout, TPAttention
 from .config import ConfigError, DecoderConfig
 from .lora_layers import LoraGatedMLP, attach_attention_lora
 from .mlp import TPGatedMLP
@@ -129,7 +129,9 @@ class CausalLM(nn.Module):
         """A preallocated cache for CUDA-graph decode (requests live in slots 0..slots-1)."""
         attn = self.layers[0].self_attn
         w = attn.o_proj.weight
-        return StaticKVCache(self.config.num_layers, slots, max_len, attn.kv_heads, attn.head_dim, dtype=w.dtype, device=w.device)
+        cache = StaticKVCache(self.config.num_layers, slots, max_len, attn.kv_heads, attn.head_dim, dtype=w.dtype, device=w.device)
+        cache.rope_table = self.rotary.table(max_len, w.dtype, w.device)
+        return cache
 
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         h = self.embed_tokens(input_ids)
@@ -146,7 +148,12 @@ class CausalLM(nn.Module):
         else:
             tensors = self.handoff.receive(step.num_tokens, input_ids.device)
             hidden_states = self.layers[0].attn_boundary.from_pp(tensors, forward)
-        rope = self.rotary(step.positions, hidden_states.dtype)
+        if isinstance(cache, StaticKVCache):
+            # the step's cache facts once for every layer, rotary factors looked up
+            step = cache.bind(step) if isinstance(step, DecodeLayout) else step
+            rope = cache.rope(step.positions)
+        else:
+            rope = self.rotary(step.positions, hidden_states.dtype)
         hidden_states = run_layers(self.layers, hidden_states, forward, step, rope, cache)
         if not self.is_last:
             self.handoff.send(residual_batch.to_pp(hidden_states, forward))
