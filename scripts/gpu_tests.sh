@@ -19,6 +19,8 @@
 #               mid-forward (the others must raise, not hang); JSON in $OUT/soak.json, soak_kill.json
 #   addnorm     the local add + RMSNorm kernels (cutedsl, flashinfer) against the torch path, their
 #               order, a CUDA graph, a qwen3 TP=1 decode step launching fewer kernels
+#   decode-kernels the flashinfer plugin's rope and decode attention against the torch path (alone,
+#               in a qwen3 static-cache decode with prepare_model, a CUDA graph, torch.compile)
 #   bench-decode   `layer-boundary bench decode` (batch 1, 32: graph replay, kernels vs HF, floor)
 #   bench-cutedsl  `layer-boundary bench cutedsl` (CuTe DSL add + RMSNorm vs FlashInfer, copy baseline)
 #
@@ -186,6 +188,7 @@ group() {
       return $rc ;;
     smoke-cutedsl) run_check cutedsl_smoke "${SMOKE_TIMEOUT:-240}" python3 -m layer_boundary_cutedsl.allreduce_smoke --ranks 2 --json "$OUT/cutedsl_smoke.json" ;;
     addnorm) run_pytest addnorm 560 tests/plugins/test_add_norm_gpu.py ;;
+    decode-kernels) run_pytest decode_kernels 560 -s tests/plugins/flashinfer/test_flashinfer_decode_kernels_gpu.py ;;
     bench-decode) run_bench bench_decode 290 python3 -m layer_boundary bench decode -- --out "$OUT/decode.json" ;;
     bench-cutedsl) run_bench bench_cutedsl 290 python3 -m layer_boundary bench cutedsl -- --out "$OUT/cutedsl_bench.json" ;;
     # the soak stops at its --budget-s (agreed by the ranks) with the steps it ran and its rate
@@ -195,7 +198,7 @@ group() {
       run_check soak_kill 150 $soak --only kill --out "$OUT/soak_kill.json" || rc=1
       return $rc ;;
     contract) run_pytest contract 560 tests/plugins/test_contract_plugins.py tests/plugins/test_contract_suite.py tests/test_example_provider.py ;;
-    *) log "unknown group $1 (core cutedsl flashinfer flashinfer4 contract soak compile addnorm shadow probe probe-moe final smoke-cutedsl bench-decode bench-cutedsl)"; return 2 ;;
+    *) log "unknown group $1 (core cutedsl flashinfer flashinfer4 contract soak compile addnorm decode-kernels shadow probe probe-moe final smoke-cutedsl bench-decode bench-cutedsl)"; return 2 ;;
   esac
 }
 

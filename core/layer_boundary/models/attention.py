@@ -14,7 +14,7 @@ from torch import nn
 from .._layers import ColumnParallelLinear, Linear, RowParallelLinear
 from .._residual.add_norm import RMSNorm
 
-__all__ = ["RotaryEmbedding", "KVCache", "StaticKVCache", "TPAttention", "StepLayout", "DecodeLayout"]
+__all__ = ["RotaryEmbedding", "KernelRope", "KVCache", "StaticKVCache", "TPAttention", "StepLayout", "DecodeLayout"]
 
 
 class StepLayout:
@@ -87,14 +87,17 @@ class StaticKVCache:
         self.k[layer][slot, :, start:stop] = k.transpose(0, 1)
         self.v[layer][slot, :, start:stop] = v.transpose(0, 1)
 
-    def bind(self, step: DecodeLayout) -> DecodeLayout:
-        """`step` with its cache facts: the flattened write index [tokens * kv_heads] and the
-        additive mask [tokens, 1, 1, max_len] (0 where visible, the dtype's minimum after the
-        row's position). Computed once per step; every layer reads them."""
+    def bind(self, step: DecodeLayout, *, mask: bool = True) -> DecodeLayout:
+        """`step` with its cache facts: the flattened write index [tokens * kv_heads] and (unless
+        `mask=False`: a decode-attention kernel masks by position itself) the additive mask
+        [tokens, 1, 1, max_len] (0 where visible, the dtype's minimum after the row's position).
+        Computed once per step; every layer reads them."""
         positions = step.positions
         rows = torch.arange(positions.shape[0], device=positions.device) if step.slots is None else step.slots
         heads = torch.arange(self.kv_heads, device=positions.device)
         write_index = ((rows[:, None] * self.kv_heads + heads[None, :]) * self.max_len + positions[:, None]).reshape(-1)
+        if not mask:
+            return DecodeLayout(step.slots, positions, write_index=write_index)
         dtype = self.k[0].dtype
         hidden = torch.arange(self.max_len, device=positions.device)[None, :] > positions[:, None]
         key_bias = torch.zeros(hidden.shape, dtype=dtype, device=positions.device).masked_fill_(hidden, torch.finfo(dtype).min)
@@ -160,6 +163,20 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
     return out
 
 
+class KernelRope:
+    """A plugin's rope kernel bound to a step's positions: what the attention calls on its
+    queries and keys in place of the (cos, sin) rotation (`RopeKernel`)."""
+
+    __slots__ = ("kernel", "positions")
+
+    def __init__(self, kernel, positions: torch.Tensor):
+        self.kernel = kernel
+        self.positions = positions
+
+    def __call__(self, q: torch.Tensor, k: torch.Tensor):
+        return self.kernel(q, k, self.positions)
+
+
 class KVCache:
     """Keys and values per layer per request: [kv_heads_local, length, head_dim]."""
 
@@ -210,6 +227,11 @@ class TPAttention(nn.Module):
         self.o_proj = RowParallelLinear(config.num_heads * D, H, group, reduce_results=reduce_results, dtype=dtype, device=device)
         self.q_norm = RMSNorm(D, config.rms_norm_eps, dtype=dtype, device=device) if config.qk_norm else None
         self.k_norm = RMSNorm(D, config.rms_norm_eps, dtype=dtype, device=device) if config.qk_norm else None
+        # the static-cache path's plugin kernels, chosen once per model by prepare_model
+        # (`attention_kernels`); None: the torch path
+        self.rope_kernel = None
+        self.rope_positions = 0  # the positions the rope kernel's table covers
+        self.decode_attention_kernel = None
 
     def kv_rows(self) -> slice:
         """The output rows of the full [kv_heads * D, H] K/V projections this rank holds."""
@@ -267,6 +289,9 @@ class TPAttention(nn.Module):
             q, k = self.q_norm(q), self.k_norm(k)
         if rope is None:
             return q, k, v
+        if isinstance(rope, KernelRope):
+            q, k = rope(q, k)
+            return q, k, v
         cos, sin = rope
         return apply_rotary(q, cos, sin), apply_rotary(k, cos, sin), v
 
@@ -300,9 +325,12 @@ class TPAttention(nn.Module):
         Writes in place (index_copy_ on the step's precomputed index), reads the slots as views,
         and shares each KV head across its query group by a view of the queries ([tokens,
         kv_heads, group, D]) instead of repeating keys and values."""
-        if step.write_index is None:  # a layout nobody bound (a model calling this directly)
-            step = cache.bind(step)
+        kernel = self.decode_attention_kernel
+        if step.write_index is None or (kernel is None and step.key_bias is None):  # a layout nobody bound for this path
+            step = cache.bind(step, mask=kernel is None)
         cache.write_decode(self.layer, step, k, v)
+        if kernel is not None:  # a plugin's decode attention over the cache as it is
+            return kernel(q, cache.k[self.layer], cache.v[self.layer], step.slots, step.positions)
         keys, values = cache.read_decode(self.layer, step)  # [T, kv_heads, L, D]
         T, D = q.shape[0], self.head_dim
         grouped = q.view(T, self.kv_heads, self.heads // self.kv_heads, D)
