@@ -99,11 +99,17 @@ def _agree(flags: list[bool], group, device) -> list[bool]:
     return [int(round(v)) == group.size for v in total.tolist()]
 
 
-def _first_agreed(records, kernels, agreed) -> KernelChoice:
+def _first_agreed(records, kernels, agreed=None) -> KernelChoice:
+    """The first record whose flag is agreed (`agreed=None`: this rank's own answers)."""
+    agreed = [k is not None for k in kernels] if agreed is None else agreed
     for index, (item, kernel, ok) in enumerate(zip(records, kernels, agreed)):
         if ok:
             return KernelChoice(item.name, kernel, tuple(r.name for r in records[:index]))
     return KernelChoice(TORCH, None, tuple(r.name for r in records))
+
+
+def _named(choice: KernelChoice) -> str:
+    return f"{choice.name} ({', '.join(choice.declined)} declined)" if choice.declined else choice.name
 
 
 def _group_of(model, attention):
@@ -164,7 +170,8 @@ def describe(model) -> Optional[str]:
     }
     chosen = model.__dict__.get("attention_kernels") if isinstance(model, torch.nn.Module) else None
     if chosen is not None:
-        names, where = {"rope": chosen.rope.name, "decode attention": chosen.decode_attention.name}, "agreed across the TP group"
+        names = {"rope": _named(chosen.rope), "decode attention": _named(chosen.decode_attention)}
+        where = "agreed across the TP group"
     elif attentions[0].o_proj.weight.device.type == "meta":
         parts = "; ".join(f"{kind}: chain {' > '.join(chain)}" for kind, chain in chains.items())
         return f"attention kernels (static cache): chosen on the device at prepare_model; {parts}"
@@ -173,8 +180,7 @@ def describe(model) -> Optional[str]:
         local = {}
         for kind, records, request in (("rope", registry.rope_kernels, rope_request),
                                        ("decode attention", registry.decode_attention_kernels, decode_request)):
-            kernels = _local(records, request)
-            local[kind] = next((item.name for item, k in zip(records, kernels) if k is not None), TORCH)
+            local[kind] = _named(_first_agreed(records, _local(records, request), None))
         names, where = local, "this rank's answer; prepare_model agrees across the TP group"
     parts = "; ".join(f"{kind}: {names[kind]} (chain {' > '.join(chain)})" for kind, chain in chains.items())
     return f"attention kernels (static cache, {where}): {parts}"
