@@ -50,6 +50,14 @@ def test_static_cache_decode_matches_hf(name, order):
             assert torch.allclose(out[row], ref[r][s + 1][0], rtol=0, atol=1e-6)
 
 
+@torch.inference_mode()
+def test_rows_as_slots_refuse_more_rows_than_slots():
+    config, _, model = _model("qwen3", torch.float32)
+    cache = model.new_static_cache(2, 8)
+    with pytest.raises(ValueError, match="needs as many cache slots; this cache has 2"):
+        static_decode_step(model, Parallel.single(), cache, torch.tensor([1, 2, 3]), None, torch.tensor([0, 0, 0]))
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a GPU")
 @pytest.mark.parametrize("name", ["qwen3", "qwen3_moe"])

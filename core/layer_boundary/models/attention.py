@@ -93,6 +93,11 @@ class StaticKVCache:
         [tokens, 1, 1, max_len] (0 where visible, the dtype's minimum after the row's position).
         Computed once per step; every layer reads them."""
         positions = step.positions
+        if step.slots is None and positions.shape[0] > self.slots:
+            raise ValueError(
+                f"a decode step of {positions.shape[0]} rows with slots=None (row i in slot i) needs as many cache slots; "
+                f"this cache has {self.slots}: make it with new_static_cache(slots={positions.shape[0]}, ...) or pass the slots"
+            )
         rows = torch.arange(positions.shape[0], device=positions.device) if step.slots is None else step.slots
         heads = torch.arange(self.kv_heads, device=positions.device)
         write_index = ((rows[:, None] * self.kv_heads + heads[None, :]) * self.max_len + positions[:, None]).reshape(-1)
