@@ -21,6 +21,8 @@
 #   compile-ops torch.library.opcheck on the plugins' fused kernel ops (cutedsl MoE, flashinfer at 2 ranks)
 #   addnorm     the local add + RMSNorm kernels (cutedsl, flashinfer) against the torch path, their
 #               order, a CUDA graph, a qwen3 TP=1 decode step launching fewer kernels
+#   decode-kernels the flashinfer plugin's rope and decode attention against the torch path (alone,
+#               in a qwen3 static-cache decode with prepare_model, a CUDA graph, torch.compile)
 #   bench-decode   `layer-boundary bench decode` (batch 1, 32: graph replay, kernels vs HF, floor)
 #   bench-cutedsl  `layer-boundary bench cutedsl` (CuTe DSL add + RMSNorm vs FlashInfer, copy baseline)
 #   sweep-cutedsl  the CuTe DSL add + RMSNorm with and without PDL, new buffers or in place, against FlashInfer
@@ -192,6 +194,7 @@ group() {
       return $rc ;;
     smoke-cutedsl) run_check cutedsl_smoke "${SMOKE_TIMEOUT:-240}" python3 -m layer_boundary_cutedsl.allreduce_smoke --ranks 2 --json "$OUT/cutedsl_smoke.json" ;;
     addnorm) run_pytest addnorm 560 tests/plugins/test_add_norm_gpu.py ;;
+    decode-kernels) run_pytest decode_kernels 560 -s tests/plugins/flashinfer/test_flashinfer_decode_kernels_gpu.py ;;
     bench-decode) run_bench bench_decode 290 python3 -m layer_boundary bench decode -- --out "$OUT/decode.json" ;;
     sweep-cutedsl) run_bench sweep_cutedsl 400 python3 -m layer_boundary_cutedsl.add_norm_sweep --out "$OUT/add_norm_sweep.json" ;;
     bench-cutedsl) run_bench bench_cutedsl 290 python3 -m layer_boundary bench cutedsl -- --out "$OUT/cutedsl_bench.json" ;;
@@ -202,7 +205,7 @@ group() {
       run_check soak_kill 150 $soak --only kill --out "$OUT/soak_kill.json" || rc=1
       return $rc ;;
     contract) run_pytest contract 560 tests/plugins/test_contract_plugins.py tests/plugins/test_contract_suite.py tests/test_example_provider.py ;;
-    *) log "unknown group $1 (core cutedsl flashinfer flashinfer4 contract soak compile compile-ops addnorm shadow probe probe-moe final smoke-cutedsl bench-decode bench-cutedsl sweep-cutedsl)"; return 2 ;;
+    *) log "unknown group $1 (core cutedsl flashinfer flashinfer4 contract soak compile compile-ops addnorm decode-kernels shadow probe probe-moe final smoke-cutedsl bench-decode bench-cutedsl sweep-cutedsl)"; return 2 ;;
   esac
 }
 

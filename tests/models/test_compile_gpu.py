@@ -58,8 +58,9 @@ def _steps(config, batch, steps, device):
     return prompts, [torch.tensor(t, device=device) for t in decode], base
 
 
+@pytest.mark.parametrize("slots_given", [True, False], ids=["slots_gathered", "rows_are_slots"])
 @torch.inference_mode()
-def test_cpu_twin_static_decode_compiles_whole():
+def test_cpu_twin_static_decode_compiles_whole(slots_given):
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
@@ -70,7 +71,7 @@ def test_cpu_twin_static_decode_compiles_whole():
         prompts, decode, base = _steps(config, 4, 4, "cpu")
         cache = model.new_static_cache(len(prompts), 16)
         static_prefill(model, parallel, cache, prompts, "cpu")
-        slots = torch.arange(len(prompts))
+        slots = torch.arange(len(prompts)) if slots_given else None
         backend = CountingBackend("eager")
         run = torch.compile(model, backend=backend, fullgraph=True)
         for s, ids in enumerate(decode):

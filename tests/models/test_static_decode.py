@@ -22,11 +22,15 @@ def _model(name, dtype, device="cpu"):
 
 
 @pytest.mark.parametrize("name", ["qwen3", "qwen3_moe"])
+@pytest.mark.parametrize("order", ["rows_are_slots", "reversed_slots"])
 @torch.inference_mode()
-def test_static_cache_decode_matches_hf(name):
+def test_static_cache_decode_matches_hf(name, order):
     """Prefill agrees to 1e-10 in float64. Decode attends over the padded cache length: HF's
     fp32 softmax (which this path mirrors) then sums a different number of terms, so agreement
-    is at fp32 softmax precision (1e-6), still far below any real error."""
+    is at fp32 softmax precision (1e-6), still far below any real error.
+
+    `rows_are_slots`: decode row i is request i in slot i (`slots=None`, the cache read in
+    place); `reversed_slots`: row i is the request in slot n-1-i (the slots gathered)."""
     config, state, model = _model(name, torch.float64)
     prompts, decode = make_requests(config.vocab_size, 3, 5, 3, seed=2)
     ref = hf_logits(hf_from_state(dict(config.hf), state, torch.float64), [torch.tensor(p) for p in prompts], decode)
@@ -37,12 +41,21 @@ def test_static_cache_decode_matches_hf(name):
     for r, p in enumerate(prompts):
         assert torch.allclose(logits[start : start + len(p)], ref[r][0], rtol=0, atol=1e-10)
         start += len(p)
-    slots = torch.arange(len(prompts))
-    positions = torch.tensor([len(p) for p in prompts])
+    requests = list(range(len(prompts)))[:: -1 if order == "reversed_slots" else 1]  # request of each row
+    slots = torch.tensor(requests) if order == "reversed_slots" else None
+    positions = torch.tensor([len(prompts[r]) for r in requests])
     for s, tokens in enumerate(decode):
-        out = static_decode_step(model, parallel, cache, torch.tensor(tokens), slots, positions + s)
-        for r in range(len(prompts)):
-            assert torch.allclose(out[r], ref[r][s + 1][0], rtol=0, atol=1e-6)
+        out = static_decode_step(model, parallel, cache, torch.tensor([tokens[r] for r in requests]), slots, positions + s)
+        for row, r in enumerate(requests):
+            assert torch.allclose(out[row], ref[r][s + 1][0], rtol=0, atol=1e-6)
+
+
+@torch.inference_mode()
+def test_rows_as_slots_refuse_more_rows_than_slots():
+    config, _, model = _model("qwen3", torch.float32)
+    cache = model.new_static_cache(2, 8)
+    with pytest.raises(ValueError, match="needs as many cache slots; this cache has 2"):
+        static_decode_step(model, Parallel.single(), cache, torch.tensor([1, 2, 3]), None, torch.tensor([0, 0, 0]))
 
 
 @pytest.mark.gpu

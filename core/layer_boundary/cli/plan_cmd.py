@@ -47,6 +47,13 @@ def add_parser(sub) -> None:
 
 
 def build_plans(model_name: str, hf_config, topology: Topology, reduction: str, rank: int = 0, lora: int = 0, device="meta", dtype=None):
+    """(config, policy, the boundaries' plans) of the model on `rank`."""
+    config, policy, plans, _ = build_plan_report(model_name, hf_config, topology, reduction, rank, lora, device, dtype)
+    return config, policy, plans
+
+
+def build_plan_report(model_name: str, hf_config, topology: Topology, reduction: str, rank: int = 0, lora: int = 0, device="meta", dtype=None):
+    """`build_plans` and the model-wide lines (the attention kernels), as a fourth item."""
     from .._errors import MissingPluginError
     from ..models import ConfigError, build_model, load_hf_config, model_config
     from ..models.lora_layers import random_lora_spec
@@ -62,8 +69,10 @@ def build_plans(model_name: str, hf_config, topology: Topology, reduction: str, 
     except (ConfigError, TopologyError, MissingPluginError, ValueError, NotImplementedError) as exc:
         raise UsageError(str(exc)) from None
     from .._stage import boundaries_of
+    from ..models.attention_kernels import describe as describe_attention_kernels
 
-    return config, policy, [b.plan.describe() for b in boundaries_of(model)]
+    attention = describe_attention_kernels(model)
+    return config, policy, [b.plan.describe() for b in boundaries_of(model)], {"attention_kernels": attention} if attention else {}
 
 
 def run(args) -> int:
@@ -76,11 +85,16 @@ def run(args) -> int:
     import torch
 
     dtype = getattr(torch, args.dtype) if args.device != "meta" else None
-    config, policy, plans = build_plans(args.model, args.hf_config, topology, args.reduction, args.rank, args.lora, args.device, dtype)
+    config, policy, plans, model_wide = build_plan_report(
+        args.model, args.hf_config, topology, args.reduction, args.rank, args.lora, args.device, dtype
+    )
     if args.json:
-        print(json.dumps({"model": args.model, "topology": topology.describe(), "reduction": policy.value, "boundaries": plans}, indent=2))
+        report = {"model": args.model, "topology": topology.describe(), "reduction": policy.value, **model_wide, "boundaries": plans}
+        print(json.dumps(report, indent=2))
         return 0
     print(f"{args.model}: {config.num_layers} layers, {topology.describe()}, reduction={policy.value}, rank {args.rank}'s view")
+    for line in model_wide.values():
+        print(f"  {line}")
     for plan in plans:
         print(f"\n{plan['label']}  {plan['stage']}  (producer: {plan['producer']}; consumer: {plan['consumer']})")
         if "add_norm" in plan:

@@ -14,7 +14,7 @@ from torch import nn
 from .._layers import ColumnParallelLinear, Linear, RowParallelLinear
 from .._residual.add_norm import RMSNorm
 
-__all__ = ["RotaryEmbedding", "KVCache", "StaticKVCache", "TPAttention", "StepLayout", "DecodeLayout"]
+__all__ = ["RotaryEmbedding", "KernelRope", "KVCache", "StaticKVCache", "TPAttention", "StepLayout", "DecodeLayout"]
 
 
 class StepLayout:
@@ -42,13 +42,20 @@ class StepLayout:
 
 class DecodeLayout:
     """A decode step with device tensors only (CUDA-graph capturable): one token per request,
-    request `i` in cache slot `slots[i]` at position `positions[i]`."""
+    request `i` in cache slot `slots[i]` at position `positions[i]`; `slots=None`: request `i`
+    in slot `i` (the cache is read in place, no gather).
 
-    __slots__ = ("slots", "positions")
+    `write_index` and `key_bias` are the step's cache facts, computed once per step for every
+    layer (`StaticKVCache.bind`): where each row's keys land in the flattened cache, and the
+    additive mask over the cache length."""
 
-    def __init__(self, slots: torch.Tensor, positions: torch.Tensor):
+    __slots__ = ("slots", "positions", "write_index", "key_bias")
+
+    def __init__(self, slots: Optional[torch.Tensor], positions: torch.Tensor, *, write_index=None, key_bias=None):
         self.slots = slots
         self.positions = positions
+        self.write_index = write_index
+        self.key_bias = key_bias
 
     @property
     def num_tokens(self) -> int:
@@ -57,18 +64,70 @@ class DecodeLayout:
 
 class StaticKVCache:
     """Preallocated keys/values [slots, kv_heads_local, max_len, head_dim] per layer; writes and
-    reads use device index tensors, so a decode step has fixed shapes and no host sync."""
+    reads use device index tensors, so a decode step has fixed shapes and no host sync.
+
+    `rope_table` ([max_len, 2, head_dim]: cos, sin in the model's dtype; set by the model that
+    made the cache) lets a step look its rotary factors up instead of computing them."""
 
     def __init__(self, num_layers: int, slots: int, max_len: int, kv_heads: int, head_dim: int, *, dtype, device):
         shape = (slots, kv_heads, max_len, head_dim)
         self.k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
         self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
-        self.max_len = max_len
+        self.slots, self.kv_heads, self.max_len, self.head_dim = slots, kv_heads, max_len, head_dim
+        self.rope_table: Optional[torch.Tensor] = None
 
     def write(self, layer: int, slots, positions, k, v) -> None:
         """k, v: [tokens, kv_heads, D] at (slots[i], positions[i])."""
         self.k[layer][slots, :, positions] = k
         self.v[layer][slots, :, positions] = v
+
+    def write_span(self, layer: int, slot: int, start: int, k, v) -> None:
+        """k, v: [tokens, kv_heads, D] at positions start.. of one slot (a prefill's request)."""
+        stop = start + k.shape[0]
+        self.k[layer][slot, :, start:stop] = k.transpose(0, 1)
+        self.v[layer][slot, :, start:stop] = v.transpose(0, 1)
+
+    def bind(self, step: DecodeLayout, *, mask: bool = True) -> DecodeLayout:
+        """`step` with its cache facts: the flattened write index [tokens * kv_heads] and (unless
+        `mask=False`: a decode-attention kernel masks by position itself) the additive mask
+        [tokens, 1, 1, max_len] (0 where visible, the dtype's minimum after the row's position).
+        Computed once per step; every layer reads them."""
+        positions = step.positions
+        if step.slots is None and positions.shape[0] > self.slots:
+            raise ValueError(
+                f"a decode step of {positions.shape[0]} rows with slots=None (row i in slot i) needs as many cache slots; "
+                f"this cache has {self.slots}: make it with new_static_cache(slots={positions.shape[0]}, ...) or pass the slots"
+            )
+        rows = torch.arange(positions.shape[0], device=positions.device) if step.slots is None else step.slots
+        heads = torch.arange(self.kv_heads, device=positions.device)
+        write_index = ((rows[:, None] * self.kv_heads + heads[None, :]) * self.max_len + positions[:, None]).reshape(-1)
+        if not mask:
+            return DecodeLayout(step.slots, positions, write_index=write_index)
+        dtype = self.k[0].dtype
+        hidden = torch.arange(self.max_len, device=positions.device)[None, :] > positions[:, None]
+        key_bias = torch.zeros(hidden.shape, dtype=dtype, device=positions.device).masked_fill_(hidden, torch.finfo(dtype).min)
+        return DecodeLayout(step.slots, positions, write_index=write_index, key_bias=key_bias[:, None, None, :])
+
+    def write_decode(self, layer: int, step: DecodeLayout, k, v) -> None:
+        """k, v: [tokens, kv_heads, D] into the rows `step.write_index` names: one index_copy_
+        each into the flattened cache (in place, no temporaries)."""
+        D = self.head_dim
+        self.k[layer].view(-1, D).index_copy_(0, step.write_index, k.reshape(-1, D))
+        self.v[layer].view(-1, D).index_copy_(0, step.write_index, v.reshape(-1, D))
+
+    def read_decode(self, layer: int, step: DecodeLayout):
+        """(keys, values) [tokens, kv_heads, max_len, D] of the step's slots: views of the cache
+        when rows are slots (`slots=None`), else gathered."""
+        k, v = self.k[layer], self.v[layer]
+        if step.slots is None:
+            T = step.positions.shape[0]
+            return k[:T], v[:T]
+        return k.index_select(0, step.slots), v.index_select(0, step.slots)
+
+    def rope(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(cos, sin) [tokens, head_dim] of `positions`: one lookup in `rope_table`."""
+        both = self.rope_table.index_select(0, positions)
+        return both[:, 0], both[:, 1]
 
     def snapshot(self):
         return [t.clone() for t in self.k], [t.clone() for t in self.v]
@@ -89,16 +148,38 @@ class RotaryEmbedding(nn.Module):
         emb = torch.cat((freqs, freqs), dim=-1)
         return emb.cos().to(dtype), emb.sin().to(dtype)
 
-
-def _rotate_half(x: torch.Tensor) -> torch.Tensor:
-    half = x.shape[-1] // 2
-    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+    def table(self, length: int, dtype: torch.dtype, device=None) -> torch.Tensor:
+        """[length, 2, head_dim]: (cos, sin) of positions 0..length-1, the values `forward`
+        gives them, built once (a static cache's steps look theirs up)."""
+        device = self.inv_freq.device if device is None else device
+        cos, sin = self(torch.arange(length, device=device), dtype)
+        return torch.stack((cos, sin), dim=1)
 
 
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x: [tokens, heads, head_dim]; cos/sin: [tokens, head_dim]."""
+    """x: [tokens, heads, head_dim]; cos/sin: [tokens, head_dim]. `x * cos + rotate_half(x) *
+    sin` written into one new tensor: the rotated half is read from slices of `x` (no cat, no
+    negated copy)."""
+    half = x.shape[-1] // 2
     cos, sin = cos[:, None, :], sin[:, None, :]
-    return (x * cos) + (_rotate_half(x) * sin)
+    out = x * cos
+    out[..., :half].addcmul_(x[..., half:], sin[..., :half], value=-1)
+    out[..., half:].addcmul_(x[..., :half], sin[..., half:])
+    return out
+
+
+class KernelRope:
+    """A plugin's rope kernel bound to a step's positions: what the attention calls on its
+    queries and keys in place of the (cos, sin) rotation (`RopeKernel`)."""
+
+    __slots__ = ("kernel", "positions")
+
+    def __init__(self, kernel, positions: torch.Tensor):
+        self.kernel = kernel
+        self.positions = positions
+
+    def __call__(self, q: torch.Tensor, k: torch.Tensor):
+        return self.kernel(q, k, self.positions)
 
 
 class KVCache:
@@ -151,6 +232,11 @@ class TPAttention(nn.Module):
         self.o_proj = RowParallelLinear(config.num_heads * D, H, group, reduce_results=reduce_results, dtype=dtype, device=device)
         self.q_norm = RMSNorm(D, config.rms_norm_eps, dtype=dtype, device=device) if config.qk_norm else None
         self.k_norm = RMSNorm(D, config.rms_norm_eps, dtype=dtype, device=device) if config.qk_norm else None
+        # the static-cache path's plugin kernels, chosen once per model by prepare_model
+        # (`attention_kernels`); None: the torch path
+        self.rope_kernel = None
+        self.rope_positions = 0  # the positions the rope kernel's table covers
+        self.decode_attention_kernel = None
 
     def kv_rows(self) -> slice:
         """The output rows of the full [kv_heads * D, H] K/V projections this rank holds."""
@@ -208,6 +294,9 @@ class TPAttention(nn.Module):
             q, k = self.q_norm(q), self.k_norm(k)
         if rope is None:
             return q, k, v
+        if isinstance(rope, KernelRope):
+            q, k = rope(q, k)
+            return q, k, v
         cos, sin = rope
         return apply_rotary(q, cos, sin), apply_rotary(k, cos, sin), v
 
@@ -218,20 +307,11 @@ class TPAttention(nn.Module):
         T, D = x.shape[0], self.head_dim
         groups = self.heads // self.kv_heads
         if isinstance(step, DecodeLayout):
-            cache.write(self.layer, step.slots, step.positions, k, v)
-            keys = cache.k[self.layer][step.slots].repeat_interleave(groups, dim=1)  # [T, heads, L, D]
-            values = cache.v[self.layer][step.slots].repeat_interleave(groups, dim=1)
-            scores = torch.matmul(q[:, :, None, :], keys.transpose(-1, -2))[:, :, 0] * self.scaling  # [T, heads, L]
-            visible = torch.arange(cache.max_len, device=q.device)[None, :] <= step.positions[:, None]
-            scores = scores.masked_fill(~visible[:, None, :], torch.finfo(scores.dtype).min)
-            probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
-            out = torch.matmul(probs[:, :, None, :], values)[:, :, 0]
-            return self.o_proj(out.reshape(T, self.heads * D))
+            return self.o_proj(self._decode_static(q, k, v, step, cache).reshape(T, self.heads * D))
         out = q.new_empty(T, self.heads, D)
         for slot, start, count, past in zip(step.rids, step.starts, step.counts, step.past):
             rows = slice(start, start + count)
-            positions = torch.arange(past, past + count, device=q.device)
-            cache.write(self.layer, torch.full_like(positions, slot), positions, k[rows], v[rows])
+            cache.write_span(self.layer, slot, past, k[rows], v[rows])
             total = past + count
             ks = cache.k[self.layer][slot, :, :total].repeat_interleave(groups, dim=0)
             vs = cache.v[self.layer][slot, :, :total].repeat_interleave(groups, dim=0)
@@ -243,6 +323,30 @@ class TPAttention(nn.Module):
             probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(qs.dtype)
             out[rows] = torch.matmul(probs, vs).transpose(0, 1)
         return self.o_proj(out.reshape(T, self.heads * D))
+
+    def _decode_static(self, q, k, v, step: DecodeLayout, cache: "StaticKVCache") -> torch.Tensor:
+        """One token per row against the whole cache length: [tokens, heads, D].
+
+        Writes in place (index_copy_ on the step's precomputed index), reads the slots as views,
+        and shares each KV head across its query group by a view of the queries ([tokens,
+        kv_heads, group, D]) instead of repeating keys and values."""
+        kernel = self.decode_attention_kernel
+        if step.write_index is None or (kernel is None and step.key_bias is None):  # a layout nobody bound for this path
+            step = cache.bind(step, mask=kernel is None)
+        cache.write_decode(self.layer, step, k, v)
+        if kernel is not None:  # a plugin's decode attention over the cache as it is
+            return kernel(q, cache.k[self.layer], cache.v[self.layer], step.slots, step.positions)
+        keys, values = cache.read_decode(self.layer, step)  # [T, kv_heads, L, D]
+        T, D = q.shape[0], self.head_dim
+        grouped = q.view(T, self.kv_heads, self.heads // self.kv_heads, D)
+        scores = torch.add(step.key_bias, torch.matmul(grouped, keys.transpose(-1, -2)), alpha=self.scaling)
+        # HF's eager softmax runs in fp32; half types' kernels accumulate in fp32 already (one
+        # launch, no round trip), wider types keep the fp32 softmax HF computes
+        if scores.dtype in (torch.bfloat16, torch.float16):
+            probs = torch.softmax(scores, dim=-1)
+        else:
+            probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(scores.dtype)
+        return torch.matmul(probs, values).view(T, self.heads, D)
 
     def _forward_context_parallel(self, x, step, rope, cache, cp) -> torch.Tensor:
         """Prefill of a context-parallel batch: `x` holds this CP rank's rows (`cp`, the batch's

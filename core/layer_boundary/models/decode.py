@@ -24,6 +24,7 @@ def static_prefill(model, parallel, cache, prompts, device) -> torch.Tensor:
 
 
 def static_decode_step(model, parallel, cache, input_ids, slots, positions) -> torch.Tensor:
-    """One decode token per slot; fixed shapes, no host sync: capturable in a CUDA graph."""
+    """One decode token per slot; fixed shapes, no host sync: capturable in a CUDA graph.
+    `slots`: the cache slot of each row, or None when row i is slot i (read in place)."""
     fwd = Forward(parallel, input_ids.shape[0], mode=ForwardMode.DECODE)
     return model(input_ids, fwd, DecodeLayout(slots, positions), cache)

@@ -14,6 +14,8 @@ Registration (one hook per extension point; `docs/plugins.md` walks through them
 | `layer_boundary_branches` | `BranchProvider` | `BranchRequest` | a `BranchTransport` |
 | `layer_boundary_row_publishers` | `RowPublisher` | `RowPublisherRequest` | a `PublishesRows` |
 | `layer_boundary_add_norm_kernels` | `AddNormKernel` | `AddNormRequest` | `kernel(contribution, residual, weight) -> (normed, new_residual)` |
+| `layer_boundary_rope_kernels` | `RopeKernel` | `RopeRequest` | `kernel(q, k, positions) -> (q, k)` |
+| `layer_boundary_decode_attention_kernels` | `DecodeAttentionKernel` | `DecodeAttentionRequest` | `kernel(q, k_cache, v_cache, slots, positions) -> out` |
 | `layer_boundary_benchmarks` | `Benchmark` | the option strings of `layer-boundary bench` | (runs it) |
 
 Life cycle (verbs, called on every rank): `layer_boundary_prepare_model(request:
@@ -62,11 +64,13 @@ from ._records import (
     Benchmark,
     BranchProvider,
     CpPathProvider,
+    DecodeAttentionKernel,
     FusionProvider,
     OverlapProvider,
     Priority,
     Registered,
     ResidualKind,
+    RopeKernel,
     RowPublisher,
     TokenMappingProvider,
 )
@@ -77,6 +81,7 @@ from ._requests import (
     BranchTransport,
     CpPathRequest,
     CpTokenMapping,
+    DecodeAttentionRequest,
     DefersAllReduce,
     DefersFinalize,
     FfnInputFusion,
@@ -85,6 +90,7 @@ from ._requests import (
     PrepareRequest,
     PublishesRows,
     ReleaseRequest,
+    RopeRequest,
     RowPublisherRequest,
     TokenMappingRequest,
 )
@@ -104,6 +110,8 @@ __all__ = [
     "BranchProvider",
     "RowPublisher",
     "AddNormKernel",
+    "RopeKernel",
+    "DecodeAttentionKernel",
     "Benchmark",
     "Adapter",
     "Registered",
@@ -114,6 +122,8 @@ __all__ = [
     "BranchRequest",
     "RowPublisherRequest",
     "AddNormRequest",
+    "RopeRequest",
+    "DecodeAttentionRequest",
     "PrepareRequest",
     "ReleaseRequest",
     # capabilities

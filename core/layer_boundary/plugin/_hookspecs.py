@@ -108,6 +108,20 @@ class LayerBoundarySpecs:
         yield from ()
 
     @hookspec
+    def layer_boundary_rope_kernels(self) -> "Iterable[records.RopeKernel]":
+        """Yield `RopeKernel` records: rotary kernels of the reference attention (static-cache
+        path). `factory(request)` (a `RopeRequest`) runs once per model at `prepare_model`; the
+        first record all ranks of the TP group accept wins; torch rotation when none does."""
+        yield from ()
+
+    @hookspec
+    def layer_boundary_decode_attention_kernels(self) -> "Iterable[records.DecodeAttentionKernel]":
+        """Yield `DecodeAttentionKernel` records: decode attention over the reference models'
+        static KV cache. `factory(request)` (a `DecodeAttentionRequest`) runs once per model at
+        `prepare_model`; chosen like rope kernels (rank-agreed, torch last)."""
+        yield from ()
+
+    @hookspec
     def layer_boundary_benchmarks(self) -> "Iterable[records.Benchmark]":
         """Yield `Benchmark` records: `layer-boundary bench COMMAND [options]` runs the record
         whose `command` it names, `factory(options)`."""

@@ -50,6 +50,8 @@ HOOKS = {
     "branches": ("layer_boundary_branches", rec.BranchProvider),
     "row_publishers": ("layer_boundary_row_publishers", rec.RowPublisher),
     "add_norm_kernels": ("layer_boundary_add_norm_kernels", rec.AddNormKernel),
+    "rope_kernels": ("layer_boundary_rope_kernels", rec.RopeKernel),
+    "decode_attention_kernels": ("layer_boundary_decode_attention_kernels", rec.DecodeAttentionKernel),
     "benchmarks": ("layer_boundary_benchmarks", rec.Benchmark),
 }
 LEGACY_HOOK = "layer_boundary_adapters"
@@ -93,6 +95,8 @@ class Registry:
     branches: tuple[Registered, ...]
     row_publishers: tuple[Registered, ...]
     add_norm_kernels: tuple[Registered, ...]
+    rope_kernels: tuple[Registered, ...]
+    decode_attention_kernels: tuple[Registered, ...]
     benchmarks: tuple[Registered, ...]
     #: deprecated `Adapter` records as yielded (each is also mapped onto its extension point)
     adapters: tuple[Registered, ...]

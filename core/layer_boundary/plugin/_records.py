@@ -154,6 +154,36 @@ class AddNormKernel(_Record):
 
 
 @attrs.frozen(kw_only=True)
+class RopeKernel(_Record):
+    """Hook `layer_boundary_rope_kernels`: a rotary-embedding kernel for the reference attention's
+    static-cache path (prefill and decode through `StaticKVCache`).
+
+    `factory(request: RopeRequest)` runs once per model at `prepare_model` and returns
+    `kernel(q, k, positions) -> (q, k)` (queries [tokens, heads, D], keys [tokens, kv_heads, D],
+    int64 positions [tokens]; new tensors, the inputs unwritten), or None to decline (another
+    device, dtype, head_dim, a missing library). The first record every rank of the model's TP
+    group accepts wins (the core agrees with one all_reduce), so ranks never differ; the core's
+    torch rotation runs when none does. Build tables and compile in the factory: the kernel may
+    be called inside a CUDA-graph capture and must be traceable by torch.compile (a
+    `torch.library.custom_op` with a fake implementation)."""
+
+
+@attrs.frozen(kw_only=True)
+class DecodeAttentionKernel(_Record):
+    """Hook `layer_boundary_decode_attention_kernels`: the attention of one decode token per row
+    against the reference models' static KV cache.
+
+    `factory(request: DecodeAttentionRequest)` runs once per model at `prepare_model` and returns
+    `kernel(q, k_cache, v_cache, slots, positions) -> out`: q [tokens, heads, D]; this layer's
+    cache [cache slots, kv_heads, max_len, D] (the step's keys and values already written); slots
+    [tokens] int64, or None when row i is cache slot i; positions [tokens] int64 (row i attends
+    to 0..positions[i]); out a new [tokens, heads, D]. None declines. Chosen like `RopeKernel`
+    (rank-agreed, torch last). Planning that needs the host (batch size, cache shape) happens at
+    the first call of a shape, which comes before any capture (a warm-up step); afterwards a call
+    is capturable and traceable (a custom op)."""
+
+
+@attrs.frozen(kw_only=True)
 class Benchmark(_Record):
     """Hook `layer_boundary_benchmarks`: `layer-boundary bench COMMAND [options]` calls
     `factory(options)` (the option strings); a benchmark prints a table and writes its results

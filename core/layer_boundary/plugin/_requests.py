@@ -91,6 +91,38 @@ class AddNormRequest:
 
 
 @attrs.frozen
+class RopeRequest:
+    """What a rotary kernel is asked to run: the half-split ("neox") rotation of every head of
+    queries [tokens, heads, head_dim] and keys [tokens, kv_heads, head_dim] by the angles
+    `position * theta ** (-2i / head_dim)`, for positions below `max_positions`, on `device` in
+    `dtype`. Asked once per model (`prepare_model`)."""
+
+    device: "torch.device"
+    dtype: "torch.dtype"
+    head_dim: int
+    heads: int
+    kv_heads: int
+    theta: float
+    max_positions: int
+
+
+@attrs.frozen
+class DecodeAttentionRequest:
+    """What a decode-attention kernel is asked to run: one query token per row, [tokens, heads,
+    head_dim], against a static cache [slots, kv_heads, max_len, head_dim] per layer (keys and
+    values; `heads` a multiple of `kv_heads`, each KV head shared by its group of query heads),
+    scores scaled by `scaling`, softmax over positions 0..position of the row. Asked once per
+    model (`prepare_model`)."""
+
+    device: "torch.device"
+    dtype: "torch.dtype"
+    head_dim: int
+    heads: int
+    kv_heads: int
+    scaling: float
+
+
+@attrs.frozen
 class PrepareRequest:
     """`prepare_model(model, max_tokens=...)`: a model whose weights are in place, before its
     first forward and before any CUDA-graph capture. Called on every rank."""

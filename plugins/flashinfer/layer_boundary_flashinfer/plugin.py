@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import torch
 
-from layer_boundary.plugin import AddNormKernel, Benchmark, FusionProvider, Priority, hookimpl
+from layer_boundary.plugin import AddNormKernel, Benchmark, DecodeAttentionKernel, FusionProvider, Priority, RopeKernel, hookimpl
 
 from .eligibility import ENABLE_ENV, finalize_stage_reason, flashinfer_installed, settings, stage_reason
 
@@ -73,6 +73,36 @@ def layer_boundary_add_norm_kernels():
         name="flashinfer.add_rmsnorm", factory=build_add_norm, norm_factory=build_norm, priority=Priority.VENDOR,
         contract_preparation="layer_boundary_flashinfer.local_add_norm:contract_factory",
         description="residual add + RMSNorm (and Gemma's) in FlashInfer's fused_add_rmsnorm, run on copies (it works in place)",
+    )
+
+
+def build_rope(request):
+    """FlashInfer's rope over a float32 cos/sin table, for the reference attention on CUDA."""
+    from .decode_kernels import rope_factory
+
+    return rope_factory(request)
+
+
+def build_decode_attention(request):
+    """FlashInfer's paged decode attention over the reference models' static cache, on CUDA."""
+    from .decode_kernels import decode_attention_factory
+
+    return decode_attention_factory(request)
+
+
+@hookimpl
+def layer_boundary_rope_kernels():
+    yield RopeKernel(
+        name="flashinfer.rope", factory=build_rope, priority=Priority.VENDOR,
+        description="rotary embedding of queries and keys in one FlashInfer launch (apply_rope_with_cos_sin_cache), CUDA bf16/fp16",
+    )
+
+
+@hookimpl
+def layer_boundary_decode_attention_kernels():
+    yield DecodeAttentionKernel(
+        name="flashinfer.decode_attention", factory=build_decode_attention, priority=Priority.VENDOR,
+        description="decode attention over the static KV cache (BatchDecodeWithPagedKVCacheWrapper, a slot per page), CUDA bf16/fp16",
     )
 
 

@@ -1,0 +1,213 @@
+"""The flashinfer plugin's attention kernels for the reference models' static-cache path: the
+`RopeKernel` "flashinfer.rope" and the `DecodeAttentionKernel` "flashinfer.decode_attention".
+
+Rope: FlashInfer 0.7.2's `apply_rope_with_cos_sin_cache(positions, query, key, head_size,
+cos_sin_cache, is_neox=True)`, out of place (new query and key; the inputs stay as they are),
+over a float32 table [max_positions, head_dim] built once here: cos of `position * inv_freq` in
+the first half, sin in the second, the values the core's `RotaryEmbedding` computes.
+
+Decode attention: `BatchDecodeWithPagedKVCacheWrapper` (HND layout, CUDA-graph mode, its decode
+kernel without tensor cores) over the core's `StaticKVCache` as it is: a slot's [kv_heads,
+max_len, head_dim] block is one page of `max_len` tokens, so the page table is the slot of each
+row and the last page's length is the row's position + 1. The plan depends only on the batch
+size and the page count (one page per row), not on the lengths, so it is made once per batch
+size and cache shape, at the first (eager) call; every call writes the step's lengths (and
+slots) into the wrapper's buffers and runs. The first call for a batch size must come before
+any CUDA-graph capture (a warm-up, as `CapturedStep` does).
+
+Both factories decline without CUDA, for dtypes other than bf16/fp16, a head_dim FlashInfer
+has no kernel for, `LAYER_BOUNDARY_FLASHINFER=0`, flashinfer missing, and a first launch that
+fails (each runs one now, so a JIT build happens here and not inside a capture). Under
+torch.compile each call is one custom op (`layer_boundary_flashinfer::rope`,
+`layer_boundary_flashinfer::decode_attention`) with a fake implementation.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Optional
+
+import torch
+
+from layer_boundary.plugin import graph_key, graph_object, register_graph_object
+
+from .eligibility import flashinfer_installed, settings
+
+__all__ = ["FlashInferRope", "FlashInferDecodeAttention", "rope_factory", "decode_attention_factory", "rope_table", "reason"]
+
+log = logging.getLogger("layer_boundary.flashinfer")
+
+DTYPES = (torch.bfloat16, torch.float16)
+HEAD_DIMS = (64, 128, 256)
+#: the float workspace FlashInfer's decode splits use (its recommended size)
+WORKSPACE_BYTES = 128 * 2**20
+
+
+def reason(request) -> Optional[str]:
+    """Why the kernels are not asked for `request` (None: they are tried)."""
+    if request.device.type != "cuda":
+        return f"a {request.device.type} device"
+    if request.dtype not in DTYPES:
+        return f"{request.dtype} rows"
+    if request.head_dim not in HEAD_DIMS:
+        return f"head_dim {request.head_dim}"
+    if not settings().enabled:
+        return "LAYER_BOUNDARY_FLASHINFER=0"
+    if not flashinfer_installed():
+        return "flashinfer-python missing"
+    return None
+
+
+def rope_table(head_dim: int, theta: float, max_positions: int, device) -> torch.Tensor:
+    """[max_positions, head_dim] float32: cos(p * inv_freq) then sin(p * inv_freq) (half each)."""
+    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float, device=device) / head_dim))
+    freqs = torch.arange(max_positions, device=device).float()[:, None] * inv_freq[None, :]
+    return torch.cat((freqs.cos(), freqs.sin()), dim=-1).contiguous()
+
+
+def _rope(q, k, positions, table):
+    import flashinfer
+
+    T, D = q.shape[0], q.shape[-1]
+    q_out, k_out = flashinfer.apply_rope_with_cos_sin_cache(positions, q.reshape(T, -1), k.reshape(T, -1), D, table, is_neox=True)
+    return q_out.view(q.shape), k_out.view(k.shape)
+
+
+class FlashInferRope:
+    """`(q [T, heads, D], k [T, kv_heads, D], positions [T]) -> (q, k)` rotated, new tensors."""
+
+    def __init__(self, table: torch.Tensor):
+        self.table = table
+
+    def __call__(self, q, k, positions):
+        if torch.compiler.is_compiling():
+            return torch.ops.layer_boundary_flashinfer.rope(q, k, positions, self.table)
+        return _rope(q.contiguous(), k.contiguous(), positions, self.table)
+
+    def __repr__(self) -> str:
+        return f"FlashInferRope(max_positions={self.table.shape[0]}, head_dim={self.table.shape[1]})"
+
+
+def rope_factory(request) -> Optional[FlashInferRope]:
+    """The `RopeKernel` factory: a table for `request.max_positions` and one trial launch."""
+    if reason(request) is not None:
+        return None
+    try:
+        table = rope_table(request.head_dim, request.theta, request.max_positions, request.device)
+        kernel = FlashInferRope(table)
+        q = torch.zeros(1, request.heads, request.head_dim, dtype=request.dtype, device=request.device)
+        k = torch.zeros(1, request.kv_heads, request.head_dim, dtype=request.dtype, device=request.device)
+        kernel(q, k, torch.zeros(1, dtype=torch.long, device=request.device))
+        torch.cuda.synchronize(request.device)
+    except Exception as exc:  # noqa: BLE001 - a kernel that cannot run here declines
+        log.warning("flashinfer.rope declines %s on %s: %s: %s", request.dtype, request.device, type(exc).__name__, exc)
+        return None
+    return kernel
+
+
+class _Planned:
+    """One planned wrapper: a batch size over a cache of `pages` slots of `page_size` tokens."""
+
+    def __init__(self, request, batch: int, pages: int, page_size: int, workspace: torch.Tensor):
+        import flashinfer
+
+        device = workspace.device
+        self.indptr = torch.arange(batch + 1, dtype=torch.int32, device=device)
+        self.indices = torch.arange(batch, dtype=torch.int32, device=device)
+        self.lengths = torch.full((batch,), page_size, dtype=torch.int32, device=device)
+        self.wrapper = flashinfer.BatchDecodeWithPagedKVCacheWrapper(
+            workspace, kv_layout="HND", use_cuda_graph=True, use_tensor_cores=False,
+            paged_kv_indptr_buffer=self.indptr, paged_kv_indices_buffer=self.indices,
+            paged_kv_last_page_len_buffer=self.lengths,
+        )
+        self.wrapper.plan(
+            torch.arange(batch + 1, dtype=torch.int32), torch.arange(batch, dtype=torch.int32),
+            torch.full((batch,), page_size, dtype=torch.int32),
+            request.heads, request.kv_heads, request.head_dim, page_size,
+            q_data_type=request.dtype, kv_data_type=request.dtype, sm_scale=request.scaling,
+        )
+
+    def run(self, q, k_cache, v_cache, slots, positions):
+        torch.add(positions, 1, out=self.lengths)
+        if slots is not None:  # a wrapper planned for given slots (rows-are-slots ones keep 0..batch-1)
+            self.indices.copy_(slots)
+        return self.wrapper.run(q, (k_cache, v_cache))
+
+
+class FlashInferDecodeAttention:
+    """`(q [T, heads, D], k_cache, v_cache [slots, kv_heads, max_len, D], slots [T] or None,
+    positions [T]) -> [T, heads, D]`: row i attends to positions 0..positions[i] of its slot."""
+
+    def __init__(self, request):
+        self.request = request
+        self.workspace = torch.zeros(WORKSPACE_BYTES, dtype=torch.uint8, device=request.device)
+        self.planned: dict = {}
+        register_graph_object(self, "flashinfer.decode_attention")
+
+    def _planned(self, batch: int, k_cache, slots_given: bool) -> _Planned:
+        key = (batch, k_cache.shape[0], k_cache.shape[2], slots_given)
+        planned = self.planned.get(key)
+        if planned is None:
+            if torch.cuda.is_current_stream_capturing():
+                raise RuntimeError(
+                    f"flashinfer.decode_attention has no plan for batch {batch} over a cache of {key[1]} x {key[2]}: "
+                    "run one eager step of this batch size before capturing a CUDA graph (CapturedStep warms up)"
+                )
+            planned = self.planned[key] = _Planned(self.request, batch, key[1], key[2], self.workspace)
+        return planned
+
+    def run(self, q, k_cache, v_cache, slots, positions):
+        return self._planned(q.shape[0], k_cache, slots is not None).run(q.contiguous(), k_cache, v_cache, slots, positions)
+
+    def __call__(self, q, k_cache, v_cache, slots, positions):
+        if torch.compiler.is_compiling():
+            return torch.ops.layer_boundary_flashinfer.decode_attention(q, k_cache, v_cache, slots, positions, graph_key(self))
+        return self.run(q, k_cache, v_cache, slots, positions)
+
+    def __repr__(self) -> str:
+        r = self.request
+        return f"FlashInferDecodeAttention(heads={r.heads}, kv_heads={r.kv_heads}, head_dim={r.head_dim}, {r.dtype})"
+
+
+def decode_attention_factory(request) -> Optional[FlashInferDecodeAttention]:
+    """The `DecodeAttentionKernel` factory: one trial step over a one-slot cache."""
+    if reason(request) is not None:
+        return None
+    if request.heads % request.kv_heads:
+        return None
+    try:
+        kernel = FlashInferDecodeAttention(request)
+        cache = torch.zeros(1, request.kv_heads, 16, request.head_dim, dtype=request.dtype, device=request.device)
+        q = torch.zeros(1, request.heads, request.head_dim, dtype=request.dtype, device=request.device)
+        kernel(q, cache, cache, None, torch.zeros(1, dtype=torch.long, device=request.device))
+        torch.cuda.synchronize(request.device)
+        kernel.planned.clear()
+    except Exception as exc:  # noqa: BLE001 - a kernel that cannot run here declines
+        log.warning("flashinfer.decode_attention declines %s on %s: %s: %s", request.dtype, request.device, type(exc).__name__, exc)
+        return None
+    return kernel
+
+
+# the custom ops torch.compile traces --------------------------------------------------------------
+
+
+@torch.library.custom_op("layer_boundary_flashinfer::rope", mutates_args=())
+def _rope_op(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, table: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    return _rope(q.contiguous(), k.contiguous(), positions, table)
+
+
+@_rope_op.register_fake
+def _(q, k, positions, table):
+    return torch.empty_like(q, memory_format=torch.contiguous_format), torch.empty_like(k, memory_format=torch.contiguous_format)
+
+
+@torch.library.custom_op("layer_boundary_flashinfer::decode_attention", mutates_args=())
+def _decode_attention_op(
+    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slots: Optional[torch.Tensor], positions: torch.Tensor, key: str
+) -> torch.Tensor:
+    return graph_object(key).run(q, k_cache, v_cache, slots, positions)
+
+
+@_decode_attention_op.register_fake
+def _(q, k_cache, v_cache, slots, positions, key):
+    return torch.empty_like(q, memory_format=torch.contiguous_format)

@@ -1,0 +1,178 @@
+"""The flashinfer plugin's rope and decode attention on the GPU (group `decode-kernels` of
+scripts/gpu_tests.sh) against the core's torch path: each kernel alone against a float32
+reference, then a qwen3 (head_dim 128) static-cache run with `prepare_model` choosing them:
+logits against the torch path, a CUDA graph of the decode step equal to its eager step,
+torch.compile(fullgraph) through the custom ops, and fewer kernels a step."""
+
+import pytest
+import torch
+
+from layer_boundary import Parallel, prepare_model, release_model
+
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
+
+flashinfer = pytest.importorskip("flashinfer")
+decode_kernels = pytest.importorskip("layer_boundary_flashinfer.decode_kernels")
+
+from layer_boundary.plugin import DecodeAttentionRequest, RopeRequest  # noqa: E402
+
+HEADS, KV_HEADS, D = 8, 2, 128
+
+
+def _rel(got, want) -> float:
+    return ((got.float() - want.float()).abs().max() / want.float().abs().max().clamp_min(1e-6)).item()
+
+
+def _rope_request(max_positions=256):
+    return RopeRequest(device=torch.device("cuda"), dtype=torch.bfloat16, head_dim=D, heads=HEADS, kv_heads=KV_HEADS,
+                       theta=1e6, max_positions=max_positions)
+
+
+def _decode_request():
+    return DecodeAttentionRequest(device=torch.device("cuda"), dtype=torch.bfloat16, head_dim=D, heads=HEADS, kv_heads=KV_HEADS,
+                                  scaling=D**-0.5)
+
+
+@torch.inference_mode()
+def test_rope_kernel_matches_the_torch_rotation():
+    from layer_boundary.models.attention import RotaryEmbedding, apply_rotary
+
+    kernel = decode_kernels.rope_factory(_rope_request())
+    assert kernel is not None, "flashinfer.rope declined on this GPU"
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    q = torch.randn(5, HEADS, D, device="cuda", generator=gen).bfloat16()
+    k = torch.randn(5, KV_HEADS, D, device="cuda", generator=gen).bfloat16()
+    positions = torch.tensor([0, 3, 17, 100, 255], device="cuda")
+    q_in, k_in = q.clone(), k.clone()
+    got_q, got_k = kernel(q, k, positions)
+    assert torch.equal(q, q_in) and torch.equal(k, k_in), "the kernel wrote its inputs"
+    rotary = RotaryEmbedding(D, 1e6).cuda()
+    cos32, sin32 = rotary(positions, torch.float32)
+    want_q, want_k = apply_rotary(q.float(), cos32, sin32), apply_rotary(k.float(), cos32, sin32)
+    cos, sin = rotary(positions, torch.bfloat16)
+    torch_q = apply_rotary(q, cos, sin)
+    assert _rel(got_q, want_q) < 1e-2 and _rel(got_k, want_k) < 1e-2
+    assert _rel(got_q, torch_q) < 2e-2
+
+
+def _torch_decode(q, k_cache, v_cache, slots, positions):
+    """The float32 reference: every row against its slot up to its position."""
+    groups = HEADS // KV_HEADS
+    rows = torch.arange(q.shape[0], device=q.device) if slots is None else slots
+    keys = k_cache[rows].float().repeat_interleave(groups, dim=1)
+    values = v_cache[rows].float().repeat_interleave(groups, dim=1)
+    scores = torch.einsum("thd,thld->thl", q.float(), keys) * D**-0.5
+    visible = torch.arange(keys.shape[2], device=q.device)[None, :] <= positions[:, None]
+    scores = scores.masked_fill(~visible[:, None, :], float("-inf"))
+    return torch.einsum("thl,thld->thd", torch.softmax(scores, dim=-1), values)
+
+
+@pytest.mark.parametrize("slots_given", [False, True], ids=["rows_are_slots", "slots_given"])
+@torch.inference_mode()
+def test_decode_attention_kernel_matches_the_reference(slots_given):
+    kernel = decode_kernels.decode_attention_factory(_decode_request())
+    assert kernel is not None, "flashinfer.decode_attention declined on this GPU"
+    gen = torch.Generator(device="cuda").manual_seed(1)
+    cache_shape = (6, KV_HEADS, 48, D)
+    k_cache = torch.randn(cache_shape, device="cuda", generator=gen).bfloat16()
+    v_cache = torch.randn(cache_shape, device="cuda", generator=gen).bfloat16()
+    batch = 3 if slots_given else 6
+    slots = torch.tensor([5, 0, 2], device="cuda") if slots_given else None
+    positions = torch.tensor([0, 20, 47, 7, 33, 1][:batch], device="cuda")
+    q = torch.randn(batch, HEADS, D, device="cuda", generator=gen).bfloat16()
+    got = kernel(q, k_cache, v_cache, slots, positions)
+    assert got.shape == q.shape and got.dtype == q.dtype
+    assert _rel(got, _torch_decode(q, k_cache, v_cache, slots, positions)) < 2e-2
+    # other lengths, same plan: the lengths are read at run time
+    later = positions.flip(0)
+    assert _rel(kernel(q, k_cache, v_cache, slots, later), _torch_decode(q, k_cache, v_cache, slots, later)) < 2e-2
+
+
+def _qwen3(layers=2):
+    from layer_boundary.models import build_model, family, model_config
+    from layer_boundary.models.weights import StateDictSource
+
+    hf = dict(model_config("qwen3").hf, head_dim=D, num_attention_heads=HEADS, num_key_value_heads=KV_HEADS, num_hidden_layers=layers)
+    config = model_config("qwen3", hf)
+    state = family("qwen3").random_weights(config, torch.float32, seed=7)
+    model = build_model(config, Parallel.single(), dtype=torch.bfloat16, device="cuda")
+    family("qwen3").load_weights(model, StateDictSource(state))
+    return config, model.eval()
+
+
+@torch.inference_mode()
+def test_qwen3_static_decode_runs_the_kernels_and_matches_the_torch_path():
+    from layer_boundary._cuda_graphs import CapturedStep
+    from layer_boundary.bench.profile import profile_step
+    from layer_boundary.models.decode import static_decode_step, static_prefill
+    from layer_boundary.models.runner import make_requests
+
+    config, model = _qwen3()
+    parallel = Parallel.single()
+    prompts, decode = make_requests(config.vocab_size, 4, 6, 3, seed=3)
+    base = torch.tensor([len(p) for p in prompts], device="cuda")
+
+    def run_all(cache):
+        out = [static_prefill(model, parallel, cache, prompts, "cuda").float()]
+        for s, tokens in enumerate(decode):
+            out.append(static_decode_step(model, parallel, cache, torch.tensor(tokens, device="cuda"), None, base + s).float())
+        return out
+
+    torch_cache = model.new_static_cache(len(prompts), 32)
+    want = run_all(torch_cache)
+    ids = torch.tensor(decode[0], device="cuda")
+    torch_profile = profile_step(lambda: static_decode_step(model, parallel, torch_cache, ids, None, base))
+
+    prepare_model(model, max_tokens=64)
+    chosen = model.attention_kernels
+    assert (chosen.rope.name, chosen.decode_attention.name) == ("flashinfer.rope", "flashinfer.decode_attention")
+    cache = model.new_static_cache(len(prompts), 32)
+    got = run_all(cache)
+    worst = max(_rel(g, w) for g, w in zip(got, want))
+    assert worst < 3e-2, f"logits with the flashinfer kernels differ by {worst:.3e} relative (bf16 bar 3e-2)"
+
+    kernel_profile = profile_step(lambda: static_decode_step(model, parallel, cache, ids, None, base))
+    print(f"decode step kernels: torch path {torch_profile['kernels']} ({torch_profile['kernel_us']:.1f} us) -> "
+          f"flashinfer {kernel_profile['kernels']} ({kernel_profile['kernel_us']:.1f} us)")
+    assert kernel_profile["kernels"] < torch_profile["kernels"], (torch_profile, kernel_profile)
+
+    step_ids, step_pos = ids.clone(), base.clone()
+    graph = CapturedStep(lambda i, p: static_decode_step(model, parallel, cache, i, None, p), (step_ids, step_pos))
+    for s, tokens in enumerate(decode):
+        tokens = torch.tensor(tokens, device="cuda")
+        snap = cache.snapshot()
+        eager = static_decode_step(model, parallel, cache, tokens, None, base + s).clone()
+        cache.restore(snap)
+        replayed = graph.replay(tokens, base + s).clone()
+        assert torch.equal(eager, replayed), f"step {s}: max diff {(eager - replayed).abs().max().item()}"
+    release_model(model)
+
+
+@torch.inference_mode()
+def test_compiled_decode_through_the_custom_ops_equals_eager():
+    from layer_boundary import Forward, ForwardMode
+    from layer_boundary.compiling import CountingBackend, graph_breaks, reset_graph_breaks
+    from layer_boundary.models.attention import DecodeLayout
+    from layer_boundary.models.decode import static_decode_step, static_prefill
+    from layer_boundary.models.runner import make_requests
+
+    torch._dynamo.reset()
+    reset_graph_breaks()
+    config, model = _qwen3()
+    parallel = Parallel.single()
+    prepare_model(model, max_tokens=64)
+    prompts, decode = make_requests(config.vocab_size, 2, 6, 2, seed=5)
+    cache = model.new_static_cache(len(prompts), 32)
+    static_prefill(model, parallel, cache, prompts, "cuda")
+    base = torch.tensor([len(p) for p in prompts], device="cuda")
+    backend = CountingBackend("aot_eager")
+    run = torch.compile(model, backend=backend, fullgraph=True)
+    for s, tokens in enumerate(decode):
+        ids = torch.tensor(tokens, device="cuda")
+        snap = cache.snapshot()
+        eager = static_decode_step(model, parallel, cache, ids, None, base + s).clone()
+        cache.restore(snap)
+        compiled = run(ids, Forward(parallel, len(tokens), mode=ForwardMode.DECODE), DecodeLayout(None, base + s), cache)
+        assert _rel(compiled, eager) < 1e-2
+    assert graph_breaks() == 0
+    release_model(model)
