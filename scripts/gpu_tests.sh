@@ -262,7 +262,7 @@ while [ $i -lt ${#steps[@]} ]; do
       while [ $((i + 1)) -lt ${#steps[@]} ] && [ "${steps[$((i + 1))]}" != stage ] && [ "${steps[$((i + 1))]}" != summary ]; do
         i=$((i + 1)); groups+=("${steps[$i]}")
       done
-      [ ${#groups[@]} -eq 0 ] && groups=(core cutedsl flashinfer flashinfer4 contract soak addnorm compile compile-ops)
+      [ ${#groups[@]} -eq 0 ] && groups=(core cutedsl flashinfer flashinfer4 contract soak addnorm decode-kernels compile compile-ops)
       for g in "${groups[@]}"; do
         log "group $g"
         group "$g" || status=1
