@@ -20,6 +20,8 @@ from .plugin._manager import get_registry
 
 ATTENTION_ROWS = RowLayout.DP_LOCAL
 _DP_LOCAL = RowLayout.DP_LOCAL
+#: what no contribution's update is (a stage without `previous=` expects none)
+_NO_UPDATE = object()
 
 __all__ = ["StageBoundary", "build_boundaries", "boundaries_of"]
 
@@ -33,12 +35,24 @@ class StageBoundary:
     run; anything else takes the general path, which makes every check and raises every error.
     """
 
-    __slots__ = ("plan", "declaration", "_entries", "_exits", "_recording_exits", "_static_exits", "_update")
+    __slots__ = ("plan", "declaration", "_entries", "_lean_entries", "_arriving_update", "_exits", "_recording_exits", "_static_exits", "_update")
 
     def __init__(self, plan: StagePlan):
         self.plan = plan
         self.declaration = plan.declaration
         self._entries = {variant: path.entry for variant, path in plan.paths.items()}
+        #: entries `prepare()` runs inline: local, nothing to check first, the norm's add + norm
+        #: bound, the input staying on the residual's rows
+        self._lean_entries = {
+            variant: entry
+            for variant, entry in self._entries.items()
+            if entry.fast and entry.add_norm is not None and entry.input_move is None
+        }
+        previous = plan.declaration.previous
+        #: the update `previous=` declares: a contribution carrying this very object matches the
+        #: entry's capability (`arrives_plain` is derived from it), so the inline entry compares
+        #: identities; any other update takes `run_local`, which compares the capability
+        self._arriving_update = previous.update if previous is not None else _NO_UPDATE
         self._exits = {variant: path.exit for variant, path in plan.paths.items()}
         self._update = plan.declaration.update
         transform = plan.declaration.output_transform
@@ -63,30 +77,32 @@ class StageBoundary:
         the output plus residual before that addition (the guide's rule). Returns the compute
         input in the consumer read's format.
         """
-        entry = self._entries.get(forward.variant)
         capturing = capture_output is not None or captured_last_layer_outputs is not None or post_residual_addition is not None
-        if entry is not None and entry.fast and not capturing:
-            # `run_local`'s commonest case, inlined: the handle of a complete plain-add output,
-            # read by the norm's add + norm bound at construction, the input staying on its rows
-            add_norm = entry.add_norm
-            stream = forward.residual_stream
-            if add_norm is not None and stream is not None and entry.input_move is None:
-                pending = stream.pending
+        if not capturing:
+            entry = self._lean_entries.get(forward.variant)
+            if entry is not None:
+                # `run_local`'s commonest case, inlined: the handle of a complete output under the
+                # declared plain add, read by the norm's add + norm bound at construction
+                stream = forward.residual_stream
+                pending = None if stream is None else stream.pending
                 if (
                     pending is not None
                     and hidden_states is stream.handle
                     and pending.owed is None
                     and pending.transform is None
-                    and pending.update.plain_add == entry.arrives_plain
+                    and pending.update is self._arriving_update
                     and stream.residual is not None
                 ):
                     stream.pending = stream.handle = None
-                    inp, residual = add_norm(pending.value, stream.residual)
+                    inp, residual = entry.add_norm(pending.value, stream.residual)
                     pending.value = None  # consumed: the caller's handle retains nothing
                     stream.residual = residual
                     stream.rows = entry.residual_rows
                     return inp
-            return run_local(self.plan, entry, hidden_states, forward)
+                return run_local(self.plan, entry, hidden_states, forward)
+            entry = self._entries.get(forward.variant)
+            if entry is not None and entry.fast:
+                return run_local(self.plan, entry, hidden_states, forward)
         plan = self.plan
         entry = plan.path_for(forward).entry
         if entry.mode is EntryMode.BRANCH:
