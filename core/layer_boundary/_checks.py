@@ -25,9 +25,9 @@ def check_rows(plan, value, rows: int, fwd, what: str) -> None:
     stream = fwd.residual_stream
     residual = None if stream is None else stream.residual
     if (
-        len(shape) >= 2
-        and shape[0] == rows
-        and (hidden is None or shape[-1] == hidden)
+        # one tuple comparison for the common [rows, hidden]; more dimensions or no known hidden
+        # size take the spelled-out test
+        (shape == (rows, hidden) or (len(shape) >= 2 and shape[0] == rows and (hidden is None or shape[-1] == hidden)))
         and (
             not isinstance(residual, torch.Tensor)
             or (

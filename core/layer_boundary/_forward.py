@@ -45,6 +45,10 @@ class BatchVariant(enum.Enum):
     INPUT_SCATTERED = "input_scattered"
     SEQUENCE_PARALLEL = "sequence_parallel"
 
+    #: members are singletons compared by identity, so the identity hash agrees with equality;
+    #: Enum's own hash (of the name) is a Python-level call, paid on every per-variant path lookup
+    __hash__ = object.__hash__
+
     def __repr__(self) -> str:
         return self.name
 
@@ -115,8 +119,9 @@ class Forward:
                 raise BatchFactsError(
                     f"attention DP of {topo.attn_dp} needs dp_counts (the token count of every DP rank, the same list on every rank)"
                 )
-            dp_counts = (num_tokens,)
-        dp_counts = tuple(int(c) for c in dp_counts)
+            dp_counts = (int(num_tokens),)
+        else:
+            dp_counts = tuple(int(c) for c in dp_counts)
         if len(dp_counts) != topo.attn_dp:
             raise BatchFactsError(f"dp_counts has {len(dp_counts)} entries but attn_dp is {topo.attn_dp}")
         if dp_counts[parallel.attn_dp_rank] != num_tokens:
@@ -124,16 +129,17 @@ class Forward:
                 f"dp_counts[{parallel.attn_dp_rank}] = {dp_counts[parallel.attn_dp_rank]} disagrees with this rank's "
                 f"num_tokens = {num_tokens}"
             )
-        if sum(1 for v in (sequence_parallel, input_scattered, cp is not None) if v) > 1:
+        if (sequence_parallel or input_scattered or cp is not None) and sum(1 for v in (sequence_parallel, input_scattered, cp is not None) if v) > 1:
             raise BatchFactsError("a batch has at most one of sequence_parallel, input_scattered and cp")
         if (sequence_parallel or input_scattered) and topo.attn_dp > 1:
             raise BatchFactsError("sequence-parallel and input-scattered batches require attn_dp == 1")
-        dp_padding = DpPadding(dp_padding)
+        if type(dp_padding) is not DpPadding:  # an enum's call costs more than the check
+            dp_padding = DpPadding(dp_padding)
         self.parallel = parallel
         self.num_tokens = num_tokens
         self.dp_counts = dp_counts
         self.dp_padding = dp_padding
-        self.mode = ForwardMode(mode)
+        self.mode = mode if type(mode) is ForwardMode else ForwardMode(mode)
         if cp is not None:
             self.variant = BatchVariant.CONTEXT_PARALLEL
         elif input_scattered:
@@ -157,15 +163,16 @@ class Forward:
         else:
             self.slot_rows = None
             self.full_rows = sum(dp_counts)
-            self.dp_offset = sum(dp_counts[:dp_rank])
+            self.dp_offset = sum(dp_counts[:dp_rank]) if dp_rank else 0
         self.slice_sizes = split_sizes(num_tokens, attn_tp)
-        self.slice_offset = sum(self.slice_sizes[: parallel.attn_tp_rank])
+        tp_rank = parallel.attn_tp_rank
+        self.slice_offset = sum(self.slice_sizes[:tp_rank]) if tp_rank else 0
         # The share of the full rows each TP rank gets from a reduce-scatter under attention DP:
         # DP slot by DP slot, each split over that slot's attention-TP ranks (tp rank order).
         if dp_padding is DpPadding.MAX_LEN:
             self.tp_share_sizes = (self.slot_rows // attn_tp,) * topo.tp if topo.attn_cp == 1 else None
         elif topo.attn_cp == 1:
-            self.tp_share_sizes = tuple(s for c in dp_counts for s in split_sizes(c, attn_tp))
+            self.tp_share_sizes = dp_counts if attn_tp == 1 else tuple(s for c in dp_counts for s in split_sizes(c, attn_tp))
         else:
             self.tp_share_sizes = None
 

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from typing import Mapping
 
+import torch
+
 from ._checks import check_rows
 from ._contracts import StageKind
 from ._errors import Messages
@@ -14,25 +16,59 @@ from ._output import UnreducedOutput
 from ._paths import EntryMode, Owed
 from ._planning import StagePlan, arriving_sum, plan_stages
 from ._prepare import run_entry, run_local
-from ._residual.stream import ResidualStream
+from ._residual.stream import REPLACED_PENDING, Contribution, ResidualStream
 from ._row_publishers import publish_rows
 from .plugin._manager import get_registry
 
 ATTENTION_ROWS = RowLayout.DP_LOCAL
+_DP_LOCAL = RowLayout.DP_LOCAL
+#: what no contribution's update is (a stage without `previous=` expects none)
+_NO_UPDATE = object()
 
 __all__ = ["StageBoundary", "build_boundaries", "boundaries_of"]
 
 
 class StageBoundary:
-    """Prepare a stage's input, take its output, and leave the rest to the next boundary."""
+    """Prepare a stage's input, take its output, and leave the rest to the next boundary.
 
-    __slots__ = ("plan", "declaration", "_entries", "_exits")
+    Everything a call could decide from the plan alone is decided here, once: per batch variant,
+    the entry a lean `prepare()` runs, the attention exit whose `finish()` only records, and the
+    FFN exit whose decision no batch fact changes. The calls then look up the variant's value and
+    run; anything else takes the general path, which makes every check and raises every error.
+    """
+
+    __slots__ = ("plan", "declaration", "_entries", "_lean_entries", "_arriving_update", "_exits", "_recording_exits", "_static_exits", "_update")
 
     def __init__(self, plan: StagePlan):
         self.plan = plan
         self.declaration = plan.declaration
         self._entries = {variant: path.entry for variant, path in plan.paths.items()}
+        #: entries `prepare()` runs inline: local, nothing to check first, the norm's add + norm
+        #: bound, the input staying on the residual's rows
+        self._lean_entries = {
+            variant: entry
+            for variant, entry in self._entries.items()
+            if entry.fast and entry.add_norm is not None and entry.input_move is None
+        }
+        previous = plan.declaration.previous
+        #: the update `previous=` declares: a contribution carrying this very object matches the
+        #: entry's capability (`arrives_plain` is derived from it), so the inline entry compares
+        #: identities; any other update takes `run_local`, which compares the capability
+        self._arriving_update = previous.update if previous is not None else _NO_UPDATE
         self._exits = {variant: path.exit for variant, path in plan.paths.items()}
+        self._update = plan.declaration.update
+        transform = plan.declaration.output_transform
+        #: attention exits whose finish() only records the output: one rank owes no sum, and no
+        #: update, move or transform runs at the exit
+        self._recording_exits = {
+            variant: ex
+            for variant, ex in self._exits.items()
+            if plan.kind is StageKind.ATTENTION and ex.group.size == 1 and not ex.writes_at_exit and ex.output_move is None and transform is None
+        }
+        #: FFN paths whose exit decision no batch fact can change (`ExitPath.static_decision`)
+        self._static_exits = {
+            variant: path for variant, path in plan.paths.items() if plan.kind is StageKind.FFN and path.exit.static_decision is not None
+        }
 
     # consumer side ----------------------------------------------------------------------------
     def prepare(self, hidden_states, forward, *, capture_output=None, captured_last_layer_outputs=None, post_residual_addition=None):
@@ -43,10 +79,32 @@ class StageBoundary:
         the output plus residual before that addition (the guide's rule). Returns the compute
         input in the consumer read's format.
         """
-        entry = self._entries.get(forward.variant)
         capturing = capture_output is not None or captured_last_layer_outputs is not None or post_residual_addition is not None
-        if entry is not None and entry.fast and not capturing:
-            return run_local(self.plan, entry, hidden_states, forward)
+        if not capturing:
+            entry = self._lean_entries.get(forward.variant)
+            if entry is not None:
+                # `run_local`'s commonest case, inlined: the handle of a complete output under the
+                # declared plain add, read by the norm's add + norm bound at construction
+                stream = forward.residual_stream
+                pending = None if stream is None else stream.pending
+                if (
+                    pending is not None
+                    and hidden_states is stream.handle
+                    and pending.owed is None
+                    and pending.transform is None
+                    and pending.update is self._arriving_update
+                    and stream.residual is not None
+                ):
+                    stream.pending = stream.handle = None
+                    inp, residual = entry.add_norm(pending.value, stream.residual)
+                    pending.value = None  # consumed: the caller's handle retains nothing
+                    stream.residual = residual
+                    stream.rows = entry.residual_rows
+                    return inp
+                return run_local(self.plan, entry, hidden_states, forward)
+            entry = self._entries.get(forward.variant)
+            if entry is not None and entry.fast:
+                return run_local(self.plan, entry, hidden_states, forward)
         plan = self.plan
         entry = plan.path_for(forward).entry
         if entry.mode is EntryMode.BRANCH:
@@ -63,6 +121,29 @@ class StageBoundary:
     # producer side ----------------------------------------------------------------------------
     def finish(self, output, forward):
         """Register a PARTIAL attention's contribution; returns the handle to pass on."""
+        ex = self._recording_exits.get(forward.variant)
+        if ex is not None:  # `record_attention` over one rank, inlined
+            layout = ex.compute_rows
+            rows = forward.num_tokens if layout is _DP_LOCAL else layout.rows(forward)
+            stream = forward.residual_stream
+            residual = None if stream is None else stream.residual
+            # `check_rows`'s common case, inlined: a [rows, hidden] output in the residual's dtype
+            # on its device; anything else gets the full test and its errors
+            if not (
+                type(output) is torch.Tensor
+                and type(residual) is torch.Tensor
+                and output.shape == (rows, self.plan.hidden_size)
+                and output.dtype == residual.dtype
+                and ((output.is_cpu and residual.is_cpu) or output.device == residual.device)
+            ):
+                check_rows(self.plan, output, rows, forward, "attention output")
+            if stream is None:
+                raise RuntimeError(Messages.NOT_STARTED)
+            if stream.pending is not None:
+                raise RuntimeError(REPLACED_PENDING)
+            stream.pending = Contribution(output, self._update, rows=ex.output_rows)
+            stream.handle = output  # complete: the handle is the tensor itself
+            return output
         if self.plan.kind is not StageKind.ATTENTION:
             raise RuntimeError(
                 f"a {self.plan.kind.value} stage publishes its output through exit(): "
@@ -75,6 +156,9 @@ class StageBoundary:
 
     def exit(self, forward):
         """Open the exit scope of an FFN (`FfnExit`) or a single-stage mixer (`MixerExit`)."""
+        path = self._static_exits.get(forward.variant)
+        if path is not None and forward.residual_stream is not None:
+            return FfnExit(self.plan, path, forward, path.exit.static_decision)
         kind = self.plan.kind
         if kind is StageKind.FFN:
             return FfnExit.open(self.plan, forward)

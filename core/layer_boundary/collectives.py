@@ -32,6 +32,8 @@ __all__ = [
 
 def split_sizes(rows: int, parts: int) -> tuple[int, ...]:
     """Rows per part when `rows` are split as evenly as possible; earlier parts take the extra."""
+    if parts == 1:  # the common case (attn_tp == 1), paid by every Forward
+        return (rows,)
     base, extra = rows // parts, rows % parts  # not divmod: Dynamo rejects it on a symbolic row count
     return tuple(base + (1 if i < extra else 0) for i in range(parts))
 

@@ -28,6 +28,8 @@ from .._output import HandoffOutput, OutputTransform, UnreducedOutput
 __all__ = ["Contribution", "OwedOutput", "ResidualStream", "StreamState"]
 
 _ATTENTION_ROWS = RowLayout.DP_LOCAL
+#: a producer recorded its output while the previous one was still pending
+REPLACED_PENDING = "cannot replace an unconsumed producer contribution"
 
 
 class StreamState(str, enum.Enum):
@@ -138,10 +140,12 @@ class ResidualStream:
     def record(self, contribution: Contribution):
         """Register a producer's contribution; returns the handle the model keeps."""
         if self.pending is not None:
-            raise RuntimeError("cannot replace an unconsumed producer contribution")
+            raise RuntimeError(REPLACED_PENDING)
         self.pending = contribution
-        self.handle = contribution.value if contribution.complete_now else OwedOutput(contribution)
-        return self.handle
+        # `complete_now`, inlined (this runs at every producer exit)
+        handle = contribution.value if contribution.owed is None and contribution.transform is None else OwedOutput(contribution)
+        self.handle = handle
+        return handle
 
     def write(self, residual, rows: RowLayout = _ATTENTION_ROWS, *, handle: Any = None) -> None:
         """Make the stream written (nothing pending); `handle` is what the model passes next."""

@@ -1,8 +1,9 @@
 """Host overhead of the boundary: a 32-layer stack through the boundaries vs the same torch ops
 written by hand, TP=1, eager, tiny hidden (so host time dominates).
 
-Both stacks run interleaved in one process (median of many forwards, random data); the report
-gives the ratio, where the boundary's time goes per call site (prepare / finish / exit / final
+Both stacks run interleaved in one process, in rounds that alternate which runs first; the ratio
+is the median of the rounds' ratios of thread CPU time (the wall-clock ratio is reported too); the
+report gives the ratio, where the boundary's time goes per call site (prepare / finish / exit / final
 norm), and the per-call cost of each boundary method measured on its own.
 """
 
@@ -128,7 +129,39 @@ def per_call_costs(stack: Stack, x: torch.Tensor, repeats: int) -> dict:
     return out
 
 
-def run(layers: int = 32, hidden: int = 64, tokens: int = 4, repeats: int = 300, warmup: int = 30) -> dict:
+def interleaved_rounds(ours, theirs, rounds: int, clock=time.thread_time_ns) -> list[tuple[int, int]]:
+    """(ours, theirs) times of `rounds` rounds, each running both once, in alternating order
+    (ours first, then theirs first), so drift in machine load and the warmth of caches affects
+    both alike. The clock is this thread's CPU time by default: on a shared machine, time spent
+    descheduled is not host overhead."""
+    samples = []
+    for i in range(rounds):
+        first, second = (ours, theirs) if i % 2 == 0 else (theirs, ours)
+        t0 = clock()
+        first()
+        t1 = clock()
+        second()
+        t2 = clock()
+        a, b = t1 - t0, t2 - t1
+        samples.append((a, b) if i % 2 == 0 else (b, a))
+    return samples
+
+
+def ratio_summary(samples: list[tuple[int, int]]) -> dict:
+    """The median of the per-round ratios (each round's pair ran back to back, so a round's ratio
+    is the least disturbed by load) with its quartiles, and the medians of each side (us)."""
+    ratios = [a / b for a, b in samples]
+    q1, _, q3 = statistics.quantiles(ratios, n=4) if len(ratios) > 1 else (ratios[0],) * 3
+    return {
+        "ratio": statistics.median(ratios),
+        "ratio_q1": q1,
+        "ratio_q3": q3,
+        "ours_us": statistics.median(a for a, _ in samples) / 1e3,
+        "theirs_us": statistics.median(b for _, b in samples) / 1e3,
+    }
+
+
+def run(layers: int = 32, hidden: int = 64, tokens: int = 4, repeats: int = 600, warmup: int = 30) -> dict:
     torch.manual_seed(0)
     torch.set_num_threads(1)
     stack = Stack(hidden, layers).eval()
@@ -143,23 +176,26 @@ def run(layers: int = 32, hidden: int = 64, tokens: int = 4, repeats: int = 300,
         gc.collect()
         gc.disable()
         try:
-            boundary, hand = [], []
-            for _ in range(repeats):  # interleaved so both see the same machine state
-                boundary.append(_median_us(lambda: stack.boundary_forward(x), 1))
-                hand.append(_median_us(lambda: stack.hand_forward(x), 1))
+            ours, theirs = (lambda: stack.boundary_forward(x)), (lambda: stack.hand_forward(x))
+            cpu = ratio_summary(interleaved_rounds(ours, theirs, repeats))
+            wall = ratio_summary(interleaved_rounds(ours, theirs, max(repeats // 3, 5), clock=time.perf_counter_ns))
             calls = per_call_costs(stack, x, repeats)
         finally:
             gc.enable()
         profile = profile_call_sites(stack, x)
-    b_us, h_us = statistics.median(boundary), statistics.median(hand)
+    b_us, h_us = cpu["ours_us"], cpu["theirs_us"]
     return {
         "layers": layers,
         "hidden": hidden,
         "tokens": tokens,
         "repeats": repeats,
+        "clock": "thread CPU time; ratio = median of per-round ratios, rounds alternating which stack runs first",
         "boundary_us": b_us,
         "hand_us": h_us,
-        "ratio": b_us / h_us,
+        "ratio": cpu["ratio"],
+        "ratio_quartiles": [cpu["ratio_q1"], cpu["ratio_q3"]],
+        "wall_ratio": wall["ratio"],
+        "wall_ratio_quartiles": [wall["ratio_q1"], wall["ratio_q3"]],
         "overhead_us_per_layer": (b_us - h_us) / layers,
         "per_call_us": calls,
         "profile": profile,
@@ -191,16 +227,18 @@ def main(argv=None) -> dict:
     ap.add_argument("--layers", type=positive_int, default=32)
     ap.add_argument("--hidden", type=positive_int, default=64)
     ap.add_argument("--tokens", type=positive_int, default=4)
-    ap.add_argument("--repeats", type=positive_int, default=300)
+    ap.add_argument("--repeats", type=positive_int, default=600)
     ap.add_argument("--out", default="benchmarks/results/host.json")
     args = ap.parse_args(argv)
     result = run(args.layers, args.hidden, args.tokens, args.repeats)
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(result, indent=2))
-    print(f"host overhead, {result['layers']} layers, hidden {result['hidden']}, {result['tokens']} tokens, TP=1 eager (median of {result['repeats']})")
-    print(f"  boundary stack   {result['boundary_us']:9.1f} us/forward")
-    print(f"  hand-written     {result['hand_us']:9.1f} us/forward")
-    print(f"  ratio            {result['ratio']:9.3f}   ({result['overhead_us_per_layer']:.2f} us/layer)")
+    print(f"host overhead, {result['layers']} layers, hidden {result['hidden']}, {result['tokens']} tokens, TP=1 eager ({result['repeats']} interleaved rounds)")
+    print(f"  boundary stack   {result['boundary_us']:9.1f} us/forward (CPU)")
+    print(f"  hand-written     {result['hand_us']:9.1f} us/forward (CPU)")
+    q1, q3 = result["ratio_quartiles"]
+    print(f"  ratio            {result['ratio']:9.3f}   (quartiles {q1:.3f}-{q3:.3f}; {result['overhead_us_per_layer']:.2f} us/layer)")
+    print(f"  wall-clock ratio {result['wall_ratio']:9.3f}")
     for k, v in result["per_call_us"].items():
         print(f"  {k:<22} {v:7.2f} us/call")
     print("  boundary call sites (own time per forward):")
