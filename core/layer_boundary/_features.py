@@ -38,11 +38,23 @@ def _first(records, request, what: str, feature: str, capability):
 def two_batch_overlap(forward) -> Overlap:
     """The two-batch-overlap scheduler for this batch: `.run(stages, hidden_states, forward, ...)`
     splits the batch into two microbatches, interleaves their stages and merges them back."""
+    if torch.compiler.is_dynamo_compiling():
+        return _TRANSPORTS[_overlap_key(forward)]
     return _first(current_registry().overlaps, OverlapRequest(forward), "two-batch overlap", "tbo", Overlap)
 
 
-#: the transports found so far, by key: a plain module dict a compiled region reads (and guards on)
+#: the transports and overlap schedulers found so far, by key: a plain module dict a compiled
+#: region reads (and guards on)
 _TRANSPORTS: dict = {}
+
+
+@torch._dynamo.assume_constant_result
+def _overlap_key(forward) -> str:
+    # as _transport_key: the lookup runs once, while tracing, and its key is a constant of the graph
+    found = _first(current_registry().overlaps, OverlapRequest(forward), "two-batch overlap", "tbo", Overlap)
+    key = f"{type(found).__qualname__}@{id(found):x}"
+    _TRANSPORTS[key] = found
+    return key
 
 
 @torch._dynamo.assume_constant_result
