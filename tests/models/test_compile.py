@@ -34,13 +34,7 @@ DENSE_WHEN_COMPILED = {"nemotron_h", "deepseek_v4", "longcat_flash"}
 MAX_GRAPHS = 3
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    """Tiny shapes: one intra-op thread (several contend for a loaded machine's cores)."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 @pytest.fixture(scope="module")
