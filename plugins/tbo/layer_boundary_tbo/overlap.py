@@ -20,8 +20,9 @@ Rules checked at every switch, before the other microbatch runs:
   operation-scheduled path computes without one and calls `boundary.postprocess()`);
 - the two microbatches hold distinct streams, and nothing uses the parent batch's stream.
 
-Each microbatch runs in its own `contextvars` context, so the flags one publishes are never
-seen by the other even between those checks.
+Eagerly each microbatch runs in its own `contextvars` context, so a `ContextVar` one sets is
+never seen by the other; inside a compiled region (the whole overlapped forward traces as one
+graph) both run in the caller's, and the checks above hold the core's state to the same rules.
 """
 
 from __future__ import annotations
