@@ -315,19 +315,38 @@ _PHRASES = {
 }
 
 
-@attrs.frozen(eq=False)
 class ComputeRows:
     """What a stage's row adapters published about the rows its compute input holds.
 
     `published` maps an adapter kind ("lora") to that adapter's per-row facts on exactly these
     rows (for LoRA: which adapter each row uses), so compute that runs on gathered or sliced
     rows reads facts in its own row order instead of the batch's.
+
+    Frozen, compared by identity. A plain class rather than an attrs one: `prepare()` builds it
+    inside a compiled region, and Dynamo cannot trace the setattr attrs' frozen `__init__` uses.
     """
+
+    __slots__ = ("stage", "layout", "num_rows", "published")
 
     stage: str
     layout: RowLayout
     num_rows: int
     published: Mapping[str, Any]
+
+    def __init__(self, *, stage: str, layout: RowLayout, num_rows: int, published: Mapping[str, Any]):
+        object.__setattr__(self, "stage", stage)
+        object.__setattr__(self, "layout", layout)
+        object.__setattr__(self, "num_rows", num_rows)
+        object.__setattr__(self, "published", published)
+
+    def __setattr__(self, name, value):
+        raise attrs.exceptions.FrozenInstanceError()
+
+    def __delattr__(self, name):
+        raise attrs.exceptions.FrozenInstanceError()
+
+    def __repr__(self) -> str:
+        return f"ComputeRows(stage={self.stage!r}, layout={self.layout!r}, num_rows={self.num_rows!r}, published={self.published!r})"
 
 
 def get_compute_rows() -> Optional[ComputeRows]:

@@ -13,13 +13,7 @@ from layer_boundary.collectives import CollectivesBase
 from layer_boundary.compiling import CountingBackend, compile_model, graph_breaks, reset_graph_breaks
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    """Tiny shapes: one intra-op thread (several contend for a loaded machine's cores)."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 @pytest.fixture(autouse=True)

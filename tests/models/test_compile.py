@@ -1,7 +1,10 @@
 """Every reference model through the boundaries under `torch.compile(fullgraph=True)`: zero graph
 breaks, a bounded number of graphs (prefill, the first decode, one decode with dynamic sizes),
 and the eager logits (bit for bit where the compiled region runs the same kernels; the sparse
-MoEs switch to dense dispatch inside a compiled region, so theirs agree to rounding).
+MoEs switch to dense dispatch inside a compiled region, so theirs agree to rounding). At TP=1,
+2 and 4 (gloo, attention DP, the reduction policies), on the plugins' paths (mhc, the tbo
+branch, LoRA's per-row adapters, two-batch overlap's microbatch forwards, a context-parallel
+prefill), and through Inductor in float32.
 
 Graph-break counts: `pytest tests/models/test_compile.py -q -rA` (each case asserts 0)."""
 
@@ -34,13 +37,7 @@ DENSE_WHEN_COMPILED = {"nemotron_h", "deepseek_v4", "longcat_flash"}
 MAX_GRAPHS = 3
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    """Tiny shapes: one intra-op thread (several contend for a loaded machine's cores)."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 @pytest.fixture(scope="module")
@@ -49,9 +46,10 @@ def weights_dir(tmp_path_factory):
 
 
 @functools.lru_cache(maxsize=None)
-def small_job(model: str, weights_dir: str, batch: int = 4, steps: int = 3) -> RunJob:
-    config = model_config(model, {**dict(model_config(model).hf), **SMALL[model]})
-    path = f"{weights_dir}/{model}.pt"
+def small_job(model: str, weights_dir: str, batch: int = 4, steps: int = 3, layers: int = 0) -> RunJob:
+    """The model's SMALL config (with `layers` decoder layers, when given), random float64 weights."""
+    config = model_config(model, {**dict(model_config(model).hf), **SMALL[model], **({"num_hidden_layers": layers} if layers else {})})
+    path = f"{weights_dir}/{model}-{layers}.pt"
     torch.save(family(model).random_weights(config, torch.float64, seed=7), path)
     prompts, decode = make_requests(config.vocab_size, batch, 5, steps, seed=3)
     return RunJob(
@@ -115,3 +113,90 @@ def test_tp2_aot_eager_equals_eager_bitwise(gloo_world, weights_dir):
     topology = Topology(tp=2)
     job = attrs.evolve(small_job("qwen3", weights_dir), topology=topology)
     check(gloo_world(2).run(compiled_vs_eager, topology, job, backend="aot_eager", timeout=600), "qwen3", bitwise=True)
+
+
+# TP=4 ---------------------------------------------------------------------------------------------
+# one decoder layer each: the layer kinds are the ones the TP=2 cases already reach, and four
+# ranks compiling on two cores are the slowest cases of the suite
+
+
+@pytest.mark.gloo
+@pytest.mark.parametrize(
+    "model, reduction, backend",
+    [("qwen3_moe", "rs+rsv", "eager"), ("qwen3", "rs", "aot_eager")],
+    ids=["moe-dp2xtp2-rs+rsv", "qwen3-dp2xtp2-rs-aot_eager"],
+)
+def test_tp4_gloo_with_attention_dp_compiles_whole(gloo_world, weights_dir, model, reduction, backend):
+    topology = Topology(tp=4, attn_dp=2)
+    job = attrs.evolve(small_job(model, weights_dir, layers=1), topology=topology, reduction=reduction)
+    check(gloo_world(4).run(compiled_vs_eager, topology, job, backend=backend, timeout=600), model, bitwise=True)
+
+
+# the plugins' paths -------------------------------------------------------------------------------
+
+#: two adapters and a base-only request in one batch (requests 0..3)
+LORA = {"lora": 2, "lora_seed": 5, "lora_assignment": (0, 1, -1, 0)}
+
+
+@requires_plugins("lora")
+def test_lora_rows_compile_whole_and_aot_eager_equals_eager_bitwise(weights_dir):
+    """LoRA's row publication and per-row adapters inside the graph: every adapter on every row,
+    each row keeping its own (as the MoEs' dense dispatch: a GEMM over every row may round apart
+    from eager's over one adapter's rows, so to rounding; bit for bit on this CPU)."""
+    job = attrs.evolve(small_job("qwen3", weights_dir), options=LORA)
+    check([compiled_vs_eager(Parallel.single(), job, backend="aot_eager")], "qwen3", bitwise=False)
+
+
+@requires_plugins("tbo")
+def test_tbo_microbatch_forwards_compile_whole_and_aot_eager_equals_eager_bitwise(weights_dir):
+    """Two-batch overlap traced through: the split, both microbatches' forwards (their own
+    Forward and stream, interleaved at every stage) and the merge in one graph; the prefill cut
+    falls inside a request."""
+    job = attrs.evolve(small_job("qwen3_moe", weights_dir), options={"tbo": True})
+    check([compiled_vs_eager(Parallel.single(), job, backend="aot_eager")], "qwen3_moe", bitwise=True)
+
+
+@pytest.mark.gloo
+@pytest.mark.parametrize(
+    "model, topology, reduction, options",
+    [
+        pytest.param("qwen3", Topology(tp=2, attn_dp=2), "ar", LORA, marks=requires_plugins("lora"), id="lora-dp2"),
+        pytest.param("qwen3_moe", Topology(tp=2, attn_dp=2), "rs+rsv", {"tbo": True}, marks=requires_plugins("tbo"), id="tbo-dp2"),
+        pytest.param("qwen3", Topology(tp=2, attn_cp=2), "ar", {"cp_order": "zigzag"}, marks=requires_plugins("cp"), id="cp2-zigzag"),
+    ],
+)
+def test_plugin_paths_at_tp2_gloo_compile_whole(gloo_world, weights_dir, model, topology, reduction, options):
+    """LoRA's ids gathered over attention DP, TBO's split per DP rank, and a context-parallel
+    prefill (each CP rank its share of the rows; decode ordinary), all in the graph."""
+    job = attrs.evolve(small_job(model, weights_dir, layers=1), topology=topology, reduction=reduction, options=options)
+    check(gloo_world(2).run(compiled_vs_eager, topology, job, timeout=600), model, bitwise="lora" not in options)
+
+
+# Inductor -----------------------------------------------------------------------------------------
+
+
+@functools.lru_cache(maxsize=None)
+def inductor_unavailable() -> str:
+    """Why Inductor cannot build code here ("" when it can): it compiles C++ for the CPU."""
+    try:
+        torch._dynamo.reset()
+        torch.compile(lambda x: x.sin() + 1, backend="inductor", fullgraph=True)(torch.ones(3))
+    except Exception as error:  # a missing or broken C++ toolchain
+        return f"Inductor cannot build CPU kernels on this machine ({type(error).__name__}: {str(error)[:160]})"
+    finally:
+        torch._dynamo.reset()
+    return ""
+
+
+#: float32 logits of the small qwen3 are O(1): Inductor's fused kernels reorder the sums
+FLOAT32_TOLERANCE = 1e-4
+
+
+def test_inductor_agrees_within_the_float32_tolerance(weights_dir):
+    if inductor_unavailable():
+        pytest.skip(inductor_unavailable())
+    job = attrs.evolve(small_job("qwen3", weights_dir, layers=1), dtype="float32")
+    r = compiled_vs_eager(Parallel.single(), job, backend="inductor")
+    assert r["graph_breaks"] == 0 and 1 <= r["graphs"] <= MAX_GRAPHS, r
+    assert r["max_diff"] < FLOAT32_TOLERANCE, r
+    print(f"qwen3 float32, inductor: graphs {r['graphs']}, max |compiled - eager| {r['max_diff']:.1e}")

@@ -178,7 +178,10 @@ class LoraSlots(nn.Module):
             getattr(self, f"b{slot}").copy_(b)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        segments = _published_rows(x).segments
+        rows = _published_rows(x)
+        if rows.segments is None:  # inside a compiled region: every adapter on every row
+            return self._dense(x, rows.adapter_ids)
+        segments = rows.segments
         delta = x.new_zeros(x.shape[0], self.out_features)
         for slot, rows in segments:
             if slot >= self.num_adapters:
@@ -193,8 +196,37 @@ class LoraSlots(nn.Module):
                 delta.index_copy_(0, rows, out)
         return delta
 
+    def _dense(self, x: torch.Tensor, adapter_ids: torch.Tensor) -> torch.Tensor:
+        """Each adapter's delta on every row, kept on the rows that use it (zero elsewhere):
+        no row count depends on tensor data, so the graph holds it."""
+        ids = torch.ops.layer_boundary.checked_adapter_slots(adapter_ids, self.num_adapters).unsqueeze(1)
+        delta = x.new_zeros(x.shape[0], self.out_features)
+        for slot, scaling in enumerate(self.scalings):
+            a, b = getattr(self, f"a{slot}"), getattr(self, f"b{slot}")
+            delta = torch.where(ids == slot, nn.functional.linear(nn.functional.linear(x, a), b) * scaling, delta)
+        return delta
+
     def extra_repr(self) -> str:
         return f"{self.in_features} -> {self.out_features}, adapters={self.num_adapters}"
+
+
+def _check_adapter_slots(adapter_ids: torch.Tensor, num_adapters: int) -> None:
+    above = adapter_ids[adapter_ids >= num_adapters]
+    if above.numel():
+        raise ValueError(f"a row asks for LoRA adapter slot {int(above.min())}, but the model holds {num_adapters} adapters")
+
+
+@torch.library.custom_op("layer_boundary::checked_adapter_slots", mutates_args=())
+def checked_adapter_slots(adapter_ids: torch.Tensor, num_adapters: int) -> torch.Tensor:
+    """The ids, after the eager layer's check that every slot names an adapter the model holds
+    (run when a compiled graph runs; its output feeds the masks, so no compiler drops it)."""
+    _check_adapter_slots(adapter_ids, num_adapters)
+    return adapter_ids.clone()
+
+
+@checked_adapter_slots.register_fake
+def _(adapter_ids, num_adapters):
+    return torch.empty_like(adapter_ids)
 
 
 def _add_delta(lora: LoraSlots):

@@ -6,6 +6,8 @@ Fixtures:
 - `gpu_world(size)`: `size` rank processes on the visible GPUs (NCCL with a GPU each, or sharing
   GPUs over gloo: correctness only), started once per session; skips the test without CUDA;
 - `fresh_registry`: forget the cached registry before and after the test;
+- `one_thread`: one intra-op torch thread for a module's tests (apply it with
+  `pytestmark = pytest.mark.usefixtures("one_thread")`);
 - `inline_plugin(obj, name=...)`: register hook implementations for the test's duration
   (`layer_boundary.plugin.register_inline`: the checks of an installed plugin apply).
 
@@ -61,6 +63,19 @@ def gpu_world():
     yield get
     for world in worlds.values():
         world.close()
+
+
+@pytest.fixture(scope="module")
+def one_thread():
+    """One intra-op thread for the module, restored after: tiny shapes run fastest on one, and
+    several threads per process contend for a loaded machine's cores (test worlds of several
+    ranks, helpers sharing it)."""
+    import torch
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
 
 
 @pytest.fixture

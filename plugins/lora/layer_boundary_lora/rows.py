@@ -25,20 +25,28 @@ _CACHE_KEY = "lora.rows"
 class LoraRows:
     """The adapter slot of every row of one compute input (-1: no adapter), and `segments`:
     `(slot, row indices)` for each adapter present, in slot order, so a LoRA layer runs one
-    pair of small GEMMs per adapter instead of one per row."""
+    pair of small GEMMs per adapter instead of one per row.
+
+    Inside a compiled region `segments` is None: which adapters are present and their row
+    counts depend on tensor data, which a graph cannot hold, so a LoRA layer there runs every
+    adapter it holds on every row and keeps each row's own (by `adapter_ids`)."""
 
     __slots__ = ("layout", "adapter_ids", "segments")
 
     def __init__(self, layout: RowLayout, adapter_ids: torch.Tensor):
         self.layout = layout
         self.adapter_ids = adapter_ids
-        self.segments = _segments(adapter_ids)
+        self.segments = None if torch.compiler.is_compiling() else _segments(adapter_ids)
 
     @property
     def adapters(self) -> tuple[int, ...]:
+        if self.segments is None:
+            raise RuntimeError("the adapters present are not known inside a compiled region; read adapter_ids")
         return tuple(slot for slot, _ in self.segments)
 
     def __repr__(self) -> str:
+        if self.segments is None:
+            return f"LoraRows({self.layout.value}, {self.adapter_ids.numel()} rows, compiled)"
         counts = ", ".join(f"{slot}: {rows.numel()}" for slot, rows in self.segments)
         return f"LoraRows({self.layout.value}, {self.adapter_ids.numel()} rows, adapters {{{counts}}})"
 
@@ -67,9 +75,28 @@ def local_adapter_ids(fwd: Forward) -> torch.Tensor:
             f"Forward.extras[{IDS_KEY!r}] has {ids.shape[0]} entries but this rank's batch has {fwd.num_tokens} rows; "
             "give one adapter slot per row of this rank's attention rows (a microbatch needs its own slice)"
         )
+    if torch.compiler.is_compiling():  # the values are data: checked when the graph runs
+        return torch.ops.layer_boundary_lora.checked_ids(ids)
+    _check_slots(ids)
+    return ids.to(torch.long)
+
+
+def _check_slots(ids: torch.Tensor) -> None:
     if ids.numel() and int(ids.min()) < -1:
         raise ValueError(f"Forward.extras[{IDS_KEY!r}] holds {int(ids.min())}; adapter slots are >= 0, and -1 means no adapter")
-    return ids.to(torch.long)
+
+
+@torch.library.custom_op("layer_boundary_lora::checked_ids", mutates_args=())
+def checked_ids(ids: torch.Tensor) -> torch.Tensor:
+    """The ids as long, after the eager check of their values: one graph node whose output the
+    LoRA layers read, so no compiler drops the check."""
+    _check_slots(ids)
+    return ids.to(torch.long, copy=True)
+
+
+@checked_ids.register_fake
+def _(ids):
+    return torch.empty_like(ids, dtype=torch.long)
 
 
 class _ForwardRows:

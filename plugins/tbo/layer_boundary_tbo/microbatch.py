@@ -12,9 +12,8 @@ completes both microbatches' owed work and concatenates the rows back in order.
 
 from __future__ import annotations
 
-from typing import Optional, Sequence
+from typing import NamedTuple, Optional, Sequence
 
-import attrs
 import torch
 
 from layer_boundary import Contribution, Messages as CoreMessages, ResidualStream, RowLayout, StreamState
@@ -27,9 +26,9 @@ __all__ = ["SplitPlan", "Microbatch", "SplitStream", "plan_split", "split_batch"
 ATTENTION_ROWS = RowLayout.DP_LOCAL
 
 
-@attrs.frozen
-class SplitPlan:
-    """Rows of each microbatch on every attention-DP rank (identical on every rank)."""
+class SplitPlan(NamedTuple):
+    """Rows of each microbatch on every attention-DP rank (identical on every rank). A named
+    tuple: built inside a compiled region, where Dynamo traces it as a tuple."""
 
     first: tuple
     second: tuple
@@ -62,6 +61,8 @@ class SplitStream:
     __slots__ = ()
 
     def __getattr__(self, item):
+        if item.startswith("__") and item.endswith("__"):  # protocol probes (copy, Dynamo building one): absent
+            raise AttributeError(item)
         raise RuntimeError(Messages.PARENT_STREAM)
 
     def __repr__(self) -> str:

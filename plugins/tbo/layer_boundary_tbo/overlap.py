@@ -20,8 +20,9 @@ Rules checked at every switch, before the other microbatch runs:
   operation-scheduled path computes without one and calls `boundary.postprocess()`);
 - the two microbatches hold distinct streams, and nothing uses the parent batch's stream.
 
-Each microbatch runs in its own `contextvars` context, so the flags one publishes are never
-seen by the other even between those checks.
+Eagerly each microbatch runs in its own `contextvars` context, so a `ContextVar` one sets is
+never seen by the other; inside a compiled region (the whole overlapped forward traces as one
+graph) both run in the caller's, and the checks above hold the core's state to the same rules.
 """
 
 from __future__ import annotations
@@ -29,6 +30,8 @@ from __future__ import annotations
 import contextvars
 import inspect
 from typing import Any, Callable, Optional
+
+import torch
 
 from layer_boundary import exit_scope_open
 
@@ -92,7 +95,7 @@ class TwoBatchOverlap:
         return merge_batch(microbatches, outputs, forward)
 
     def _interleave(self, stages: Stages, microbatches, context, schedule) -> list:
-        contexts = [contextvars.copy_context() for _ in microbatches]
+        contexts = [_Context.new() for _ in microbatches]
         runs = []
         for mb, ctx in zip(microbatches, contexts):
             facts = context(mb.start, mb.stop) if context is not None else None
@@ -113,7 +116,9 @@ class TwoBatchOverlap:
                         try:
                             contexts[k].run(next, run)
                         except StopIteration as stop:
-                            outputs[k] = stop.value
+                            # from `args`: Dynamo gives `.value` as a new tensor object, which the
+                            # residual stream's identity check of the handle would then reject
+                            outputs[k] = stop.args[0] if stop.args else None
                             done[k] = True
                     self._check_switch(k, microbatches, contexts[k])
                 operation += 1
@@ -127,8 +132,29 @@ class TwoBatchOverlap:
         return outputs
 
     @staticmethod
-    def _check_switch(index: int, microbatches, ctx: contextvars.Context) -> None:
+    def _check_switch(index: int, microbatches, ctx) -> None:
         if ctx.run(exit_scope_open):
             raise RuntimeError(Messages.HELD_EXIT.format(index=index))
         if len(microbatches) == 2:
             check_streams(microbatches)
+
+
+class _Context:
+    """A microbatch's `contextvars` context, or none inside a compiled region.
+
+    Eagerly each microbatch runs in a copy of the caller's context, so a `ContextVar` one sets
+    (a model's own) is never seen by the other. Dynamo cannot trace a context's `run`, so a
+    compiled forward runs both in the caller's: the core's per-forward state is a thread-local
+    Dynamo traces, and the switch checks hold it to the same rules either way."""
+
+    __slots__ = ("context",)
+
+    def __init__(self, context):
+        self.context = context
+
+    @classmethod
+    def new(cls) -> "_Context":
+        return cls(None if torch.compiler.is_dynamo_compiling() else contextvars.copy_context())
+
+    def run(self, fn, *args):
+        return fn(*args) if self.context is None else self.context.run(fn, *args)

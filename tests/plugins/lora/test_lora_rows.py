@@ -260,3 +260,61 @@ def test_a_lora_layer_on_other_rows_than_published_fails_clearly():
         _slots()(torch.ones(2, H, dtype=torch.float64))
     with pytest.raises(ValueError, match="adapter slot 5, but the model holds 2 adapters"):
         _slots()(torch.ones(3, H, dtype=torch.float64))
+
+
+# inside a compiled region ------------------------------------------------------------------------
+
+
+def _compiled_lora_step(parallel):
+    """attention prepare + one LoRA layer, compiled whole; the eager step beside it."""
+    attn, _ = _stages(parallel, LORA)
+    slots = _slots()
+    with torch.no_grad():
+        for slot in range(slots.num_adapters):
+            a, b = getattr(slots, f"a{slot}"), getattr(slots, f"b{slot}")
+            slots.load(slot, torch.randn(a.shape, dtype=torch.float64), torch.randn(b.shape, dtype=torch.float64))
+
+    def step(h, fwd):
+        return slots(attn.prepare(h, fwd))
+
+    return step, torch.compile(step, backend="eager", fullgraph=True)
+
+
+def _batch(parallel, ids):
+    fwd = Forward(parallel, len(ids), extras={"lora_ids": torch.tensor(ids)})
+    residual_batch.start(fwd)
+    return torch.arange(len(ids) * H, dtype=torch.float64).reshape(len(ids), H) / 5 + 1, fwd
+
+
+def test_a_compiled_lora_layer_keeps_each_rows_adapter():
+    """Every adapter on every row, each row keeping its own: eager's per-adapter rows, to
+    rounding (a GEMM over all rows may round apart from one over the adapter's rows)."""
+    from layer_boundary import Parallel
+
+    torch._dynamo.reset()
+    parallel = Parallel.single()
+    step, compiled = _compiled_lora_step(parallel)
+    ids = [0, 1, -1, 1]
+    got = compiled(*_batch(parallel, ids))
+    want = step(*_batch(parallel, ids))
+    assert (got - want).abs().max().item() < 1e-12 * want.abs().max().item()
+    assert torch.equal(got[2], torch.zeros(2, dtype=torch.float64))  # the base-only row: no delta
+    assert not torch.equal(got[0], got[1])
+
+
+@pytest.mark.parametrize(
+    "ids, match",
+    [([0, -2, 1], "holds -2; adapter slots are >= 0"), ([0, 1, 5], "adapter slot 5, but the model holds 2 adapters")],
+    ids=["below -1", "no such adapter"],
+)
+def test_bad_adapter_ids_fail_the_same_way_inside_a_compiled_region(ids, match):
+    """The values are data in a graph: checked when it runs, with the eager errors."""
+    from layer_boundary import Parallel
+
+    torch._dynamo.reset()
+    parallel = Parallel.single()
+    step, compiled = _compiled_lora_step(parallel)
+    compiled(*_batch(parallel, [0, 1, -1]))  # compiled once on good ids
+    for run in (step, compiled):
+        with pytest.raises(ValueError, match=match):
+            run(*_batch(parallel, ids))
