@@ -96,26 +96,32 @@ def _bound(kernel: Callable, norm) -> Callable:
 
 def choose(norm, device: torch.device, dtype: torch.dtype, contribution_dtype: torch.dtype) -> Choice:
     """The choice for this key (asking the records when none is cached)."""
-    key = (torch.device(device), dtype, contribution_dtype)
-    choices = norm.__dict__.setdefault("_add_norm_choices", {})
+    return _choose(norm, (torch.device(device), dtype, contribution_dtype), plain=False)
+
+
+def _choose(norm, key: tuple, plain: bool) -> Choice:
+    """The add + norm's choice for (device, dtype, contribution dtype), or the plain norm's for
+    (device, dtype) when `plain`: cached on the norm, asked of the records once per request."""
+    prefix, by_request = ("_norm", _BY_NORM_REQUEST) if plain else ("_add_norm", _BY_REQUEST)
+    choices = norm.__dict__.setdefault(f"{prefix}_choices", {})
     choice = choices.get(key)
     if choice is not None:
         return choice
-    reason = _own_math(norm)
+    reason = _own_math(norm, plain=plain)
     declined: tuple = ()
     choice = None
     if not reason:
-        request = request_for(norm, *key)
-        answer = _BY_REQUEST.get(request)
+        request = request_for(norm, key[0], key[1], key[-1])
+        answer = by_request.get(request)
         if answer is None:
-            answer = _BY_REQUEST[request] = _ask(request)
+            answer = by_request[request] = _ask(request, plain=plain)
         name, kernel, declined = answer
         if kernel is not None:
-            choice = Choice(name, _bound(kernel, norm), declined)
+            choice = Choice(name, (_bound_norm if plain else _bound)(kernel, norm), declined)
     if choice is None:
-        choice = Choice(TORCH, norm.add_forward, declined, reason)
+        choice = Choice(TORCH, norm.torch_forward if plain else norm.add_forward, declined, reason)
     choices[key] = choice
-    norm.__dict__.setdefault("_add_norm_kernels", {})[key] = choice.run
+    norm.__dict__.setdefault(f"{prefix}_kernels", {})[key] = choice.run
     _NORMS.add(norm)
     return choice
 
@@ -146,28 +152,7 @@ def _bound_norm(kernel: Callable, norm) -> Callable:
 def choose_norm(norm, device: torch.device, dtype: torch.dtype) -> Choice:
     """The plain norm's (no add) choice for this key: the first record whose `norm_factory`
     accepts, else the norm's `torch_forward`."""
-    key = (torch.device(device), dtype)
-    choices = norm.__dict__.setdefault("_norm_choices", {})
-    choice = choices.get(key)
-    if choice is not None:
-        return choice
-    reason = _own_math(norm, plain=True)
-    declined: tuple = ()
-    choice = None
-    if not reason:
-        request = request_for(norm, key[0], dtype, dtype)
-        answer = _BY_NORM_REQUEST.get(request)
-        if answer is None:
-            answer = _BY_NORM_REQUEST[request] = _ask(request, plain=True)
-        name, kernel, declined = answer
-        if kernel is not None:
-            choice = Choice(name, _bound_norm(kernel, norm), declined)
-    if choice is None:
-        choice = Choice(TORCH, norm.torch_forward, declined, reason)
-    choices[key] = choice
-    norm.__dict__.setdefault("_norm_kernels", {})[key] = choice.run
-    _NORMS.add(norm)
-    return choice
+    return _choose(norm, (torch.device(device), dtype), plain=True)
 
 
 def first_norm_call(norm, x):
