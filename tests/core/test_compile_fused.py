@@ -22,15 +22,7 @@ from layer_boundary.plugin import FusionProvider, Priority, graph_key, graph_obj
 from test_compile_core import MirrorCollectives, TP2Stack
 
 
-@pytest.fixture(autouse=True)
-def fresh_dynamo():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    torch._dynamo.reset()
-    reset_graph_breaks()
-    yield
-    torch._dynamo.reset()
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("fresh_dynamo")
 
 
 def _add_norm(total, residual, norm):

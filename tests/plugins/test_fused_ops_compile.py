@@ -11,7 +11,7 @@ import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
 
 from layer_boundary import Forward, Parallel, Topology, boundaries_of
-from layer_boundary.compiling import CountingBackend, graph_breaks, reset_graph_breaks
+from layer_boundary.compiling import CountingBackend, graph_breaks
 from layer_boundary.plugin import FP8_DTYPE
 
 sys.path.insert(0, str(Path(__file__).parents[1] / "core"))  # the core's compile test stack
@@ -24,15 +24,7 @@ from layer_boundary_cutedsl import graph_ops as cute_ops  # noqa: E402
 from layer_boundary_flashinfer import graph_ops as fi_ops  # noqa: E402
 
 
-@pytest.fixture(autouse=True)
-def fresh_dynamo():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    torch._dynamo.reset()
-    reset_graph_breaks()
-    yield
-    torch._dynamo.reset()
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("fresh_dynamo")
 
 
 def test_the_fake_implementations_give_the_kernels_output_shapes():

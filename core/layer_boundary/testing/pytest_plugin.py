@@ -8,6 +8,8 @@ Fixtures:
 - `fresh_registry`: forget the cached registry before and after the test;
 - `one_thread`: one intra-op torch thread for a module's tests (apply it with
   `pytestmark = pytest.mark.usefixtures("one_thread")`);
+- `fresh_dynamo`: one intra-op thread and a reset Dynamo (cache and break counter) around a test,
+  for tests that count graphs or breaks;
 - `inline_plugin(obj, name=...)`: register hook implementations for the test's duration
   (`layer_boundary.plugin.register_inline`: the checks of an installed plugin apply).
 
@@ -63,6 +65,23 @@ def gpu_world():
     yield get
     for world in worlds.values():
         world.close()
+
+
+@pytest.fixture
+def fresh_dynamo():
+    """A test that counts graphs or breaks starts from an empty Dynamo cache and break counter
+    (and one intra-op thread), and leaves none of its graphs behind."""
+    import torch
+
+    from ..compiling import reset_graph_breaks
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    torch._dynamo.reset()
+    reset_graph_breaks()
+    yield
+    torch._dynamo.reset()
+    torch.set_num_threads(threads)
 
 
 @pytest.fixture(scope="module")
