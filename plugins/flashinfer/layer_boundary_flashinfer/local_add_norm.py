@@ -80,6 +80,22 @@ class FlashInferAddNorm:
         return f"FlashInferAddNorm({self.implementation}, eps={self.eps}, offset={self.offset})"
 
 
+def _first_launch(request, what: str, launch: Callable):
+    """`launch()`'s result after it ran once and the device finished it (a JIT build or compile
+    happens now, never inside a CUDA-graph capture); None, with a warning, when it fails: a
+    kernel that cannot run here declines."""
+    device = request.device
+    try:
+        result = launch()
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        return result
+    except Exception as exc:  # noqa: BLE001
+        log.warning("flashinfer.add_rmsnorm declines %s%s width %d on %s: %s: %s",
+                    what, request.uniform_dtype, request.hidden_size, device, type(exc).__name__, exc)
+        return None
+
+
 class AddNormFactory:
     """The record's factory. `functions(offset)` gives the in-place kernel (FlashInfer's by
     default; tests pass a reference with the same in-place contract) and `devices` the device
@@ -113,19 +129,15 @@ class AddNormFactory:
         if self.reason(request) is not None:
             return None
         dtype, hidden, device = request.uniform_dtype, request.hidden_size, request.device
-        try:
+
+        def first_launch():
             function = (self.functions or _function)(request.offset)
             x = torch.zeros(1, hidden, dtype=dtype, device=device)
-            r = torch.zeros_like(x)
-            w = torch.ones(hidden, dtype=dtype, device=device)
-            function(x, r, w, request.eps)  # builds / compiles now, never inside a capture
-            if device.type == "cuda":
-                torch.cuda.synchronize(device)
-            impl = (self.implementation_of or implementation)(device)
-        except Exception as exc:  # noqa: BLE001 - a kernel that cannot run here declines
-            log.warning("flashinfer.add_rmsnorm declines %s width %d on %s: %s: %s", dtype, hidden, device, type(exc).__name__, exc)
-            return None
-        return FlashInferAddNorm(function, request.eps, request.offset, impl)
+            function(x, torch.zeros_like(x), torch.ones(hidden, dtype=dtype, device=device), request.eps)
+            return function, (self.implementation_of or implementation)(device)
+
+        launched = _first_launch(request, "", first_launch)
+        return None if launched is None else FlashInferAddNorm(launched[0], request.eps, request.offset, launched[1])
 
 
 #: the record's factory (FlashInfer's kernels)
@@ -175,16 +187,14 @@ class NormFactory(AddNormFactory):
         if self.reason(request) is not None:
             return None
         dtype, hidden, device = request.uniform_dtype, request.hidden_size, request.device
-        try:
+
+        def first_launch():
             function = (self.functions or _norm_function)(request.offset)
             function(torch.zeros(1, hidden, dtype=dtype, device=device), torch.ones(hidden, dtype=dtype, device=device), request.eps)
-            if device.type == "cuda":
-                torch.cuda.synchronize(device)
-        except Exception as exc:  # noqa: BLE001 - a kernel that cannot run here declines
-            log.warning("flashinfer.add_rmsnorm declines the plain norm %s width %d on %s: %s: %s",
-                        dtype, hidden, device, type(exc).__name__, exc)
-            return None
-        return FlashInferNorm(function, request.eps, request.offset)
+            return function
+
+        function = _first_launch(request, "the plain norm ", first_launch)
+        return None if function is None else FlashInferNorm(function, request.eps, request.offset)
 
 
 #: the record's norm factory (FlashInfer's plain norms)

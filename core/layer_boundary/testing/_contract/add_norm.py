@@ -64,27 +64,35 @@ def add_norm_report(record, settings: ContractSettings) -> ContractReport:
             norm = norm.to(device)
             case = f"{norm_cls.__name__} {dtype_name} H={settings.hidden_size} on {settings.device}"
             request = request_for(norm, device, dtype, dtype)
-            try:
-                kernel = factory(request)
-            except Exception as exc:  # noqa: BLE001 - the rule is "never raises"
-                report.add("construction", f"{case}: the factory raised {type(exc).__name__}: {exc} (decline with None)")
-                continue
-            if kernel is None:
-                report.stats["declined"] += 1
-                continue
-            if not callable(kernel):
-                report.add("construction", f"{case}: the factory returned {kernel!r}, which is not callable")
-                continue
-            accepted += 1
-            for rows in settings.rows:
-                _run(report, kernel, norm, rows, dtype, dtype_name, settings, g, f"{case} T={rows}")
+            kernel = _construct(report, factory, request, case)
+            if kernel is not None:
+                accepted += 1
+                for rows in settings.rows:
+                    _run(report, kernel, norm, rows, dtype, dtype_name, settings, g, f"{case} T={rows}")
+            # the plain norm is its own answer: a record may run it and decline the add + norm
             if norm_factory is not None:
-                _plain(report, norm_factory, norm, request, dtype, dtype_name, settings, g, case)
+                accepted += _plain(report, norm_factory, norm, request, dtype, dtype_name, settings, g, case)
     report.stats["accepted"] += accepted
     if not accepted and (getattr(record, "contract_preparation", None) or settings.device == "cpu"):
         report.add("parity", f"accepted no request on {settings.device}: nothing was checked. A record whose kernels need "
                              "hardware names a contract_preparation (AddNormKernel.contract_preparation) that readies them here")
     return report
+
+
+def _construct(report, factory, request, case: str):
+    """The factory's kernel for `request`, or None (declined, or a construction violation)."""
+    try:
+        kernel = factory(request)
+    except Exception as exc:  # noqa: BLE001 - the rule is "never raises"
+        report.add("construction", f"{case}: the factory raised {type(exc).__name__}: {exc} (decline with None)")
+        return None
+    if kernel is None:
+        report.stats["declined"] += 1
+        return None
+    if not callable(kernel):
+        report.add("construction", f"{case}: the factory returned {kernel!r}, which is not callable")
+        return None
+    return kernel
 
 
 def _run(report, kernel, norm, rows, dtype, dtype_name, settings, g, case) -> None:
@@ -116,16 +124,13 @@ def _run(report, kernel, norm, rows, dtype, dtype_name, settings, g, case) -> No
             report.add("parity", f"{case}: {what} differs from add_rms_norm by {err:.2e} relative (tolerance {tol:.0e})")
 
 
-def _plain(report, norm_factory, norm, request, dtype, dtype_name, settings, g, case) -> None:
+def _plain(report, norm_factory, norm, request, dtype, dtype_name, settings, g, case) -> bool:
     """The plain norm (no add) of the same request: never raises, new tensor, x untouched, and
-    within the dtype's tolerance of the norm's torch path, on 2-D rows and on 3-D per-head rows."""
-    try:
-        kernel = norm_factory(request)
-    except Exception as exc:  # noqa: BLE001
-        report.add("construction", f"{case} (no add): the norm factory raised {type(exc).__name__}: {exc} (decline with None)")
-        return
+    within the dtype's tolerance of the norm's torch path, on 2-D rows and on 3-D per-head rows.
+    Returns whether the norm factory accepted."""
+    kernel = _construct(report, norm_factory, request, f"{case} (no add)")
     if kernel is None:
-        return
+        return False
     hidden = settings.hidden_size
     for shape in [(rows, hidden) for rows in settings.rows] + [(3, 2, hidden)]:
         x = torch.randn(*shape, generator=g).to(dtype).to(settings.device)
@@ -146,3 +151,4 @@ def _plain(report, norm_factory, norm, request, dtype, dtype_name, settings, g, 
         err = relative_error(out, want)
         if err > settings.tolerance(dtype_name):
             report.add("parity", f"{where}: differs from the torch norm by {err:.2e} relative (tolerance {settings.tolerance(dtype_name):.0e})")
+    return True
