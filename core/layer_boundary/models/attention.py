@@ -76,11 +76,6 @@ class StaticKVCache:
         self.slots, self.kv_heads, self.max_len, self.head_dim = slots, kv_heads, max_len, head_dim
         self.rope_table: Optional[torch.Tensor] = None
 
-    def write(self, layer: int, slots, positions, k, v) -> None:
-        """k, v: [tokens, kv_heads, D] at (slots[i], positions[i])."""
-        self.k[layer][slots, :, positions] = k
-        self.v[layer][slots, :, positions] = v
-
     def write_span(self, layer: int, slot: int, start: int, k, v) -> None:
         """k, v: [tokens, kv_heads, D] at positions start.. of one slot (a prefill's request)."""
         stop = start + k.shape[0]
