@@ -129,7 +129,7 @@ class Forward:
                 f"dp_counts[{parallel.attn_dp_rank}] = {dp_counts[parallel.attn_dp_rank]} disagrees with this rank's "
                 f"num_tokens = {num_tokens}"
             )
-        if (sequence_parallel or input_scattered or cp is not None) and sum(1 for v in (sequence_parallel, input_scattered, cp is not None) if v) > 1:
+        if bool(sequence_parallel) + bool(input_scattered) + (cp is not None) > 1:
             raise BatchFactsError("a batch has at most one of sequence_parallel, input_scattered and cp")
         if (sequence_parallel or input_scattered) and topo.attn_dp > 1:
             raise BatchFactsError("sequence-parallel and input-scattered batches require attn_dp == 1")

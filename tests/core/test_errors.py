@@ -244,3 +244,10 @@ def test_batch_facts_are_checked_before_any_collective():
     assert "disagrees with this rank's num_tokens" in msgs[2]
     assert "require attn_dp == 1" in msgs[3]
     assert "must be >= 0" in msgs[4]
+
+
+@pytest.mark.parametrize("facts", [dict(sequence_parallel=True, input_scattered=True)], ids=["sp+scattered"])
+def test_a_batch_is_at_most_one_of_sequence_parallel_input_scattered_and_cp(facts):
+    with pytest.raises(BatchFactsError, match="a batch has at most one of sequence_parallel, input_scattered and cp"):
+        Forward(Parallel.single(), 2, **facts)
+    Forward(Parallel.single(), 2, sequence_parallel=True)  # one of them alone is a batch
