@@ -255,3 +255,29 @@ def test_the_kernels_trace_whole_under_torch_compile(fresh_registry, inline_plug
     # the graph holds the stub's attention (einsum; the torch path has none), once per layer
     einsums = [n for n in graphs[0].graph.nodes if n.op == "call_function" and n.target is torch.einsum]
     assert len(einsums) == 2 * config.num_layers
+
+
+def test_a_record_failing_on_one_rank_raises_on_every_rank_instead_of_hanging(fresh_registry, inline_plugin):
+    """A factory that raises (or returns a non-callable) on rank 1 only: the failure is agreed with
+    the acceptances, so both ranks raise at prepare_model; rank 0 is not left in the all_reduce."""
+    import threading
+
+    ranks = {}
+
+    def accepts(request):
+        if ranks.get(threading.get_ident()) == 1:
+            raise RuntimeError("rank 1's library is broken")
+        return True
+
+    def run(parallel):
+        ranks[threading.get_ident()] = parallel.rank
+        try:
+            _agreement(parallel)
+        except RuntimeError as exc:
+            return str(exc)
+        return "no error"
+
+    inline_plugin(StubKernels(accepts, prefix="flaky"), name="flaky")
+    rank0, rank1 = run_threaded(run, Topology(tp=2))
+    assert "flaky.rope" in rank1 and "rank 1's library is broken" in rank1
+    assert "failed at prepare_model on another rank" in rank0

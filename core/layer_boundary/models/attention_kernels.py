@@ -78,15 +78,20 @@ def requests_for(model, attention) -> tuple[RopeRequest, DecodeAttentionRequest]
     return rope, decode
 
 
-def _local(records, request) -> list[Optional[Callable]]:
-    """Each record's kernel for `request` on this rank (None where it declines)."""
-    out = []
+def _local(records, request) -> tuple[list[Optional[Callable]], Optional[str]]:
+    """Each record's kernel for `request` on this rank (None where it declines), and what went
+    wrong (a factory that raised or returned a non-callable), or None. A failure is not raised
+    here: prepare agrees on it first, so no rank raises while its peers wait in the agreement."""
+    out: list[Optional[Callable]] = []
     for item in records:
-        kernel = item.record.factory(request)
+        try:
+            kernel = item.record.factory(request)
+        except Exception as exc:  # noqa: BLE001 - reported after the agreement, on every rank
+            return out + [None] * (len(records) - len(out)), f"kernel record {item.name!r} raised {type(exc).__name__}: {exc}"
         if kernel is not None and not callable(kernel):
-            raise TypeError(f"kernel record {item.name!r} returned {kernel!r}, which is not callable")
+            return out + [None] * (len(records) - len(out)), f"kernel record {item.name!r} returned {kernel!r}, which is not callable"
         out.append(kernel)
-    return out
+    return out, None
 
 
 def _agree(flags: list[bool], group, device) -> list[bool]:
@@ -135,8 +140,15 @@ def prepare_attention_kernels(model: Any) -> Optional[AttentionKernels]:
         if requests_for(model, other) != (rope_request, decode_request):
             raise ValueError("the reference attentions of one model differ in geometry; kernels are chosen once per model")
     group, device = _group_of(model, first), first.o_proj.weight.device
-    rope_kernels, decode_kernels = _local(rope_records, rope_request), _local(decode_records, decode_request)
-    agreed = _agree([k is not None for k in rope_kernels + decode_kernels], group, device)
+    (rope_kernels, rope_error), (decode_kernels, decode_error) = _local(rope_records, rope_request), _local(decode_records, decode_request)
+    error = rope_error or decode_error
+    accepted = [k is not None for k in rope_kernels + decode_kernels]
+    agreed, all_answered = [], True
+    if accepted:  # no record registered (the same on every rank): nothing to agree on
+        # the last flag: this rank's records all answered; agreed with the acceptances in one all_reduce
+        *agreed, all_answered = _agree(accepted + [error is None], group, device)
+    if not all_answered:
+        raise RuntimeError(error or "a kernel record failed at prepare_model on another rank of the TP group (its error is raised there)")
     choices = AttentionKernels(
         rope=_first_agreed(rope_records, rope_kernels, agreed[: len(rope_kernels)]),
         decode_attention=_first_agreed(decode_records, decode_kernels, agreed[len(rope_kernels) :]),
@@ -180,7 +192,10 @@ def describe(model) -> Optional[str]:
         local = {}
         for kind, records, request in (("rope", registry.rope_kernels, rope_request),
                                        ("decode attention", registry.decode_attention_kernels, decode_request)):
-            local[kind] = _named(_first_agreed(records, _local(records, request), None))
+            kernels, error = _local(records, request)
+            if error is not None:
+                raise RuntimeError(error)
+            local[kind] = _named(_first_agreed(records, kernels, None))
         names, where = local, "this rank's answer; prepare_model agrees across the TP group"
     parts = "; ".join(f"{kind}: {names[kind]} (chain {' > '.join(chain)})" for kind, chain in chains.items())
     return f"attention kernels (static cache, {where}): {parts}"
