@@ -16,6 +16,7 @@ The CPU twin compiles the same static decode step (backend "eager") so the path 
 every run of the suite."""
 
 import json
+import logging
 import os
 import statistics
 import time
@@ -104,6 +105,26 @@ def _break_reasons() -> list:
     return [reason[:300] for reason in list(counters["graph_break"]) + list(counters["unimplemented"])]
 
 
+class _CompileLog(logging.Handler):
+    """Dynamo's and Inductor's messages on recompiles and CUDA graph skips, kept for a failure
+    message (the reason a `reduce-overhead` step runs uncaptured is only ever logged)."""
+
+    def __init__(self):
+        super().__init__(logging.DEBUG)
+        self.lines = []
+
+    def emit(self, record):
+        text = record.getMessage()
+        if "cudagraph" in text.lower() or "recompil" in text.lower():
+            self.lines.append(text[:600])
+
+
+def _cudagraph_skips() -> int:
+    from torch._dynamo.utils import counters
+
+    return int(counters["inductor"]["cudagraph_skips"])
+
+
 def _median_us(fn, repeats=50):
     samples = []
     for _ in range(repeats):
@@ -124,6 +145,12 @@ def test_reduce_overhead_decode_equals_eager_and_is_timed_against_captured_step(
 
     torch._dynamo.reset()
     reset_graph_breaks()
+    from torch._dynamo.utils import counters
+
+    counters.clear()
+    torch._logging.set_logs(perf_hints=True, recompiles=True)
+    log = _CompileLog()
+    logging.getLogger("torch").addHandler(log)
     parallel = Parallel.single()
     config, model = _model("qwen3", torch.bfloat16, "cuda")
     prompts, decode, base = _steps(config, batch, 4, "cuda")
@@ -145,7 +172,10 @@ def test_reduce_overhead_decode_equals_eager_and_is_timed_against_captured_step(
         _decode(model, parallel, cache, ids, slots, base + s)  # advance the cache as eager does
     worst = max(d["relative"] for d in per_step)
     print(f"\nreduce-overhead vs eager (batch {batch}), per step: {per_step}")
+    print(f"compile log (cudagraph skips {_cudagraph_skips()}): {log.lines}")
     assert graph_breaks() == 0, f"{graph_breaks()} graph breaks: {_break_reasons()}"
+    # captured, not merely compiled: Inductor's CUDA graph trees took every step (no skip reason)
+    assert _cudagraph_skips() == 0, f"the compiled step ran without a CUDA graph: {log.lines}"
     assert worst < 2e-2, f"compiled vs eager, per step: {per_step}"  # bf16, Inductor's own fusions
     ids, pos = decode[0], base
     snap = cache.snapshot()
@@ -155,9 +185,13 @@ def test_reduce_overhead_decode_equals_eager_and_is_timed_against_captured_step(
         "captured_step_us": _median_us(lambda: captured.replay(ids, pos)),
         "reduce_overhead_us": _median_us(lambda: _decode(model, parallel, cache, ids, slots, pos, run)),
         "relative_max_diff": worst,
+        "cudagraph_skips": _cudagraph_skips(),
+        "graphs": int(counters["stats"]["unique_graphs"]),
         "device": torch.cuda.get_device_name(),
     }
     cache.restore(snap)
+    logging.getLogger("torch").removeHandler(log)
+    torch._logging.set_logs()
     print(f"\ncompiled decode (qwen3 TP=1, batch {batch}): {json.dumps(timings)}")
     out = Path(os.environ.get("LAYER_BOUNDARY_COMPILE_JSON", "benchmarks/results/compile_gpu.json"))
     out.parent.mkdir(parents=True, exist_ok=True)
@@ -166,17 +200,23 @@ def test_reduce_overhead_decode_equals_eager_and_is_timed_against_captured_step(
     out.write_text(json.dumps(previous, indent=2))
 
 
-def _flashinfer_rank(parallel, steps: int = 3):
-    """A TP=2 qwen3 with the flashinfer plugin's fused candidates, decode compiled fullgraph
-    against the same model eager, on this rank."""
+def _flashinfer_rank(parallel, name: str = "qwen3", steps: int = 3):
+    """A TP=2 model (`name`) with the flashinfer plugin's fused candidates, decode compiled
+    fullgraph against the same model eager, on this rank."""
     from layer_boundary._lifecycle import prepare_model, release_model
 
     torch._dynamo.reset()
     reset_graph_breaks()
     device = f"cuda:{torch.cuda.current_device()}"
-    config, model = _model("qwen3", torch.bfloat16, device, parallel=parallel)
+    config, model = _model(name, torch.bfloat16, device, parallel=parallel)
     prompts, decode, base = _steps(config, 4, steps, device)
     prepare_model(model, max_tokens=sum(len(p) for p in prompts))
+    return _compiled_against_eager(parallel, config, model, prompts, decode, base, device, "flashinfer", release_model)
+
+
+def _compiled_against_eager(parallel, config, model, prompts, decode, base, device, plugin, release):
+    """Decode steps of a prepared TP model compiled fullgraph (Inductor) against eager, with the
+    graph's op nodes of `plugin`, on this rank; `release(model)` afterwards, whatever happened."""
     cache = model.new_static_cache(len(prompts), 32)
     static_prefill(model, parallel, cache, prompts, device)
     slots = torch.arange(len(prompts), device=device)
@@ -193,19 +233,16 @@ def _flashinfer_rank(parallel, steps: int = 3):
     except Exception as exc:  # noqa: BLE001 - reported with the rank's numbers, then failed by the test
         error = f"{type(exc).__name__}: {str(exc)[:1500]}"
     finally:
-        release_model(model)
-    ops = [str(t) for t in backend.ops() if "flashinfer" in str(t) or "layer_boundary" in str(t)]
-    fused = sum(op.startswith("layer_boundary_flashinfer.all_reduce_add_rmsnorm") for op in ops)
+        release(model)
+    ops = [str(t) for t in backend.ops() if plugin in str(t) or "layer_boundary" in str(t)]
+    fused_prefix = {"flashinfer": "layer_boundary_flashinfer.all_reduce_add_rmsnorm", "cutedsl": "layer_boundary_cutedsl.oneshot"}
+    fused = sum(op.startswith(fused_prefix[plugin]) for op in ops)
     return {"rank": parallel.rank, "graph_breaks": graph_breaks(), "graphs": backend.graphs, "per_step": per_step,
             "worst": max((d["relative"] for d in per_step), default=float("inf")), "ops": sorted(set(ops)), "fused_nodes": fused,
             "error": error, "breaks": _break_reasons()}
 
 
-@pytest.mark.gpu
-@needs_gpu
-def test_tp2_flashinfer_compiled_fullgraph_equals_eager(gpu_world):
-    pytest.importorskip("layer_boundary_flashinfer")
-    results = gpu_world(2).run(_flashinfer_rank, Topology(tp=2))
+def _report(results, what: str) -> None:
     for r in results:
         print(f"\nrank {r['rank']}: graphs {r['graphs']}, graph breaks {r['graph_breaks']}, fused nodes {r['fused_nodes']}, "
               f"ops {r['ops']}, per step {r['per_step']}, error {r['error']}, breaks {r['breaks']}")
@@ -213,5 +250,43 @@ def test_tp2_flashinfer_compiled_fullgraph_equals_eager(gpu_world):
         assert r["error"] is None, f"rank {r['rank']}: {r['error']}"
         assert r["graph_breaks"] == 0, f"rank {r['rank']}: {r['breaks']}"
         # the flashinfer candidates were chosen, each one node (every owed input after the first layer's attention)
-        assert r["fused_nodes"] > 0, f"rank {r['rank']}: no fused all-reduce + add + RMSNorm node in {r['ops']}"
+        assert r["fused_nodes"] > 0, f"rank {r['rank']}: no fused {what} node in {r['ops']}"
         assert r["worst"] < 2e-2, f"rank {r['rank']}: compiled vs eager per step {r['per_step']}"
+
+
+@pytest.mark.gpu
+@needs_gpu
+@pytest.mark.parametrize("name", ["qwen3", "qwen3_moe"])
+def test_tp2_flashinfer_compiled_fullgraph_equals_eager(gpu_world, name):
+    """qwen3_moe's MoE sum takes the fused all-reduce too: FlashInfer's finalize kernel is
+    declined on CUDA (see tests/plugins/test_fused_ops_gpu.py), and a compiled MoE runs every
+    owned expert densely (`dense_experts`)."""
+    pytest.importorskip("layer_boundary_flashinfer")
+    _report(gpu_world(2).run(_flashinfer_rank, Topology(tp=2), name), "all-reduce + add + RMSNorm")
+
+
+def _cutedsl_rank(parallel, steps: int = 3):
+    """A TP=2 qwen3_moe (hidden 1024: the kernels' CTAs have 4 warps) with the CuTe DSL one-shot
+    fusion installed and prepared, decode compiled fullgraph against eager, on this rank."""
+    from layer_boundary_cutedsl import CuteDSLFusion, install_cutedsl_fusion, prepare_cutedsl_fusion, release_cutedsl_fusion
+
+    torch._dynamo.reset()
+    reset_graph_breaks()
+    device = f"cuda:{torch.cuda.current_device()}"
+    hf = dict(model_config("qwen3_moe").hf, hidden_size=1024, num_attention_heads=8, num_key_value_heads=4, head_dim=128,
+              intermediate_size=2048, moe_intermediate_size=256, num_experts=8, num_experts_per_tok=2, num_hidden_layers=4)
+    config = model_config("qwen3_moe", hf)
+    model = build_model(config, parallel, dtype=torch.bfloat16, device=device, fusions=CuteDSLFusion()).eval()
+    family("qwen3_moe").load_weights(model, StateDictSource(family("qwen3_moe").random_weights(config, torch.bfloat16, seed=5)))
+    prompts, decode, base = _steps(config, 4, steps, device)
+    install_cutedsl_fusion(model)
+    prepare_cutedsl_fusion(model, max_tokens=64)
+    return _compiled_against_eager(parallel, config, model, prompts, decode, base, device, "cutedsl", release_cutedsl_fusion)
+
+
+@pytest.mark.gpu
+@needs_gpu
+def test_tp2_cutedsl_compiled_fullgraph_equals_eager(gpu_world):
+    pytest.importorskip("layer_boundary_cutedsl")
+    pytest.importorskip("cutlass")
+    _report(gpu_world(2).run(_cutedsl_rank, Topology(tp=2), timeout=400), "one-shot all-reduce + add + RMSNorm")

@@ -1,7 +1,15 @@
 """`torch.library.opcheck` on the plugins' fused kernel ops where they can run (group
-`compile-ops` of scripts/gpu_tests.sh): the CuTe DSL MoE ops on one rank, FlashInfer's fused
-all-reduce + add + RMSNorm on 2 ranks of the shared-device world (both on one GPU when it is the
-only one), each rank checking the op of its own bound candidate in lock-step with the other."""
+`compile-ops` of scripts/gpu_tests.sh): the CuTe DSL MoE ops on one rank; on 2 ranks of the
+shared-device world (both on one GPU when it is the only one), each rank checking the op of its
+own bound candidate or workspace in lock-step with the other: FlashInfer's fused all-reduce +
+add + RMSNorm, the same ending in FP8 (per-token and fixed scale), and the CuTe DSL one-shot
+all-reduce + add + RMSNorm and MoE finalize + all-reduce + add + RMSNorm. Each op's result is
+also held equal to the eager launch it stands for.
+
+FlashInfer's `finalize_all_reduce_add_rmsnorm` has no case: its candidate never binds on CUDA
+(FlashInfer 0.7.2's finalize kernel reads its peers' buffers before they are written, so the
+plugin declines it; the MoE's sum takes the plain fused all-reduce), and its fake is checked on
+the CPU (tests/plugins/test_fused_ops_compile.py)."""
 
 import importlib.util
 
@@ -79,3 +87,100 @@ def test_opcheck_flashinfer_all_reduce_add_rmsnorm_on_two_ranks(gpu_world):
     print(f"\n{results}")
     for r in results:
         assert r["error"] is None and r["op_equals_launch"], r
+
+
+def _fp8_opcheck_rank(parallel):
+    """On this rank: an FP8-quantizing read's fused candidate (per-token and fixed scale), its
+    op against its launch, then opcheck."""
+    from layer_boundary.plugin import graph_key
+    from layer_boundary_flashinfer import graph_ops
+    from layer_boundary_flashinfer.fp8_check import Fp8Pair
+    from layer_boundary_flashinfer.provider import FlashInferFusion
+    from layer_boundary_flashinfer.service import prepare_flashinfer_fusion, shutdown_flashinfer_fusion
+
+    device = f"cuda:{torch.cuda.current_device()}"
+    out = []
+    try:
+        for fmt, scale in (("fp8_dynamic", None), ("fp8_static", 8.0 / 448.0)):
+            pair = Fp8Pair(parallel, 2048, torch.bfloat16, device, fmt, scale)
+            prepare_flashinfer_fusion(list(pair.boundaries), max_tokens=64)
+            candidate = next(
+                p.fp8 for b in pair.boundaries for p, _ in b.plan.providers if isinstance(p, FlashInferFusion) and p.fp8.bound
+            )
+            torch.manual_seed(1 + parallel.rank)
+            x = torch.randn(5, 2048, dtype=torch.bfloat16, device=device)
+            residual = torch.randn_like(x)
+            quant, eager_residual = candidate.launch(x, residual, 5)
+            eager = (quant.data.view(torch.uint8).clone(), quant.scale.float().reshape(-1).clone(), eager_residual.clone())
+            key = graph_key(candidate)
+            data, got_scale, new_residual = graph_ops.ALL_REDUCE_ADD_RMSNORM_FP8(x, residual, key, candidate.per_token)
+            same = (torch.equal(data.view(torch.uint8), eager[0]) and torch.equal(got_scale.float().reshape(-1), eager[1])
+                    and torch.equal(new_residual, eager[2]))
+            torch.library.opcheck(graph_ops.ALL_REDUCE_ADD_RMSNORM_FP8, (x, residual, key, candidate.per_token), test_utils=TESTS)
+            out.append({"format": fmt, "per_token": candidate.per_token, "op_equals_launch": bool(same)})
+            shutdown_flashinfer_fusion()
+        return {"rank": parallel.rank, "cases": out, "error": None}
+    except Exception as exc:  # noqa: BLE001 - reported per rank
+        return {"rank": parallel.rank, "cases": out, "error": f"{type(exc).__name__}: {str(exc)[:1500]}"}
+    finally:
+        shutdown_flashinfer_fusion()
+
+
+@pytest.mark.gpu
+@needs_gpu
+def test_opcheck_flashinfer_fp8_on_two_ranks(gpu_world):
+    pytest.importorskip("layer_boundary_flashinfer")
+    pytest.importorskip("flashinfer")
+    results = gpu_world(2).run(_fp8_opcheck_rank, Topology(tp=2))
+    print(f"\n{results}")
+    for r in results:
+        assert r["error"] is None, r
+        assert [c["per_token"] for c in r["cases"]] == [True, False], r  # both quantizations ran
+        assert all(c["op_equals_launch"] for c in r["cases"]), r
+
+
+def _oneshot_opcheck_rank(parallel):
+    """On this rank: a CuTe DSL one-shot workspace of the TP group; its two fused ops against
+    the workspace's launches, then opcheck (every call a collective: both ranks run the same)."""
+    from layer_boundary.plugin import graph_key
+    from layer_boundary_cutedsl import graph_ops
+    from layer_boundary_cutedsl.allreduce_checks import _group, _held, _workspace, use_rank_device
+
+    device = use_rank_device(parallel)
+    group = _group(parallel)
+    hidden, tokens, top_k, eps = 2048, 5, 4, 1e-6
+    same = {}
+    try:
+        with _held(_workspace(group, device, torch.bfloat16, hidden, 16, offsets=(0.0,), moe_shapes=[(top_k, True)])) as ws:
+            key = graph_key(ws)
+            mine = torch.Generator(device=device).manual_seed(1 + group.rank)
+            common = torch.Generator(device=device).manual_seed(99)  # what every rank holds alike
+            partial = torch.randn(tokens, hidden, generator=mine, device=device).to(torch.bfloat16)
+            residual = torch.randn(tokens, hidden, generator=common, device=device).to(torch.bfloat16)
+            gamma = torch.rand(hidden, generator=common, device=device).to(torch.bfloat16)
+            eager = [t.clone() for t in ws.all_reduce_add_rmsnorm(partial, residual, gamma, eps, 0.0)]
+            got = graph_ops.ONESHOT_ALL_REDUCE_ADD_RMSNORM(partial, residual, gamma, eps, 0.0, key)
+            same["all_reduce_add_rmsnorm"] = all(torch.equal(g, e) for g, e in zip(got, eager))
+            torch.library.opcheck(graph_ops.ONESHOT_ALL_REDUCE_ADD_RMSNORM, (partial, residual, gamma, eps, 0.0, key), test_utils=TESTS)
+            rows = torch.randn(tokens, top_k, hidden, generator=mine, device=device).to(torch.bfloat16)
+            weights = torch.rand(tokens, top_k, generator=common, device=device)
+            shared = torch.randn(tokens, hidden, generator=mine, device=device).to(torch.bfloat16)
+            args = (rows, weights, shared, residual, gamma, eps, 0.0)
+            eager = [t.clone() for t in ws.moe_finalize_all_reduce_add_rmsnorm(*args)]
+            got = graph_ops.ONESHOT_FINALIZE_ALL_REDUCE_ADD_RMSNORM(*args, key)
+            same["moe_finalize_all_reduce_add_rmsnorm"] = all(torch.equal(g, e) for g, e in zip(got, eager))
+            torch.library.opcheck(graph_ops.ONESHOT_FINALIZE_ALL_REDUCE_ADD_RMSNORM, (*args, key), test_utils=TESTS)
+        return {"rank": parallel.rank, "op_equals_launch": same, "error": None}
+    except Exception as exc:  # noqa: BLE001 - reported per rank
+        return {"rank": parallel.rank, "op_equals_launch": same, "error": f"{type(exc).__name__}: {str(exc)[:1500]}"}
+
+
+@pytest.mark.gpu
+@needs_gpu
+@needs_cutlass
+def test_opcheck_cutedsl_oneshot_ops_on_two_ranks(gpu_world):
+    results = gpu_world(2).run(_oneshot_opcheck_rank, Topology(tp=2), timeout=300)
+    print(f"\n{results}")
+    for r in results:
+        assert r["error"] is None, r
+        assert len(r["op_equals_launch"]) == 2 and all(r["op_equals_launch"].values()), r

@@ -159,6 +159,9 @@ def run(batches, layers: int, prompt: int, repeats: int, parallel=None, hf: bool
         eager_us = _events_us(lambda: static_decode_step(model, parallel, cache, ids, slots, pos), repeats)
         graph_us = _events_us(lambda: graph.replay(ids, pos), repeats * 3)
         ours = profile_step(lambda: static_decode_step(model, parallel, cache, ids, slots, pos))
+        # the replay's kernels as the profiler sees them inside the graph (their times are what
+        # graph replay pays; the eager profile's times are of kernels launched one by one)
+        replayed = profile_step(lambda: graph.replay(ids, pos))
         rows.append(
             {
                 "batch": batch,
@@ -173,6 +176,10 @@ def run(batches, layers: int, prompt: int, repeats: int, parallel=None, hf: bool
                 "kernel_us": ours["kernel_us"],
                 "copies": ours["copies"],
                 "by_name": ours["by_name"],
+                "by_time": ours["by_time"],
+                "graph_kernels": replayed["kernels"],
+                "graph_kernel_us": replayed["kernel_us"],
+                "graph_by_time": replayed["by_time"],
             }
         )
         del graph, cache
@@ -183,7 +190,7 @@ def run(batches, layers: int, prompt: int, repeats: int, parallel=None, hf: bool
         hf_model = _hf_model(cfg)
         for row, (batch, theirs) in zip(rows, hf_profile(hf_model, batches, prompt, config.vocab_size).items()):
             row.update(hf_kernels=theirs["kernels"], hf_kernel_us=theirs["kernel_us"], hf_copies=theirs["copies"],
-                       hf_by_name=theirs["by_name"], kernel_us_over_hf=row["kernel_us"] / theirs["kernel_us"])
+                       hf_by_name=theirs["by_name"], hf_by_time=theirs["by_time"], kernel_us_over_hf=row["kernel_us"] / theirs["kernel_us"])
         del hf_model
     return {"model": cfg, "tp": parallel.topology.tp, "prompt": prompt, "rows": rows, "device": torch.cuda.get_device_name(),
             "weight_bytes": weight_bytes, "floor_us": floor_us, "stream_bytes_per_s": STREAM_BYTES_PER_S,
@@ -218,6 +225,10 @@ def main(argv=None) -> dict:
         hf_us = f"{r['hf_kernel_us']:.1f}" if "hf_kernel_us" in r else "-"
         ratio = f"{r['kernel_us_over_hf']:.2f}" if "kernel_us_over_hf" in r else "-"
         print(f"{r['batch']:>6} {r['kernels']:>8} {r['kernel_us']:>10.1f} {hf_k:>11} {hf_us:>13} {ratio:>8} {r['graph_over_floor']:>12.2f}")
+    for r in result["rows"]:
+        print(f"\nbatch {r['batch']}: where graph replay's time goes ({r['graph_kernels']} kernels, {r['graph_kernel_us']:.1f} us)")
+        for name, launches, us in r["graph_by_time"]:
+            print(f"  {us:>8.1f} us {launches:>4}x  {name}")
     from .plot import line_plot
 
     xs = [r["batch"] for r in result["rows"]]

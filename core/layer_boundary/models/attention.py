@@ -62,19 +62,41 @@ class DecodeLayout:
         return self.positions.shape[0]
 
 
+def _static(t: torch.Tensor) -> torch.Tensor:
+    """`t`, marked as living at one address for the whole of its life (what
+    `torch._dynamo.mark_static_address` records: an attribute, no guard, nothing in eager)."""
+    from torch._dynamo import mark_static_address
+
+    mark_static_address(t)
+    return t
+
+
 class StaticKVCache:
     """Preallocated keys/values [slots, kv_heads_local, max_len, head_dim] per layer; writes and
     reads use device index tensors, so a decode step has fixed shapes and no host sync.
 
     `rope_table` ([max_len, 2, head_dim]: cos, sin in the model's dtype; set by the model that
-    made the cache) lets a step look its rotary factors up instead of computing them."""
+    made the cache) lets a step look its rotary factors up instead of computing them.
+
+    Every tensor it holds is marked a static address for torch.compile: a compiled step writes
+    the cache in place, and CUDA graph trees (`mode="reduce-overhead"`) capture a graph that
+    mutates an input only when that input's address is static (as parameters' are); unmarked,
+    they skip the capture and run the compiled graph uncaptured."""
 
     def __init__(self, num_layers: int, slots: int, max_len: int, kv_heads: int, head_dim: int, *, dtype, device):
         shape = (slots, kv_heads, max_len, head_dim)
-        self.k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
-        self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+        self.k = [_static(torch.zeros(shape, dtype=dtype, device=device)) for _ in range(num_layers)]
+        self.v = [_static(torch.zeros(shape, dtype=dtype, device=device)) for _ in range(num_layers)]
         self.slots, self.kv_heads, self.max_len, self.head_dim = slots, kv_heads, max_len, head_dim
-        self.rope_table: Optional[torch.Tensor] = None
+        self._rope_table: Optional[torch.Tensor] = None
+
+    @property
+    def rope_table(self) -> Optional[torch.Tensor]:
+        return self._rope_table
+
+    @rope_table.setter
+    def rope_table(self, table: Optional[torch.Tensor]) -> None:
+        self._rope_table = None if table is None else _static(table)
 
     def write_span(self, layer: int, slot: int, start: int, k, v) -> None:
         """k, v: [tokens, kv_heads, D] at positions start.. of one slot (a prefill's request)."""
