@@ -276,9 +276,14 @@ summary > "$OUT/summary.txt" 2>&1 || status=1
 cat "$OUT/summary.txt"
 if [ -n "$RETURN" ] && [ "$RETURN" != "$OUT" ]; then
   mkdir -p "$RETURN" && cp "$OUT/summary.txt" "$RETURN/" && tar czf "$RETURN/gpu_tests.tgz" -C "$OUT" .
-  # a JIT build ran here (no cache came along, or it was stale): send the new cache back once
-  so=$(find "$FLASHINFER_WORKSPACE_BASE" -name trtllm_comm.so 2>/dev/null | head -1)
-  if [ -n "$so" ] && { [ ! -f /tmp/gpu_tests_fijit_restored ] || [ "$so" -nt /tmp/gpu_tests_fijit_restored ]; } && [ ! -f /tmp/gpu_tests_fijit_sent ]; then
+  # a JIT build ran here (no cache came along, it was stale, or a module it lacked was built, as the
+  # rope and decode kernels are): send the new cache back once, to be carried next time
+  if [ -f /tmp/gpu_tests_fijit_restored ]; then
+    so=$(find "$FLASHINFER_WORKSPACE_BASE" -name '*.so' -newer /tmp/gpu_tests_fijit_restored 2>/dev/null | head -1)
+  else
+    so=$(find "$FLASHINFER_WORKSPACE_BASE" -name '*.so' 2>/dev/null | head -1)
+  fi
+  if [ -n "$so" ] && [ ! -f /tmp/gpu_tests_fijit_sent ]; then
     tar czf "$RETURN/fijit.tgz" -C "$FLASHINFER_WORKSPACE_BASE" . && touch /tmp/gpu_tests_fijit_sent && log "the new FlashInfer JIT cache is in \$OUT/fijit.tgz"
   fi
 fi
