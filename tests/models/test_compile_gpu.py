@@ -179,12 +179,24 @@ def test_reduce_overhead_decode_equals_eager_and_is_timed_against_captured_step(
     assert worst < 2e-2, f"compiled vs eager, per step: {per_step}"  # bf16, Inductor's own fusions
     ids, pos = decode[0], base
     snap = cache.snapshot()
+    # what an engine's own graph runner does instead: Inductor's step (no CUDA graph trees)
+    # captured whole by CapturedStep, which replays with no per-call guard or tree bookkeeping
+    inductor = torch.compile(model, fullgraph=True)
+    eager = _decode(model, parallel, cache, ids, slots, pos).float().clone()
+    cache.restore(snap)
+    captured_compiled = CapturedStep(lambda i, p: _decode(model, parallel, cache, i, slots, p, inductor), (ids0.clone(), pos0.clone()))
+    cache.restore(snap)
+    compiled_captured = _difference(captured_compiled.replay(ids, pos).float(), eager)
+    cache.restore(snap)
+    assert compiled_captured["relative"] < 2e-2, f"the captured compiled step vs eager: {compiled_captured}"
     timings = {
         "batch": batch,
         "eager_us": _median_us(lambda: _decode(model, parallel, cache, ids, slots, pos)),
         "captured_step_us": _median_us(lambda: captured.replay(ids, pos)),
         "reduce_overhead_us": _median_us(lambda: _decode(model, parallel, cache, ids, slots, pos, run)),
+        "compiled_captured_step_us": _median_us(lambda: captured_compiled.replay(ids, pos)),
         "relative_max_diff": worst,
+        "compiled_captured_relative_diff": compiled_captured["relative"],
         "cudagraph_skips": _cudagraph_skips(),
         "graphs": int(counters["stats"]["unique_graphs"]),
         "device": torch.cuda.get_device_name(),
@@ -200,6 +212,7 @@ def test_reduce_overhead_decode_equals_eager_and_is_timed_against_captured_step(
     out.write_text(json.dumps(previous, indent=2))
 
 
+@torch.inference_mode()  # an engine's decode: custom ops have no autograd formula, and need none
 def _flashinfer_rank(parallel, name: str = "qwen3", steps: int = 3):
     """A TP=2 model (`name`) with the flashinfer plugin's fused candidates, decode compiled
     fullgraph against the same model eager, on this rank."""
@@ -265,6 +278,7 @@ def test_tp2_flashinfer_compiled_fullgraph_equals_eager(gpu_world, name):
     _report(gpu_world(2).run(_flashinfer_rank, Topology(tp=2), name), "all-reduce + add + RMSNorm")
 
 
+@torch.inference_mode()
 def _cutedsl_rank(parallel, steps: int = 3):
     """A TP=2 qwen3_moe (hidden 1024: the kernels' CTAs have 4 warps) with the CuTe DSL one-shot
     fusion installed and prepared, decode compiled fullgraph against eager, on this rank."""

@@ -152,7 +152,14 @@ def _norm_function(offset: float) -> Callable:
 
 def _plain_norm(function: Callable, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """`function(rows, weight, eps) -> normed` over x's rows (a view when x is contiguous, as a
-    projection's per-head view is); the result has x's shape."""
+    projection's per-head view is); the result has x's shape.
+
+    Per-head rows [tokens, heads, D] that are a slice of a fused q/k/v projection's output
+    (rows strided by the fused width, so no flat view exists) go to FlashInfer as they are: its
+    norms take 3-D input of any strides (its QK-norm path), where flattening would copy them."""
+    if x.dim() == 3 and x.shape[0] and x.stride(-1) == 1 and x.stride(-2) == x.shape[-1] and not x.is_contiguous():
+        out = function(x, weight, eps)
+        return out if out.is_contiguous() else out.contiguous()
     rows = x.reshape(-1, x.shape[-1])
     if not rows.is_contiguous():
         rows = rows.contiguous()

@@ -158,6 +158,35 @@ def test_plain_norm_wrapper_runs_per_head_rows_out_of_place(offset):
     assert kernel(x[:0], weight).shape == (0, 4, 16)
 
 
+def test_plain_norm_takes_heads_of_a_fused_projection_as_they_are():
+    """q or k heads sliced from a fused q/k/v GEMM's output have rows strided by the fused width:
+    the kernel gets that 3-D view itself (FlashInfer's norms take any strides there), not a copy;
+    the result is a new contiguous tensor with the kernels' numerics."""
+    from layer_boundary_flashinfer.local_add_norm import NormFactory, reference_norm
+
+    seen = []
+
+    def spy(offset):
+        run = reference_norm(offset)
+
+        def call(rows, weight, eps):
+            seen.append((rows.shape, rows.stride()))
+            return run(rows, weight, eps)
+
+        return call
+
+    make = NormFactory(spy, devices=("cpu",), implementation_of=lambda device: "reference")
+    kernel = make(_request(hidden_size=16))
+    fused = torch.randn(3, 6 * 16).to(torch.bfloat16)
+    x = fused[:, 16:48].view(3, 2, 16)
+    weight = (torch.rand(16) + 0.5).to(torch.bfloat16)
+    out = kernel(x, weight)
+    assert seen[-1] == ((3, 2, 16), (96, 16, 1))  # the view itself: no copy before the kernel
+    assert out.is_contiguous() and out.shape == (3, 2, 16)
+    xf = x.float()
+    assert torch.equal(out, (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + 1e-6) * weight.float()).to(torch.bfloat16))
+
+
 def test_plain_norm_custom_op_has_a_fake_for_torch_compile():
     from torch._subclasses.fake_tensor import FakeTensorMode
 

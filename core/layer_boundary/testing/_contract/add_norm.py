@@ -126,16 +126,23 @@ def _run(report, kernel, norm, rows, dtype, dtype_name, settings, g, case) -> No
 
 def _plain(report, norm_factory, norm, request, dtype, dtype_name, settings, g, case) -> bool:
     """The plain norm (no add) of the same request: never raises, new tensor, x untouched, and
-    within the dtype's tolerance of the norm's torch path, on 2-D rows and on 3-D per-head rows.
+    within the dtype's tolerance of the norm's torch path, on 2-D rows, on 3-D per-head rows, and
+    on per-head rows that are a slice of a fused q/k/v projection's output (strided by its width).
     Returns whether the norm factory accepted."""
     kernel = _construct(report, norm_factory, request, f"{case} (no add)")
     if kernel is None:
         return False
     hidden = settings.hidden_size
-    for shape in [(rows, hidden) for rows in settings.rows] + [(3, 2, hidden)]:
-        x = torch.randn(*shape, generator=g).to(dtype).to(settings.device)
+    inputs = [(f"shape {shape}", torch.randn(*shape, generator=g)) for shape in [(rows, hidden) for rows in settings.rows]]
+    inputs.append(("shape (3, 2, hidden)", torch.randn(3, 2, hidden, generator=g)))
+    inputs.append(("(3, 2, hidden) heads of a fused projection", None))
+    for label, x in inputs:
+        if x is None:  # columns hidden..3*hidden of [3, 4*hidden] rows: a view, rows strided by the fused width
+            x = torch.randn(3, 4 * hidden, generator=g).to(dtype).to(settings.device)[:, hidden : 3 * hidden].view(3, 2, hidden)
+        else:
+            x = x.to(dtype).to(settings.device)
         held, version = x.clone(), x._version
-        where = f"{case} (no add) shape {shape}"
+        where = f"{case} (no add) {label}"
         try:
             out = kernel(x, norm.weight)
         except Exception as exc:  # noqa: BLE001
