@@ -191,6 +191,9 @@ class KVCache:
         if rid in store:
             pk, pv = store[rid]
             k, v = torch.cat((pk, k), dim=1), torch.cat((pv, v), dim=1)
+        else:  # a request's first keys and values may be views of the fused q/k/v projection's
+            # output: stored as they are they would keep all of it (queries too) alive
+            k, v = k.clone(memory_format=torch.contiguous_format), v.clone(memory_format=torch.contiguous_format)
         store[rid] = (k, v)
         return k, v
 
