@@ -139,7 +139,7 @@ run_check() {  # name timeout command...
 
 group() {
   case $1 in
-    core) run_pytest core 560 tests/models/test_static_decode.py tests/models/test_gpu_ranks.py tests/plugins/tbo ;;
+    core) run_pytest core 560 tests/models/test_static_decode.py tests/models/test_gpu_ranks.py tests/models/test_fused_qkv.py tests/plugins/tbo ;;
     cutedsl) run_pytest cutedsl 560 tests/plugins/cutedsl ;;
     # torch.compile: reduce-overhead decode vs CapturedStep (timings printed and in compile_gpu.json),
     # TP=2 with the flashinfer plugin compiled fullgraph

@@ -11,7 +11,7 @@ from typing import Optional
 import torch
 from torch import nn
 
-from .._layers import ColumnParallelLinear, Linear, RowParallelLinear
+from .._layers import Linear, RowParallelLinear, shard_rows
 from .._residual.add_norm import RMSNorm
 
 __all__ = ["RotaryEmbedding", "KernelRope", "KVCache", "StaticKVCache", "TPAttention", "StepLayout", "DecodeLayout"]
@@ -126,11 +126,14 @@ class StaticKVCache:
         return DecodeLayout(step.slots, positions, write_index=write_index, key_bias=key_bias[:, None, None, :])
 
     def write_decode(self, layer: int, step: DecodeLayout, k, v) -> None:
-        """k, v: [tokens, kv_heads, D] into the rows `step.write_index` names: one index_copy_
-        each into the flattened cache (in place, no temporaries)."""
+        """k, v: [tokens, kv_heads, D] into the rows `step.write_index` names: one index_put_
+        each into the flattened cache (in place, no temporaries). The index is viewed [tokens,
+        kv_heads] so k and v are read as they are: views of the fused q/k/v projection (rows
+        strided by its width) need no copy to a contiguous [tokens * kv_heads, D] first."""
         D = self.head_dim
-        self.k[layer].view(-1, D).index_copy_(0, step.write_index, k.reshape(-1, D))
-        self.v[layer].view(-1, D).index_copy_(0, step.write_index, v.reshape(-1, D))
+        rows = step.write_index.view(k.shape[0], k.shape[1])
+        self.k[layer].view(-1, D).index_put_((rows,), k)
+        self.v[layer].view(-1, D).index_put_((rows,), v)
 
     def read_decode(self, layer: int, step: DecodeLayout):
         """(keys, values) [tokens, kv_heads, max_len, D] of the step's slots: views of the cache
@@ -210,6 +213,9 @@ class KVCache:
         if rid in store:
             pk, pv = store[rid]
             k, v = torch.cat((pk, k), dim=1), torch.cat((pv, v), dim=1)
+        else:  # a request's first keys and values may be views of the fused q/k/v projection's
+            # output: stored as they are they would keep all of it (queries too) alive
+            k, v = k.clone(memory_format=torch.contiguous_format), v.clone(memory_format=torch.contiguous_format)
         store[rid] = (k, v)
         return k, v
 
@@ -242,10 +248,19 @@ class TPAttention(nn.Module):
         self.group = group
         self.scaling = config.head_dim**-0.5
         H, D = config.hidden_size, config.head_dim
-        self.q_proj = ColumnParallelLinear(H, config.num_heads * D, group, dtype=dtype, device=device)
+        if config.num_heads % group.size:
+            raise ValueError(f"num_heads={config.num_heads} is not divisible by the {group.name} size {group.size}: choose an attention TP that divides it")
+        self.q_width = self.heads * D
         self.kv_width = self.kv_heads * D
-        self.k_proj = Linear(H, self.kv_width, bias=False, dtype=dtype, device=device)
-        self.v_proj = Linear(H, self.kv_width, bias=False, dtype=dtype, device=device)
+        # q, k and v in one GEMM: rows [0, q_width) are this rank's query heads, then its K
+        # rows, then its V rows (`load_qkv`); one launch where three small ones (each split-K
+        # with its own reduce on a GPU) ran, and FP8 inputs quantize the fused weight once
+        self.qkv_proj = Linear(H, self.q_width + 2 * self.kv_width, bias=False, dtype=dtype, device=device)
+        # modules of the projection input whose output is added to the q, k or v slice after
+        # the fused GEMM (LoRA's column-parallel deltas, `attach_attention_lora`); None: nothing
+        self.q_addend: Optional[nn.Module] = None
+        self.k_addend: Optional[nn.Module] = None
+        self.v_addend: Optional[nn.Module] = None
         self.o_proj = RowParallelLinear(config.num_heads * D, H, group, reduce_results=reduce_results, dtype=dtype, device=device)
         self.q_norm = RMSNorm(D, config.rms_norm_eps, dtype=dtype, device=device) if config.qk_norm else None
         self.k_norm = RMSNorm(D, config.rms_norm_eps, dtype=dtype, device=device) if config.qk_norm else None
@@ -262,12 +277,30 @@ class TPAttention(nn.Module):
             return slice(self.kv_index * D, (self.kv_index + 1) * D)
         return slice(self.group.rank * self.kv_width, (self.group.rank + 1) * self.kv_width)
 
-    def load_kv(self, k_full: torch.Tensor, v_full: torch.Tensor) -> None:
-        """Take this rank's KV heads from the full [kv_heads * D, H] projections."""
+    def load_qkv(self, q_full: torch.Tensor, k_full: torch.Tensor, v_full: torch.Tensor) -> None:
+        """Fill the fused projection from the full (checkpoint) weights: q [num_heads * D, H]
+        sharded by rows over attention TP, k and v [kv_heads * D, H] at `kv_rows()` (this
+        rank's KV heads, or the one it shares when they are replicated)."""
         rows = self.kv_rows()
+        q_rows = shard_rows(q_full, self.group.rank, self.group.size)
+        w, q, kv = self.qkv_proj.weight, self.q_width, self.kv_width
         with torch.no_grad():
-            self.k_proj.weight.copy_(k_full[rows])
-            self.v_proj.weight.copy_(v_full[rows])
+            w[:q].copy_(q_rows)
+            w[q : q + kv].copy_(k_full[rows])
+            w[q + kv :].copy_(v_full[rows])
+
+    def _qkv(self, x):
+        """q [tokens, heads, D], k and v [tokens, kv_heads, D]: views of one GEMM's output (rows
+        strided by the fused width), each with its addend's delta when one is set."""
+        T, D = x.shape[0], self.head_dim
+        q, k, v = self.qkv_proj(x).split((self.q_width, self.kv_width, self.kv_width), dim=-1)
+        if self.q_addend is not None:
+            q = q + self.q_addend(x)
+        if self.k_addend is not None:
+            k = k + self.k_addend(x)
+        if self.v_addend is not None:
+            v = v + self.v_addend(x)
+        return q.view(T, self.heads, D), k.view(T, self.kv_heads, D), v.view(T, self.kv_heads, D)
 
     def forward(self, x: torch.Tensor, step, rope: Optional[tuple], cache, cp=None) -> torch.Tensor:
         if cp is not None:
@@ -275,9 +308,7 @@ class TPAttention(nn.Module):
         if isinstance(cache, StaticKVCache):
             return self._forward_static(x, step, rope, cache)
         T, D = x.shape[0], self.head_dim
-        q = self.q_proj(x).view(T, self.heads, D)
-        k = self.k_proj(x).view(T, self.kv_heads, D)
-        v = self.v_proj(x).view(T, self.kv_heads, D)
+        q, k, v = self._qkv(x)
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         if rope is not None:
@@ -303,10 +334,7 @@ class TPAttention(nn.Module):
         return self.o_proj(out.reshape(T, self.heads * D))
 
     def _project(self, x, rope):
-        T, D = x.shape[0], self.head_dim
-        q = self.q_proj(x).view(T, self.heads, D)
-        k = self.k_proj(x).view(T, self.kv_heads, D)
-        v = self.v_proj(x).view(T, self.kv_heads, D)
+        q, k, v = self._qkv(x)
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         if rope is None:
@@ -344,7 +372,7 @@ class TPAttention(nn.Module):
     def _decode_static(self, q, k, v, step: DecodeLayout, cache: "StaticKVCache") -> torch.Tensor:
         """One token per row against the whole cache length: [tokens, heads, D].
 
-        Writes in place (index_copy_ on the step's precomputed index), reads the slots as views,
+        Writes in place (index_put_ on the step's precomputed index), reads the slots as views,
         and shares each KV head across its query group by a view of the queries ([tokens,
         kv_heads, group, D]) instead of repeating keys and values."""
         kernel = self.decode_attention_kernel

@@ -229,28 +229,24 @@ def _(adapter_ids, num_adapters):
     return torch.empty_like(adapter_ids)
 
 
-def _add_delta(lora: LoraSlots):
-    def hook(module, args, output):
-        return output + lora(args[0])
-
-    return hook
+#: the `TPAttention` attribute that adds each column-parallel target's delta to its slice of
+#: the fused q/k/v projection
+QKV_ADDENDS = {"q_proj": "q_addend", "k_proj": "k_addend", "v_proj": "v_addend"}
 
 
 def attach_attention_lora(attn, spec: LoraSpec, *, dtype=None, device=None) -> None:
     """Give a `TPAttention` the LoRA slots of `spec`'s attention targets.
 
-    q/k/v add their delta after the projection (a forward hook); o adds its partial before the
-    attention-TP sum, which the boundary owns (`shard_addend`).
+    q/k/v add their delta to their slice of the fused projection's output (the attention's
+    `q_addend`, `k_addend`, `v_addend`); o adds its partial before the attention-TP sum, which
+    the boundary owns (`shard_addend`).
     """
-    H = attn.q_proj.in_features
-    local_q = attn.q_proj.weight.shape[0]
+    H = attn.qkv_proj.in_features
     local_in_o = attn.o_proj.weight.shape[1]
-    column = {"q_proj": (H, local_q), "k_proj": (H, attn.kv_width), "v_proj": (H, attn.kv_width)}
-    attn.lora = nn.ModuleDict()
-    for target, (n_in, n_out) in column.items():
+    column = {"q_proj": attn.q_width, "k_proj": attn.kv_width, "v_proj": attn.kv_width}
+    for target, n_out in column.items():
         if target in spec.targets:
-            attn.lora[target] = LoraSlots(n_in, n_out, spec, dtype=dtype, device=device)
-            getattr(attn, target).register_forward_hook(_add_delta(attn.lora[target]))
+            setattr(attn, QKV_ADDENDS[target], LoraSlots(H, n_out, spec, dtype=dtype, device=device))
     if "o_proj" in spec.targets:
         attn.o_proj.shard_addend = LoraSlots(local_in_o, attn.o_proj.out_features, spec, dtype=dtype, device=device)
 
@@ -286,10 +282,11 @@ def _sites(layer) -> dict:
     a_group, group = attn.group, mlp.group
     whole = lambda t: t  # noqa: E731
     sites = {}
-    for target in ("q_proj", "k_proj", "v_proj"):
-        if target in attn.lora:
+    for target, attribute in QKV_ADDENDS.items():
+        slots = getattr(attn, attribute)
+        if slots is not None:
             rows = (lambda t: shard_rows(t, a_group.rank, a_group.size)) if target == "q_proj" else (lambda t: t[attn.kv_rows()])
-            sites[target] = (attn.lora[target], whole, rows)
+            sites[target] = (slots, whole, rows)
     if attn.o_proj.shard_addend is not None:
         sites["o_proj"] = (attn.o_proj.shard_addend, lambda t: shard_cols(t, a_group.rank, a_group.size), whole)
     by_rows = lambda t: shard_rows(t, group.rank, group.size)  # noqa: E731

@@ -114,8 +114,7 @@ def load_weights(model, src: TensorSource) -> None:
             )
         elif layer.kind == "*":
             attn = layer.mixer
-            attn.q_proj.load_full(get(f"{m}.q_proj.weight"))
-            attn.load_kv(get(f"{m}.k_proj.weight"), get(f"{m}.v_proj.weight"))
+            attn.load_qkv(get(f"{m}.q_proj.weight"), get(f"{m}.k_proj.weight"), get(f"{m}.v_proj.weight"))
             attn.o_proj.load_full(get(f"{m}.o_proj.weight"))
         elif layer.kind == "-":
             layer.mixer.load_full(get(f"{m}.up_proj.weight"), get(f"{m}.down_proj.weight"))

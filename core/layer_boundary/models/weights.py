@@ -111,8 +111,8 @@ def load_weights(model, src: TensorSource) -> None:
         layer.input_layernorm.weight.copy_(to(src.require(f"{p}.input_layernorm.weight")))
         layer.post_attention_layernorm.weight.copy_(to(src.require(f"{p}.post_attention_layernorm.weight")))
         attn = layer.self_attn
-        attn.q_proj.load_full(to(src.require(f"{p}.self_attn.q_proj.weight")))
-        attn.load_kv(to(src.require(f"{p}.self_attn.k_proj.weight")), to(src.require(f"{p}.self_attn.v_proj.weight")))
+        q, k, v = (to(src.require(f"{p}.self_attn.{name}.weight")) for name in ("q_proj", "k_proj", "v_proj"))
+        attn.load_qkv(q, k, v)
         attn.o_proj.load_full(to(src.require(f"{p}.self_attn.o_proj.weight")))
         if attn.q_norm is not None:
             attn.q_norm.weight.copy_(to(src.require(f"{p}.self_attn.q_norm.weight")))
