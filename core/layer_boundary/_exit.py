@@ -26,8 +26,9 @@ __all__ = [
     "record_complete",
     "record_attention",
     "complete_reduced",
-    "open_plain_ffn_exit",
     "plain_ffn_exit",
+    "PlainFfnExit",
+    "NO_SKIP",
 ]
 
 _Tensor = torch.Tensor
@@ -51,7 +52,7 @@ class ExitDecision:
 
 #: the flags of an exit that lets compute reduce: equal to the defaults, but a distinct object so
 #: that an open exit scope stays detectable (`exit_scope_open()`, checked at TBO switch points)
-_NO_SKIP = ComputeFlags()
+_NO_SKIP = NO_SKIP = ComputeFlags()
 
 
 #: the decision of an exit that can only let compute reduce: shared, never mutated
@@ -275,24 +276,13 @@ def plain_ffn_exit(plan, path) -> bool:
     )
 
 
-def open_plain_ffn_exit(plan, path, fwd) -> "_PlainFfnExit":
-    """The scope of a plain FFN exit (`plain_ffn_exit`) whose stream is open, built without an
-    `__init__` frame (this runs at every FFN exit)."""
-    scope = _new(_PlainFfnExit)
-    scope.plan = plan
-    scope.path = path
-    scope.fwd = fwd
-    scope.decision = COMPLETE_NOW
-    scope.flags = _NO_SKIP
-    scope._previous = None
-    scope._finished = False
-    return scope
+class PlainFfnExit(FfnExit):
+    """A plain FFN exit (`plain_ffn_exit`): `finish()` records a well-formed output in one step;
+    anything else (a second finish, a malformed output, no stream, a pending contribution) takes
+    `FfnExit.finish`, which raises its errors.
 
-
-class _PlainFfnExit(FfnExit):
-    """A plain FFN exit (`plain_ffn_exit`): `finish()`
-    records a well-formed output in one step; anything else (a second finish, a malformed output,
-    no stream, a pending contribution) takes `FfnExit.finish`, which raises its errors."""
+    `StageBoundary.exit` builds it without an `__init__` frame (this runs at every FFN exit),
+    filling every `_ExitScope` slot itself: a slot added there must be filled there too."""
 
     __slots__ = ()
 

@@ -9,7 +9,7 @@ import torch
 from ._checks import check_rows
 from ._contracts import StageKind
 from ._errors import Messages
-from ._exit import FfnExit, MixerExit, complete_reduced, compute_rows, open_plain_ffn_exit, plain_ffn_exit, record_attention
+from ._exit import COMPLETE_NOW, NO_SKIP, FfnExit, MixerExit, PlainFfnExit, complete_reduced, compute_rows, plain_ffn_exit, record_attention
 from ._forward import RowLayout
 from ._ops import align_rows
 from ._output import UnreducedOutput
@@ -181,7 +181,16 @@ class StageBoundary:
         if forward.residual_stream is not None:
             path = self._plain_exits.get(forward.variant)
             if path is not None:
-                return open_plain_ffn_exit(self.plan, path, forward)
+                # a `PlainFfnExit` without an `__init__` frame: every `_ExitScope` slot filled here
+                scope = _new(PlainFfnExit)
+                scope.plan = self.plan
+                scope.path = path
+                scope.fwd = forward
+                scope.decision = COMPLETE_NOW
+                scope.flags = NO_SKIP
+                scope._previous = None
+                scope._finished = False
+                return scope
             path = self._static_exits.get(forward.variant)
             if path is not None:
                 return FfnExit(self.plan, path, forward, path.exit.static_decision)
