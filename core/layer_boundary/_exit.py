@@ -18,7 +18,23 @@ from ._ops import align_rows
 from ._output import HandoffOutput, UnreducedOutput
 from ._residual.stream import REPLACED_PENDING, Contribution
 
-__all__ = ["FfnExit", "MixerExit", "ExitDecision", "COMPLETE_NOW", "record_complete", "record_attention", "complete_reduced"]
+__all__ = [
+    "FfnExit",
+    "MixerExit",
+    "ExitDecision",
+    "COMPLETE_NOW",
+    "record_complete",
+    "record_attention",
+    "complete_reduced",
+    "plain_ffn_exit",
+    "PlainFfnExit",
+    "NO_SKIP",
+]
+
+_Tensor = torch.Tensor
+#: builds a slotted object without running its `__init__` (a Python frame): the hot exits fill
+#: the slots themselves
+_new = object.__new__
 
 
 class ExitDecision:
@@ -36,7 +52,7 @@ class ExitDecision:
 
 #: the flags of an exit that lets compute reduce: equal to the defaults, but a distinct object so
 #: that an open exit scope stays detectable (`exit_scope_open()`, checked at TBO switch points)
-_NO_SKIP = ComputeFlags()
+_NO_SKIP = NO_SKIP = ComputeFlags()
 
 
 #: the decision of an exit that can only let compute reduce: shared, never mutated
@@ -127,37 +143,36 @@ FINISHED_TWICE = "finish() was already called for this exit; open a new exit for
 
 
 class _ExitScope:
-    __slots__ = ("plan", "path", "fwd", "decision", "_previous", "_finished")
+    """`flags` is the decision's flags, stored on the scope so that entering reads one slot."""
+
+    __slots__ = ("plan", "path", "fwd", "decision", "flags", "_previous", "_finished")
 
     def __init__(self, plan, path, fwd, decision: ExitDecision):
         self.plan = plan
         self.path = path
         self.fwd = fwd
         self.decision = decision
+        self.flags = decision.flags
         self._previous = None
         self._finished = False
 
     @property
-    def flags(self) -> ComputeFlags:
-        return self.decision.flags
-
-    @property
     def fuse_mlp_allreduce(self) -> bool:
-        return self.decision.flags.fuse_mlp_allreduce
+        return self.flags.fuse_mlp_allreduce
 
     @property
     def mlp_reduce_scatter(self) -> bool:
-        return self.decision.flags.mlp_reduce_scatter
+        return self.flags.mlp_reduce_scatter
 
     @property
     def defer_moe_finalize(self) -> bool:
-        return self.decision.flags.defer_moe_finalize
+        return self.flags.defer_moe_finalize
 
     def __enter__(self):
         if self._previous is not None:
             raise RuntimeError("an exit scope is entered once; open a new one with boundary.exit(forward)")
         self._previous = _SCOPE.flags  # the flags in force before: restored on exit
-        _SCOPE.flags = self.decision.flags
+        _SCOPE.flags = self.flags
         return self
 
     def __exit__(self, exc_type, exc, traceback):
@@ -249,6 +264,57 @@ class FfnExit(_ExitScope):
         return complete_reduced(plan, path.exit, out, fwd)
 
 
+def plain_ffn_exit(plan, path) -> bool:
+    """Whether an FFN path's exit is plain: its decision is static (`COMPLETE_NOW`) and its
+    output is recorded as it is (no output transform, row move or exit-time write)."""
+    ex = path.exit
+    return (
+        ex.static_decision is COMPLETE_NOW
+        and plan.declaration.output_transform is None
+        and ex.output_move is None
+        and not ex.writes_at_exit
+    )
+
+
+class PlainFfnExit(FfnExit):
+    """A plain FFN exit (`plain_ffn_exit`): `finish()` records a well-formed output in one step;
+    anything else (a second finish, a malformed output, no stream, a pending contribution) takes
+    `FfnExit.finish`, which raises its errors.
+
+    `StageBoundary.exit` builds it without an `__init__` frame (this runs at every FFN exit),
+    filling every `_ExitScope` slot itself: a slot added there must be filled there too."""
+
+    __slots__ = ()
+
+    def finish(self, out):
+        fwd = self.fwd
+        stream = fwd.residual_stream
+        if type(out) is _Tensor and stream is not None and stream.pending is None and not self._finished:
+            residual = stream.residual
+            ex = self.path.exit
+            layout = ex.compute_rows
+            rows = fwd.num_tokens if layout is _DP_LOCAL else layout.rows(fwd)
+            # `check_rows`'s common case, inlined: a [rows, hidden] output in the residual's dtype
+            # (dtypes are singletons) on its device
+            if (
+                type(residual) is _Tensor
+                and out.shape == (rows, self.plan.hidden_size)
+                and out.dtype is residual.dtype
+                and ((out.is_cpu and residual.is_cpu) or out.device == residual.device)
+            ):
+                self._finished = True
+                contribution = _new(Contribution)  # a complete one: `Contribution(out, update, rows=...)`
+                contribution.value = out
+                contribution.update = self.plan.declaration.update
+                contribution.owed = None
+                contribution.transform = None
+                contribution.rows = ex.output_rows
+                stream.pending = contribution
+                stream.handle = out  # complete: the handle is the tensor itself
+                return out
+        return FfnExit.finish(self, out)
+
+
 def _finalize_deferred(plan, ex, fwd) -> bool:
     """Ask the stage's finalize providers (the guide: on every FFN exit that has one). Where
     the core cannot take a handoff (rows move at this exit, the batch has no tokens, the update
@@ -292,7 +358,7 @@ class MixerExit(_ExitScope):
 
     @property
     def skips_reduction(self) -> bool:
-        return self.decision.flags.fuse_mlp_allreduce
+        return self.flags.fuse_mlp_allreduce
 
     def finish(self, out):
         self._begin_finish()

@@ -9,19 +9,22 @@ import torch
 from ._checks import check_rows
 from ._contracts import StageKind
 from ._errors import Messages
-from ._exit import FfnExit, MixerExit, complete_reduced, compute_rows, record_attention
+from ._exit import COMPLETE_NOW, NO_SKIP, FfnExit, MixerExit, PlainFfnExit, complete_reduced, compute_rows, plain_ffn_exit, record_attention
 from ._forward import RowLayout
 from ._ops import align_rows
 from ._output import UnreducedOutput
 from ._paths import EntryMode, Owed
 from ._planning import StagePlan, arriving_sum, plan_stages
 from ._prepare import run_entry, run_local
-from ._residual.stream import REPLACED_PENDING, Contribution, ResidualStream
+from ._residual.stream import Contribution, ResidualStream
 from ._row_publishers import publish_rows
 from .plugin._manager import get_registry
 
 ATTENTION_ROWS = RowLayout.DP_LOCAL
 _DP_LOCAL = RowLayout.DP_LOCAL
+_Tensor = torch.Tensor
+#: builds a slotted object without running its `__init__` (a Python frame)
+_new = object.__new__
 #: what no contribution's update is (a stage without `previous=` expects none)
 _NO_UPDATE = object()
 
@@ -37,7 +40,19 @@ class StageBoundary:
     run; anything else takes the general path, which makes every check and raises every error.
     """
 
-    __slots__ = ("plan", "declaration", "_entries", "_lean_entries", "_arriving_update", "_exits", "_recording_exits", "_static_exits", "_update")
+    __slots__ = (
+        "plan",
+        "declaration",
+        "_entries",
+        "_lean_entries",
+        "_arriving_update",
+        "_exits",
+        "_recording_exits",
+        "_static_exits",
+        "_plain_exits",
+        "_update",
+        "_hidden_size",
+    )
 
     def __init__(self, plan: StagePlan):
         self.plan = plan
@@ -69,6 +84,9 @@ class StageBoundary:
         self._static_exits = {
             variant: path for variant, path in plan.paths.items() if plan.kind is StageKind.FFN and path.exit.static_decision is not None
         }
+        #: of those, the exits whose output is recorded as it is (`plain_ffn_exit`)
+        self._plain_exits = {variant: path for variant, path in self._static_exits.items() if plain_ffn_exit(plan, path)}
+        self._hidden_size = plan.hidden_size
 
     # consumer side ----------------------------------------------------------------------------
     def prepare(self, hidden_states, forward, *, capture_output=None, captured_last_layer_outputs=None, post_residual_addition=None):
@@ -122,28 +140,32 @@ class StageBoundary:
     def finish(self, output, forward):
         """Register a PARTIAL attention's contribution; returns the handle to pass on."""
         ex = self._recording_exits.get(forward.variant)
-        if ex is not None:  # `record_attention` over one rank, inlined
-            layout = ex.compute_rows
-            rows = forward.num_tokens if layout is _DP_LOCAL else layout.rows(forward)
+        if ex is not None:
+            # `record_attention` over one rank, inlined for a well-formed output on a stream with
+            # nothing pending; anything else takes `record_attention`, which raises its errors
             stream = forward.residual_stream
-            residual = None if stream is None else stream.residual
-            # `check_rows`'s common case, inlined: a [rows, hidden] output in the residual's dtype
-            # on its device; anything else gets the full test and its errors
-            if not (
-                type(output) is torch.Tensor
-                and type(residual) is torch.Tensor
-                and output.shape == (rows, self.plan.hidden_size)
-                and output.dtype == residual.dtype
-                and ((output.is_cpu and residual.is_cpu) or output.device == residual.device)
-            ):
-                check_rows(self.plan, output, rows, forward, "attention output")
-            if stream is None:
-                raise RuntimeError(Messages.NOT_STARTED)
-            if stream.pending is not None:
-                raise RuntimeError(REPLACED_PENDING)
-            stream.pending = Contribution(output, self._update, rows=ex.output_rows)
-            stream.handle = output  # complete: the handle is the tensor itself
-            return output
+            if type(output) is _Tensor and stream is not None and stream.pending is None:
+                residual = stream.residual
+                layout = ex.compute_rows
+                rows = forward.num_tokens if layout is _DP_LOCAL else layout.rows(forward)
+                # `check_rows`'s common case: a [rows, hidden] output in the residual's dtype
+                # (dtypes are singletons) on its device
+                if (
+                    type(residual) is _Tensor
+                    and output.shape == (rows, self._hidden_size)
+                    and output.dtype is residual.dtype
+                    and ((output.is_cpu and residual.is_cpu) or output.device == residual.device)
+                ):
+                    contribution = _new(Contribution)  # a complete one: `Contribution(output, update, rows=...)`
+                    contribution.value = output
+                    contribution.update = self._update
+                    contribution.owed = None
+                    contribution.transform = None
+                    contribution.rows = ex.output_rows
+                    stream.pending = contribution
+                    stream.handle = output  # complete: the handle is the tensor itself
+                    return output
+            return record_attention(self.plan, output, forward, ex)
         if self.plan.kind is not StageKind.ATTENTION:
             raise RuntimeError(
                 f"a {self.plan.kind.value} stage publishes its output through exit(): "
@@ -156,9 +178,22 @@ class StageBoundary:
 
     def exit(self, forward):
         """Open the exit scope of an FFN (`FfnExit`) or a single-stage mixer (`MixerExit`)."""
-        path = self._static_exits.get(forward.variant)
-        if path is not None and forward.residual_stream is not None:
-            return FfnExit(self.plan, path, forward, path.exit.static_decision)
+        if forward.residual_stream is not None:
+            path = self._plain_exits.get(forward.variant)
+            if path is not None:
+                # a `PlainFfnExit` without an `__init__` frame: every `_ExitScope` slot filled here
+                scope = _new(PlainFfnExit)
+                scope.plan = self.plan
+                scope.path = path
+                scope.fwd = forward
+                scope.decision = COMPLETE_NOW
+                scope.flags = NO_SKIP
+                scope._previous = None
+                scope._finished = False
+                return scope
+            path = self._static_exits.get(forward.variant)
+            if path is not None:
+                return FfnExit(self.plan, path, forward, path.exit.static_decision)
         kind = self.plan.kind
         if kind is StageKind.FFN:
             return FfnExit.open(self.plan, forward)

@@ -5,6 +5,7 @@ import torch
 
 from layer_boundary import (
     ComputeFlags,
+    FfnExit,
     Forward,
     MoeFinalizeHandoff,
     OwedOutput,
@@ -15,6 +16,7 @@ from layer_boundary import (
     Topology,
     declare_attn,
     declare_ffn,
+    exit_scope_open,
     get_forward,
     make_stages,
     residual_batch,
@@ -165,3 +167,57 @@ def test_finish_once_per_exit():
     out.finish(x)
     with pytest.raises(RuntimeError, match="already called"):
         out.finish(x)
+
+
+def _one_rank_layer():
+    """A TP=1 attention + FFN pair: the attention exit only records, the FFN exit is plain
+    (the slotted fast paths), with the stream at the FFN's input."""
+    (attn, ffn) = make_stages((declare_attn(), _norm()), (declare_ffn(), _norm()), parallel=Parallel.single(), terminal=True)
+    fwd = Forward(Parallel.single(), 2)
+    residual_batch.start(fwd)
+    h = attn.finish(attn.prepare(torch.ones(2, H, dtype=torch.float64), fwd), fwd)
+    return attn, ffn, fwd, ffn.prepare(h, fwd)
+
+
+def test_plain_ffn_exit_publishes_its_flags_and_is_entered_once():
+    _, ffn, fwd, x = _one_rank_layer()
+    scope = ffn.exit(fwd)
+    assert isinstance(scope, FfnExit) and scope.flags == ComputeFlags() and not scope.fuse_mlp_allreduce
+    with scope as out:
+        assert exit_scope_open() and get_forward() is out.flags
+    assert not exit_scope_open()
+    with pytest.raises(RuntimeError, match="an exit scope is entered once"):
+        with scope:
+            pass
+    assert out.finish(x) is x
+
+
+@pytest.mark.parametrize(
+    "bad, match",
+    [
+        (torch.ones(3, H, dtype=torch.float64), "FFN output has shape"),
+        (torch.ones(2, H + 1, dtype=torch.float64), "FFN output has hidden size"),
+        (torch.ones(2, H, dtype=torch.float32), "FFN output is torch.float32 but the residual is torch.float64"),
+    ],
+)
+def test_plain_ffn_exit_refuses_a_malformed_output(bad, match):
+    _, ffn, fwd, _ = _one_rank_layer()
+    with ffn.exit(fwd) as out:
+        pass
+    with pytest.raises(ValueError, match=match):
+        out.finish(bad)
+
+
+def test_one_rank_exits_refuse_to_replace_a_pending_contribution():
+    attn, ffn, fwd, x = _one_rank_layer()
+    with ffn.exit(fwd) as out:
+        pass
+    out.finish(x)  # pending now
+    with pytest.raises(RuntimeError, match="cannot replace an unconsumed producer contribution"):
+        attn.finish(torch.ones(2, H, dtype=torch.float64), fwd)
+    with ffn.exit(fwd) as again:
+        pass
+    with pytest.raises(RuntimeError, match="cannot replace an unconsumed producer contribution"):
+        again.finish(torch.ones(2, H, dtype=torch.float64))
+    with pytest.raises(ValueError, match="attention output is torch.float32"):
+        attn.finish(torch.ones(2, H, dtype=torch.float32), fwd)
