@@ -35,6 +35,9 @@ _Tensor = torch.Tensor
 #: builds a slotted object without running its `__init__` (a Python frame): the hot exits fill
 #: the slots themselves
 _new = object.__new__
+#: torch 2.11's Dynamo (the GPU machines') cannot trace `object.__new__`: a compiled region takes
+#: the constructors, which every version traces
+_compiling = torch.compiler.is_compiling
 
 
 class ExitDecision:
@@ -303,12 +306,15 @@ class PlainFfnExit(FfnExit):
                 and ((out.is_cpu and residual.is_cpu) or out.device == residual.device)
             ):
                 self._finished = True
-                contribution = _new(Contribution)  # a complete one: `Contribution(out, update, rows=...)`
-                contribution.value = out
-                contribution.update = self.plan.declaration.update
-                contribution.owed = None
-                contribution.transform = None
-                contribution.rows = ex.output_rows
+                if _compiling():
+                    contribution = Contribution(out, self.plan.declaration.update, rows=ex.output_rows)
+                else:
+                    contribution = _new(Contribution)  # a complete one: `Contribution(out, update, rows=...)`
+                    contribution.value = out
+                    contribution.update = self.plan.declaration.update
+                    contribution.owed = None
+                    contribution.transform = None
+                    contribution.rows = ex.output_rows
                 stream.pending = contribution
                 stream.handle = out  # complete: the handle is the tensor itself
                 return out

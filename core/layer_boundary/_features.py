@@ -38,18 +38,7 @@ def _first(records, request, what: str, feature: str, capability):
 def two_batch_overlap(forward) -> Overlap:
     """The two-batch-overlap scheduler for this batch: `.run(stages, hidden_states, forward, ...)`
     splits the batch into two microbatches, interleaves their stages and merges them back."""
-    return _first(current_registry().overlaps, _overlap_request(forward), "two-batch overlap", "tbo", Overlap)
-
-
-def _overlap_request(forward) -> OverlapRequest:
-    """`OverlapRequest(forward)`, built so that Dynamo traces it: a compiled forward asks for its
-    scheduler inside the region (the registry is state Dynamo reads and guards on), and it cannot
-    trace the bound setattr attrs' frozen `__init__` uses; `object.__setattr__` it can."""
-    if not torch.compiler.is_dynamo_compiling():
-        return OverlapRequest(forward)
-    request = object.__new__(OverlapRequest)
-    object.__setattr__(request, "forward", forward)
-    return request
+    return _first(current_registry().overlaps, OverlapRequest(forward), "two-batch overlap", "tbo", Overlap)
 
 
 #: the transports found so far, by key: a plain module dict a compiled region reads (and guards on)

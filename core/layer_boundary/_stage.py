@@ -25,6 +25,9 @@ _DP_LOCAL = RowLayout.DP_LOCAL
 _Tensor = torch.Tensor
 #: builds a slotted object without running its `__init__` (a Python frame)
 _new = object.__new__
+#: torch 2.11's Dynamo (the GPU machines') cannot trace `object.__new__`: a compiled region takes
+#: the constructors, which every version traces
+_compiling = torch.compiler.is_compiling
 #: what no contribution's update is (a stage without `previous=` expects none)
 _NO_UPDATE = object()
 
@@ -156,12 +159,15 @@ class StageBoundary:
                     and output.dtype is residual.dtype
                     and ((output.is_cpu and residual.is_cpu) or output.device == residual.device)
                 ):
-                    contribution = _new(Contribution)  # a complete one: `Contribution(output, update, rows=...)`
-                    contribution.value = output
-                    contribution.update = self._update
-                    contribution.owed = None
-                    contribution.transform = None
-                    contribution.rows = ex.output_rows
+                    if _compiling():
+                        contribution = Contribution(output, self._update, rows=ex.output_rows)
+                    else:
+                        contribution = _new(Contribution)  # a complete one: `Contribution(output, update, rows=...)`
+                        contribution.value = output
+                        contribution.update = self._update
+                        contribution.owed = None
+                        contribution.transform = None
+                        contribution.rows = ex.output_rows
                     stream.pending = contribution
                     stream.handle = output  # complete: the handle is the tensor itself
                     return output
@@ -181,6 +187,8 @@ class StageBoundary:
         if forward.residual_stream is not None:
             path = self._plain_exits.get(forward.variant)
             if path is not None:
+                if _compiling():
+                    return PlainFfnExit(self.plan, path, forward, COMPLETE_NOW)
                 # a `PlainFfnExit` without an `__init__` frame: every `_ExitScope` slot filled here
                 scope = _new(PlainFfnExit)
                 scope.plan = self.plan

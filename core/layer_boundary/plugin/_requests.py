@@ -7,7 +7,7 @@ reference into the core. Capabilities are checked once, at construction, with `i
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, Optional, Protocol, Sequence, runtime_checkable
+from typing import TYPE_CHECKING, Any, NamedTuple, Optional, Protocol, Sequence, runtime_checkable
 
 import types
 
@@ -43,9 +43,10 @@ class TokenMappingRequest:
     device: Any = None
 
 
-@attrs.frozen
-class OverlapRequest:
-    """The batch a two-batch-overlap scheduler is asked to split."""
+class OverlapRequest(NamedTuple):
+    """The batch a two-batch-overlap scheduler is asked to split. A named tuple, not an attrs
+    class: a compiled forward builds it inside the region, and every torch's Dynamo traces a
+    named tuple (none traces attrs' frozen `__init__`; torch 2.11's cannot trace `object.__new__`)."""
 
     forward: "Forward"
 
