@@ -76,6 +76,7 @@ def test_an_fp8_input_projects_through_the_fused_module():
         assert torch.equal(a, b)
 
 
+@pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="the FP8 GEMM (torch._scaled_mm) runs on CUDA only")
 def test_an_fp8_input_on_cuda_quantizes_the_fused_weight_once():
     attn = _attention(1, 0, dtype=torch.bfloat16, device="cuda")
