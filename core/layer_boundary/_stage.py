@@ -4,12 +4,11 @@ from __future__ import annotations
 
 from typing import Mapping
 
-import torch
-
 from ._checks import check_rows
 from ._contracts import StageKind
 from ._errors import Messages
 from ._exit import COMPLETE_NOW, NO_SKIP, FfnExit, MixerExit, PlainFfnExit, complete_reduced, compute_rows, plain_ffn_exit, record_attention
+from ._exit import _Tensor, _compiling, _new  # the hot exits' shared shortcuts (see _exit.py)
 from ._forward import RowLayout
 from ._ops import align_rows
 from ._output import UnreducedOutput
@@ -22,12 +21,6 @@ from .plugin._manager import get_registry
 
 ATTENTION_ROWS = RowLayout.DP_LOCAL
 _DP_LOCAL = RowLayout.DP_LOCAL
-_Tensor = torch.Tensor
-#: builds a slotted object without running its `__init__` (a Python frame)
-_new = object.__new__
-#: torch 2.11's Dynamo (the GPU machines') cannot trace `object.__new__`: a compiled region takes
-#: the constructors, which every version traces
-_compiling = torch.compiler.is_compiling
 #: what no contribution's update is (a stage without `previous=` expects none)
 _NO_UPDATE = object()
 

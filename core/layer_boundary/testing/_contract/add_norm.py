@@ -133,14 +133,13 @@ def _plain(report, norm_factory, norm, request, dtype, dtype_name, settings, g, 
     if kernel is None:
         return False
     hidden = settings.hidden_size
-    inputs = [(f"shape {shape}", torch.randn(*shape, generator=g)) for shape in [(rows, hidden) for rows in settings.rows]]
-    inputs.append(("shape (3, 2, hidden)", torch.randn(3, 2, hidden, generator=g)))
-    inputs.append(("(3, 2, hidden) heads of a fused projection", None))
+    shapes = [(rows, hidden) for rows in settings.rows] + [(3, 2, hidden)]
+    inputs = [(f"shape {shape}", torch.randn(*shape, generator=g).to(dtype).to(settings.device)) for shape in shapes]
+    # columns hidden..3*hidden of [3, 4*hidden] rows as [3, 2, hidden] heads: a view whose rows are
+    # strided by the fused width, as a q or k slice of a fused q/k/v projection is
+    fused = torch.randn(3, 4 * hidden, generator=g).to(dtype).to(settings.device)
+    inputs.append((f"heads {(3, 2, hidden)} of a fused projection", fused[:, hidden : 3 * hidden].view(3, 2, hidden)))
     for label, x in inputs:
-        if x is None:  # columns hidden..3*hidden of [3, 4*hidden] rows: a view, rows strided by the fused width
-            x = torch.randn(3, 4 * hidden, generator=g).to(dtype).to(settings.device)[:, hidden : 3 * hidden].view(3, 2, hidden)
-        else:
-            x = x.to(dtype).to(settings.device)
         held, version = x.clone(), x._version
         where = f"{case} (no add) {label}"
         try:
