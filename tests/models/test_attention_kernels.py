@@ -54,6 +54,32 @@ def stub_decode(calls, request):
     return run
 
 
+class StepBoundDecode:
+    """`stub_decode` as a step-bound kernel: `bind_step` once per step, then each layer's
+    `write` (its keys and values into the cache, in place) and `attend`."""
+
+    def __init__(self, calls, request):
+        self.calls, self.attention = calls, stub_decode(calls, request)
+
+    def __call__(self, q, k_cache, v_cache, slots, positions):
+        return self.attention(q, k_cache, v_cache, slots, positions)
+
+    def bind_step(self, k_cache, slots, positions):
+        self.calls.append("bind_step")
+        rows = torch.arange(positions.shape[0]) if slots is None else slots
+        return rows, positions, slots
+
+    def write(self, state, k, v, k_cache, v_cache):
+        self.calls.append("write")
+        rows, positions, _ = state
+        k_cache[rows, :, positions] = k
+        v_cache[rows, :, positions] = v
+
+    def attend(self, state, q, k_cache, v_cache):
+        _, positions, slots = state
+        return self.attention(q, k_cache, v_cache, slots, positions)
+
+
 class _Discard(list):
     """A call log that keeps nothing (a compiled region would guard on a growing list)."""
 
@@ -64,7 +90,7 @@ class _Discard(list):
 class StubKernels:
     """An inline plugin offering both kernels; `accepts(rank)` decides per rank."""
 
-    def __init__(self, accepts=lambda request: True, prefix="stub", record=True):
+    def __init__(self, accepts=lambda request: True, prefix="stub", record=True, step_bound=False):
         self.calls = []
         self.requests = []
         calls, requests = (self.calls if record else _Discard()), self.requests
@@ -75,7 +101,9 @@ class StubKernels:
 
         def decode(request):
             requests.append(request)
-            return stub_decode(calls, request) if accepts(request) else None
+            if not accepts(request):
+                return None
+            return StepBoundDecode(calls, request) if step_bound else stub_decode(calls, request)
 
         self.rope = RopeKernel(name=f"{prefix}.rope", factory=rope, priority=100, description="torch rope (tests)")
         self.decode = DecodeAttentionKernel(name=f"{prefix}.decode_attention", factory=decode, priority=100, description="torch decode (tests)")
@@ -150,6 +178,41 @@ def test_static_path_routes_through_the_kernels_and_stays_equal(fresh_registry, 
     assert stub.calls == []  # released: the torch path again
 
 
+@pytest.mark.parametrize("slots_given", [False, True], ids=["rows_are_slots", "slots_gathered"])
+def test_a_step_bound_kernel_writes_the_cache_itself_and_binds_once_per_step(fresh_registry, inline_plugin, slots_given):
+    """With `bind_step`, the core neither computes a write index nor writes keys and values: the
+    kernel is bound once per decode step (every layer shares it) and writes each layer's cache;
+    the logits and the cache it leaves equal the torch path's."""
+    config, model = _model()
+    want = _static_run(model, slots_given)
+    stub = inline_plugin(StubKernels(step_bound=True), name="stub")
+    prepare_model(model, max_tokens=16)
+    got = _static_run(model, slots_given)
+    layers, steps = config.num_layers, len(got) - 1
+    assert stub.calls.count("bind_step") == steps
+    assert stub.calls.count("write") == layers * steps and stub.calls.count("decode") == layers * steps
+    for a, b in zip(want[1:], got[1:]):
+        assert torch.allclose(a, b, rtol=0, atol=1e-6), (a - b).abs().max()
+    release_model(model)
+
+
+def test_a_step_bound_kernel_fills_the_cache_the_torch_path_fills(fresh_registry, inline_plugin):
+    from layer_boundary.models.attention import DecodeLayout
+
+    config, model = _model()
+    cache = model.new_static_cache(3, 16)
+    positions, slots = torch.tensor([4, 0, 9]), torch.tensor([2, 0, 1])
+    k = torch.randn(3, cache.kv_heads, cache.head_dim, dtype=torch.float64)
+    v = torch.randn(3, cache.kv_heads, cache.head_dim, dtype=torch.float64)
+    cache.write_decode(0, cache.bind(DecodeLayout(slots, positions)), k, v)
+    kernel = StepBoundDecode([], DecodeAttentionRequest(device=torch.device("cpu"), dtype=torch.float64, head_dim=cache.head_dim,
+                                                        heads=config.num_heads, kv_heads=cache.kv_heads, scaling=1.0))
+    step = cache.bind(DecodeLayout(slots, positions), kernel)
+    assert step.write_index is None and step.key_bias is None and step.bound
+    kernel.write(step.kernel_state, k, v, cache.k[1], cache.v[1])
+    assert torch.equal(cache.k[0], cache.k[1]) and torch.equal(cache.v[0], cache.v[1])
+
+
 def test_the_growing_cache_keeps_the_torch_path(fresh_registry, inline_plugin):
     from layer_boundary import Forward, ForwardMode
     from layer_boundary.models.attention import StepLayout
@@ -221,15 +284,16 @@ def test_plan_names_the_chain_and_the_choice(fresh_registry, inline_plugin, caps
     assert "rope: chain " in out and "stub.rope > core.torch" in out
 
 
+@pytest.mark.parametrize("step_bound", [False, True], ids=["attention_only", "step_bound"])
 @torch.inference_mode()
-def test_the_kernels_trace_whole_under_torch_compile(fresh_registry, inline_plugin):
+def test_the_kernels_trace_whole_under_torch_compile(fresh_registry, inline_plugin, step_bound):
     from layer_boundary import Forward, ForwardMode
     from layer_boundary.compiling import graph_breaks, reset_graph_breaks
     from layer_boundary.models.attention import DecodeLayout
 
     torch._dynamo.reset()
     reset_graph_breaks()
-    inline_plugin(StubKernels(record=False), name="stub")
+    inline_plugin(StubKernels(record=False, step_bound=step_bound), name="stub")
     config, model = _model()
     prepare_model(model, max_tokens=16)
     parallel = Parallel.single()

@@ -45,17 +45,24 @@ class DecodeLayout:
     request `i` in cache slot `slots[i]` at position `positions[i]`; `slots=None`: request `i`
     in slot `i` (the cache is read in place, no gather).
 
-    `write_index` and `key_bias` are the step's cache facts, computed once per step for every
-    layer (`StaticKVCache.bind`): where each row's keys land in the flattened cache, and the
-    additive mask over the cache length."""
+    `write_index`, `key_bias` and `kernel_state` are the step's cache facts, computed once per
+    step for every layer (`StaticKVCache.bind`): where each row's keys land in the flattened
+    cache, the additive mask over the cache length, and what a step-bound decode-attention
+    kernel returned from its `bind_step` (it then writes the keys and values itself)."""
 
-    __slots__ = ("slots", "positions", "write_index", "key_bias")
+    __slots__ = ("slots", "positions", "write_index", "key_bias", "kernel_state")
 
-    def __init__(self, slots: Optional[torch.Tensor], positions: torch.Tensor, *, write_index=None, key_bias=None):
+    def __init__(self, slots: Optional[torch.Tensor], positions: torch.Tensor, *, write_index=None, key_bias=None, kernel_state=None):
         self.slots = slots
         self.positions = positions
         self.write_index = write_index
         self.key_bias = key_bias
+        self.kernel_state = kernel_state
+
+    @property
+    def bound(self) -> bool:
+        """Whether `StaticKVCache.bind` filled in this step's cache facts."""
+        return self.write_index is not None or self.kernel_state is not None
 
     @property
     def num_tokens(self) -> int:
@@ -104,21 +111,27 @@ class StaticKVCache:
         self.k[layer][slot, :, start:stop] = k.transpose(0, 1)
         self.v[layer][slot, :, start:stop] = v.transpose(0, 1)
 
-    def bind(self, step: DecodeLayout, *, mask: bool = True) -> DecodeLayout:
-        """`step` with its cache facts: the flattened write index [tokens * kv_heads] and (unless
-        `mask=False`: a decode-attention kernel masks by position itself) the additive mask
-        [tokens, 1, 1, max_len] (0 where visible, the dtype's minimum after the row's position).
-        Computed once per step; every layer reads them."""
+    def bind(self, step: DecodeLayout, kernel=None) -> DecodeLayout:
+        """`step` with its cache facts, computed once per step for every layer.
+
+        With the torch path (`kernel=None`): the flattened write index [tokens * kv_heads] and
+        the additive mask [tokens, 1, 1, max_len] (0 where visible, the dtype's minimum after
+        the row's position). With a plugin's decode-attention kernel: no mask (it masks by
+        position itself); a step-bound kernel (one with `bind_step`) gets the step here and
+        writes the keys and values itself, so no write index either (`kernel_state`)."""
         positions = step.positions
         if step.slots is None and positions.shape[0] > self.slots:
             raise ValueError(
                 f"a decode step of {positions.shape[0]} rows with slots=None (row i in slot i) needs as many cache slots; "
                 f"this cache has {self.slots}: make it with new_static_cache(slots={positions.shape[0]}, ...) or pass the slots"
             )
+        bind_step = getattr(kernel, "bind_step", None)
+        if bind_step is not None:
+            return DecodeLayout(step.slots, positions, kernel_state=bind_step(self.k[0], step.slots, positions))
         rows = torch.arange(positions.shape[0], device=positions.device) if step.slots is None else step.slots
         heads = torch.arange(self.kv_heads, device=positions.device)
         write_index = ((rows[:, None] * self.kv_heads + heads[None, :]) * self.max_len + positions[:, None]).reshape(-1)
-        if not mask:
+        if kernel is not None:
             return DecodeLayout(step.slots, positions, write_index=write_index)
         dtype = self.k[0].dtype
         hidden = torch.arange(self.max_len, device=positions.device)[None, :] > positions[:, None]
@@ -376,11 +389,15 @@ class TPAttention(nn.Module):
         and shares each KV head across its query group by a view of the queries ([tokens,
         kv_heads, group, D]) instead of repeating keys and values."""
         kernel = self.decode_attention_kernel
-        if step.write_index is None or (kernel is None and step.key_bias is None):  # a layout nobody bound for this path
-            step = cache.bind(step, mask=kernel is None)
+        if not step.bound or (kernel is None and step.key_bias is None):  # a layout nobody bound for this path
+            step = cache.bind(step, kernel)
+        k_cache, v_cache = cache.k[self.layer], cache.v[self.layer]
+        if step.kernel_state is not None:  # a step-bound kernel: its own write, then its attention
+            kernel.write(step.kernel_state, k, v, k_cache, v_cache)
+            return kernel.attend(step.kernel_state, q, k_cache, v_cache)
         cache.write_decode(self.layer, step, k, v)
         if kernel is not None:  # a plugin's decode attention over the cache as it is
-            return kernel(q, cache.k[self.layer], cache.v[self.layer], step.slots, step.positions)
+            return kernel(q, k_cache, v_cache, step.slots, step.positions)
         keys, values = cache.read_decode(self.layer, step)  # [T, kv_heads, L, D]
         T, D = q.shape[0], self.head_dim
         grouped = q.view(T, self.kv_heads, self.heads // self.kv_heads, D)

@@ -153,7 +153,7 @@ class CausalLM(nn.Module):
             # (prepare_model chose it) or by factors looked up in the cache's table
             attn = self.layers[0].self_attn
             if isinstance(step, DecodeLayout):
-                step = cache.bind(step, mask=attn.decode_attention_kernel is None)
+                step = cache.bind(step, attn.decode_attention_kernel)
             if attn.rope_kernel is not None and cache.max_len <= attn.rope_positions:
                 rope = KernelRope(attn.rope_kernel, step.positions)
             else:

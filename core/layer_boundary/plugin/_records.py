@@ -180,7 +180,15 @@ class DecodeAttentionKernel(_Record):
     to 0..positions[i]); out a new [tokens, heads, D]. None declines. Chosen like `RopeKernel`
     (rank-agreed, torch last). Planning that needs the host (batch size, cache shape) happens at
     the first call of a shape, which comes before any capture (a warm-up step); afterwards a call
-    is capturable and traceable (a custom op)."""
+    is capturable and traceable (a custom op).
+
+    A kernel that also writes the step's keys and values (one launch for both, where the core
+    runs an `index_put_` each) is *step-bound*: it has `bind_step(k_cache, slots, positions) ->
+    state` (the layer-0 cache, to plan by its shape), called once per step for every layer,
+    `write(state, k, v, k_cache, v_cache)` (k, v [tokens, kv_heads, D], last dim contiguous;
+    writes the cache in place) and `attend(state, q, k_cache, v_cache) -> out`. `state` is a
+    tensor or tuple of tensors (it flows through compiled graphs), and the per-step work that
+    the layers share (lengths, page tables) belongs in `bind_step`."""
 
 
 @attrs.frozen(kw_only=True)

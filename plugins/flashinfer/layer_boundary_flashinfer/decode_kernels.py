@@ -15,11 +15,20 @@ size and cache shape, at the first (eager) call; every call writes the step's le
 slots) into the wrapper's buffers and runs. The first call for a batch size must come before
 any CUDA-graph capture (a warm-up, as `CapturedStep` does).
 
+The kernel is step-bound (`DecodeAttentionKernel`): `bind_step` writes the lengths (and slots)
+into the plan's buffers once per step, and each layer's `write` is one
+`append_paged_kv_cache` launch for its keys and values (int32 positions, cast once per step)
+before `attend` runs the planned wrapper: per layer one launch where the core's torch path runs
+an `index_put_` each, and no per-layer length update.
+
 Both factories decline without CUDA, for dtypes other than bf16/fp16, a head_dim FlashInfer
 has no kernel for, `LAYER_BOUNDARY_FLASHINFER=0`, flashinfer missing, and a first launch that
 fails (each runs one now, so a JIT build happens here and not inside a capture). Under
 torch.compile each call is one custom op (`layer_boundary_flashinfer::rope`,
-`layer_boundary_flashinfer::decode_attention`) with a fake implementation.
+`layer_boundary_flashinfer::decode_attention`, and the step-bound `decode_bind`,
+`decode_append` (mutating the cache), `decode_attend`) with a fake implementation; the int32
+positions `decode_bind` returns are an input of every later op of the step, which orders them
+after the buffers it writes.
 """
 
 from __future__ import annotations
@@ -114,6 +123,7 @@ class _Planned:
         device = workspace.device
         self.indptr = torch.arange(batch + 1, dtype=torch.int32, device=device)
         self.indices = torch.arange(batch, dtype=torch.int32, device=device)
+        self.rows = torch.arange(batch, dtype=torch.int32, device=device)  # row i is request i (one page each)
         self.lengths = torch.full((batch,), page_size, dtype=torch.int32, device=device)
         self.wrapper = flashinfer.BatchDecodeWithPagedKVCacheWrapper(
             workspace, kv_layout="HND", use_cuda_graph=True, use_tensor_cores=False,
@@ -127,10 +137,23 @@ class _Planned:
             q_data_type=request.dtype, kv_data_type=request.dtype, sm_scale=request.scaling,
         )
 
-    def run(self, q, k_cache, v_cache, slots, positions):
+    def bind(self, slots, positions) -> torch.Tensor:
+        """Write the step's lengths (and slots) into the plan's buffers; the int32 positions."""
         torch.add(positions, 1, out=self.lengths)
         if slots is not None:  # a wrapper planned for given slots (rows-are-slots ones keep 0..batch-1)
             self.indices.copy_(slots)
+        return positions.to(torch.int32)
+
+    def append(self, k, v, k_cache, v_cache, positions32) -> None:
+        """Row i's keys and values at `positions32[i]` of its page (its slot): one launch."""
+        import flashinfer
+
+        flashinfer.append_paged_kv_cache(
+            k, v, self.rows, positions32, (k_cache, v_cache), self.indices, self.indptr, self.lengths, kv_layout="HND"
+        )
+
+    def run(self, q, k_cache, v_cache, slots, positions):
+        self.bind(slots, positions)
         return self.wrapper.run(q, (k_cache, v_cache))
 
 
@@ -164,6 +187,36 @@ class FlashInferDecodeAttention:
             return torch.ops.layer_boundary_flashinfer.decode_attention(q, k_cache, v_cache, slots, positions, graph_key(self))
         return self.run(q, k_cache, v_cache, slots, positions)
 
+    # step-bound: the step's lengths once, each layer's keys and values in one launch -------------
+
+    def bind(self, k_cache, slots, positions) -> torch.Tensor:
+        return self._planned(positions.shape[0], k_cache, slots is not None).bind(slots, positions)
+
+    def append(self, positions32, slots_given: bool, k, v, k_cache, v_cache) -> None:
+        self._planned(k.shape[0], k_cache, slots_given).append(k, v, k_cache, v_cache, positions32)
+
+    def attend_planned(self, slots_given: bool, q, k_cache, v_cache) -> torch.Tensor:
+        return self._planned(q.shape[0], k_cache, slots_given).wrapper.run(q.contiguous(), (k_cache, v_cache))
+
+    def bind_step(self, k_cache, slots, positions) -> tuple:
+        """(int32 positions, slots): the state every layer's `write` and `attend` take."""
+        if torch.compiler.is_compiling():
+            return torch.ops.layer_boundary_flashinfer.decode_bind(k_cache, slots, positions, graph_key(self)), slots
+        return self.bind(k_cache, slots, positions), slots
+
+    def write(self, state, k, v, k_cache, v_cache) -> None:
+        positions32, slots = state
+        if torch.compiler.is_compiling():
+            torch.ops.layer_boundary_flashinfer.decode_append(k, v, k_cache, v_cache, positions32, slots is not None, graph_key(self))
+            return
+        self.append(positions32, slots is not None, k, v, k_cache, v_cache)
+
+    def attend(self, state, q, k_cache, v_cache) -> torch.Tensor:
+        positions32, slots = state
+        if torch.compiler.is_compiling():
+            return torch.ops.layer_boundary_flashinfer.decode_attend(q, k_cache, v_cache, positions32, slots is not None, graph_key(self))
+        return self.attend_planned(slots is not None, q, k_cache, v_cache)
+
     def __repr__(self) -> str:
         r = self.request
         return f"FlashInferDecodeAttention(heads={r.heads}, kv_heads={r.kv_heads}, head_dim={r.head_dim}, {r.dtype})"
@@ -179,7 +232,11 @@ def decode_attention_factory(request) -> Optional[FlashInferDecodeAttention]:
         kernel = FlashInferDecodeAttention(request)
         cache = torch.zeros(1, request.kv_heads, 16, request.head_dim, dtype=request.dtype, device=request.device)
         q = torch.zeros(1, request.heads, request.head_dim, dtype=request.dtype, device=request.device)
-        kernel(q, cache, cache, None, torch.zeros(1, dtype=torch.long, device=request.device))
+        positions = torch.zeros(1, dtype=torch.long, device=request.device)
+        kernel(q, cache, cache, None, positions)
+        state = kernel.bind_step(cache, None, positions)  # builds the append kernel too (not inside a capture)
+        k = torch.zeros(1, request.kv_heads, request.head_dim, dtype=request.dtype, device=request.device)
+        kernel.write(state, k, k, cache, cache.clone())
         torch.cuda.synchronize(request.device)
         kernel.planned.clear()
     except Exception as exc:  # noqa: BLE001 - a kernel that cannot run here declines
@@ -210,4 +267,38 @@ def _decode_attention_op(
 
 @_decode_attention_op.register_fake
 def _(q, k_cache, v_cache, slots, positions, key):
+    return torch.empty_like(q, memory_format=torch.contiguous_format)
+
+
+@torch.library.custom_op("layer_boundary_flashinfer::decode_bind", mutates_args=())
+def _decode_bind_op(k_cache: torch.Tensor, slots: Optional[torch.Tensor], positions: torch.Tensor, key: str) -> torch.Tensor:
+    return graph_object(key).bind(k_cache, slots, positions)
+
+
+@_decode_bind_op.register_fake
+def _(k_cache, slots, positions, key):
+    return torch.empty_like(positions, dtype=torch.int32)
+
+
+@torch.library.custom_op("layer_boundary_flashinfer::decode_append", mutates_args=("k_cache", "v_cache"))
+def _decode_append_op(
+    k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, positions32: torch.Tensor, slots_given: bool, key: str
+) -> None:
+    graph_object(key).append(positions32, slots_given, k, v, k_cache, v_cache)
+
+
+@_decode_append_op.register_fake
+def _(k, v, k_cache, v_cache, positions32, slots_given, key):
+    return None
+
+
+@torch.library.custom_op("layer_boundary_flashinfer::decode_attend", mutates_args=())
+def _decode_attend_op(
+    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, positions32: torch.Tensor, slots_given: bool, key: str
+) -> torch.Tensor:
+    return graph_object(key).attend_planned(slots_given, q, k_cache, v_cache)
+
+
+@_decode_attend_op.register_fake
+def _(q, k_cache, v_cache, positions32, slots_given, key):
     return torch.empty_like(q, memory_format=torch.contiguous_format)

@@ -88,6 +88,49 @@ def test_decode_attention_kernel_matches_the_reference(slots_given):
     assert _rel(kernel(q, k_cache, v_cache, slots, later), _torch_decode(q, k_cache, v_cache, slots, later)) < 2e-2
 
 
+@pytest.mark.parametrize("slots_given", [False, True], ids=["rows_are_slots", "slots_given"])
+@torch.inference_mode()
+def test_step_bound_write_fills_the_cache_index_put_fills_and_attends_the_same(slots_given):
+    """`bind_step` once, then `write` (one append_paged_kv_cache for keys and values, v strided
+    as a fused projection leaves it) and `attend`: the cache equals the core's `index_put_`
+    write bitwise, the output equals the per-call kernel's, and a CUDA graph of bind + write +
+    attend replays them for new positions."""
+    from layer_boundary.models.attention import DecodeLayout, StaticKVCache
+
+    kernel = decode_kernels.decode_attention_factory(_decode_request())
+    assert kernel is not None, "flashinfer.decode_attention declined on this GPU"
+    gen = torch.Generator(device="cuda").manual_seed(2)
+    cache = StaticKVCache(2, 6, 48, KV_HEADS, D, dtype=torch.bfloat16, device="cuda")
+    for t in cache.k + cache.v:
+        t.copy_(torch.randn(t.shape, device="cuda", generator=gen))
+    batch = 3 if slots_given else 6
+    slots = torch.tensor([5, 0, 2], device="cuda") if slots_given else None
+    positions = torch.tensor([0, 20, 47, 7, 33, 1][:batch], device="cuda")
+    fused = torch.randn(batch, (HEADS + 2 * KV_HEADS) * D, device="cuda", generator=gen).bfloat16()
+    q, k, v = fused.split((HEADS * D, KV_HEADS * D, KV_HEADS * D), dim=-1)
+    q, k, v = q.reshape(batch, HEADS, D), k.contiguous().view(batch, KV_HEADS, D), v.view(batch, KV_HEADS, D)
+    cache.write_decode(0, cache.bind(DecodeLayout(slots, positions)), k, v)
+    step = cache.bind(DecodeLayout(slots, positions), kernel)
+    assert step.write_index is None and step.kernel_state is not None
+    kernel.write(step.kernel_state, k, v, cache.k[1], cache.v[1])
+    assert torch.equal(cache.k[0], cache.k[1]) and torch.equal(cache.v[0], cache.v[1])
+    got = kernel.attend(step.kernel_state, q, cache.k[1], cache.v[1])
+    assert torch.equal(got, kernel(q, cache.k[0], cache.v[0], slots, positions))
+    # captured: bind + write + attend replay for other positions
+    step_pos = positions.clone()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        state = cache.bind(DecodeLayout(slots, step_pos), kernel).kernel_state
+        kernel.write(state, k, v, cache.k[1], cache.v[1])
+        out = kernel.attend(state, q, cache.k[1], cache.v[1])
+    later = positions.flip(0)
+    step_pos.copy_(later)
+    graph.replay()
+    cache.write_decode(0, cache.bind(DecodeLayout(slots, later)), k, v)
+    assert torch.equal(cache.k[0], cache.k[1]) and torch.equal(cache.v[0], cache.v[1])
+    assert _rel(out, _torch_decode(q, cache.k[0], cache.v[0], slots, later)) < 2e-2
+
+
 def _qwen3(layers=2):
     from layer_boundary.models import build_model, family, model_config
     from layer_boundary.models.weights import StateDictSource
