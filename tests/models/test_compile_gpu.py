@@ -136,6 +136,38 @@ def _median_us(fn, repeats=50):
     return statistics.median(samples)
 
 
+def _host_us(fn, repeats=50):
+    """The host's time to issue `fn` (no wait for the GPU after it): what a call costs before
+    its kernels or graph are queued, the part a per-step sync cannot hide."""
+    samples = []
+    for _ in range(repeats):
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        fn()
+        samples.append((time.perf_counter() - start) * 1e6)
+    torch.cuda.synchronize()
+    return statistics.median(samples)
+
+
+def _host_profile(fn, calls=30, top=18) -> list:
+    """Where a call's host time goes: cProfile's top functions by own time over `calls` calls."""
+    import cProfile
+    import pstats
+
+    profile = cProfile.Profile()
+    profile.enable()
+    for _ in range(calls):
+        fn()
+    profile.disable()
+    torch.cuda.synchronize()
+    stats = pstats.Stats(profile).sort_stats("tottime")
+    rows = []
+    for (file, line, name), (_, ncalls, tottime, cumtime, _) in list(stats.stats.items()):
+        rows.append((tottime, f"{Path(file).name}:{line}({name})", ncalls // calls, tottime / calls * 1e6, cumtime / calls * 1e6))
+    return [{"fn": where, "calls_per_step": n, "own_us": round(own, 1), "cum_us": round(cum, 1)}
+            for _, where, n, own, cum in sorted(rows, reverse=True)[:top]]
+
+
 @pytest.mark.gpu
 @needs_gpu
 @pytest.mark.parametrize("batch", [4, 32])
@@ -195,12 +227,19 @@ def test_reduce_overhead_decode_equals_eager_and_is_timed_against_captured_step(
         "captured_step_us": _median_us(lambda: captured.replay(ids, pos)),
         "reduce_overhead_us": _median_us(lambda: _decode(model, parallel, cache, ids, slots, pos, run)),
         "compiled_captured_step_us": _median_us(lambda: captured_compiled.replay(ids, pos)),
+        "captured_step_host_us": _host_us(lambda: captured.replay(ids, pos)),
+        "reduce_overhead_host_us": _host_us(lambda: _decode(model, parallel, cache, ids, slots, pos, run)),
         "relative_max_diff": worst,
         "compiled_captured_relative_diff": compiled_captured["relative"],
         "cudagraph_skips": _cudagraph_skips(),
         "graphs": int(counters["stats"]["unique_graphs"]),
         "device": torch.cuda.get_device_name(),
     }
+    # the same calls without Dynamo's guard evaluation (only safe when nothing a guard checks changes)
+    with torch.compiler.set_stance(skip_guard_eval_unsafe=True):
+        timings["reduce_overhead_skip_guards_us"] = _median_us(lambda: _decode(model, parallel, cache, ids, slots, pos, run))
+        timings["reduce_overhead_skip_guards_host_us"] = _host_us(lambda: _decode(model, parallel, cache, ids, slots, pos, run))
+    timings["reduce_overhead_host_profile"] = _host_profile(lambda: _decode(model, parallel, cache, ids, slots, pos, run))
     cache.restore(snap)
     logging.getLogger("torch").removeHandler(log)
     torch._logging.set_logs()
