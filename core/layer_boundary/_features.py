@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import torch
 
-from ._errors import missing_feature
+from ._errors import MissingPluginError, missing_feature
 from .plugin._manager import current_registry
 from .plugin._requests import BranchRequest, BranchTransport, Overlap, OverlapRequest
 
@@ -55,7 +55,21 @@ def _transport_key(boundary, what: str) -> str:
     return key
 
 
+def resolve_branch_transport(boundary) -> "BranchTransport | None":
+    """The transport a prepared branch enters `boundary` through, found when the boundary is
+    built (`StageBoundary`): a compiled region then reads an attribute, where looking it up
+    while tracing needs the boundary as a constant, which torch 2.11's Dynamo refuses. None
+    when no installed plugin provides one: the call looks again, and raises what is missing."""
+    try:
+        return _first(current_registry().branches, BranchRequest(boundary), "prepared branches (branch_input)", "branch", BranchTransport)
+    except (MissingPluginError, NotImplementedError):
+        return None
+
+
 def _branches(boundary, what: str) -> BranchTransport:
+    found = None if boundary is None else boundary.branch_transport
+    if found is not None:
+        return found
     return _TRANSPORTS[_transport_key(boundary, what)]
 
 

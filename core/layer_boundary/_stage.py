@@ -9,6 +9,7 @@ from ._contracts import StageKind
 from ._errors import Messages
 from ._exit import COMPLETE_NOW, NO_SKIP, FfnExit, MixerExit, PlainFfnExit, complete_reduced, compute_rows, plain_ffn_exit, record_attention
 from ._exit import _Tensor, _compiling, _new  # the hot exits' shared shortcuts (see _exit.py)
+from ._features import resolve_branch_transport
 from ._forward import RowLayout
 from ._ops import align_rows
 from ._output import UnreducedOutput
@@ -48,6 +49,7 @@ class StageBoundary:
         "_plain_exits",
         "_update",
         "_hidden_size",
+        "branch_transport",
     )
 
     def __init__(self, plan: StagePlan):
@@ -83,6 +85,8 @@ class StageBoundary:
         #: of those, the exits whose output is recorded as it is (`plain_ffn_exit`)
         self._plain_exits = {variant: path for variant, path in self._static_exits.items() if plain_ffn_exit(plan, path)}
         self._hidden_size = plan.hidden_size
+        #: a prepared branch's transport (`branch_input`), found once here
+        self.branch_transport = resolve_branch_transport(self) if plan.declaration.prepared_from is not None else None
 
     # consumer side ----------------------------------------------------------------------------
     def prepare(self, hidden_states, forward, *, capture_output=None, captured_last_layer_outputs=None, post_residual_addition=None):

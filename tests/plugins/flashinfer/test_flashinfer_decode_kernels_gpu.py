@@ -101,8 +101,10 @@ def test_step_bound_write_fills_the_cache_index_put_fills_and_attends_the_same(s
     assert kernel is not None, "flashinfer.decode_attention declined on this GPU"
     gen = torch.Generator(device="cuda").manual_seed(2)
     cache = StaticKVCache(2, 6, 48, KV_HEADS, D, dtype=torch.bfloat16, device="cuda")
-    for t in cache.k + cache.v:
-        t.copy_(torch.randn(t.shape, device="cuda", generator=gen))
+    cache.k[0].copy_(torch.randn(cache.k[0].shape, device="cuda", generator=gen))
+    cache.v[0].copy_(torch.randn(cache.v[0].shape, device="cuda", generator=gen))
+    cache.k[1].copy_(cache.k[0])  # layer 1 starts as layer 0: the two writes are then compared whole
+    cache.v[1].copy_(cache.v[0])
     batch = 3 if slots_given else 6
     slots = torch.tensor([5, 0, 2], device="cuda") if slots_given else None
     positions = torch.tensor([0, 20, 47, 7, 33, 1][:batch], device="cuda")
