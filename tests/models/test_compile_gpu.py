@@ -240,6 +240,19 @@ def test_reduce_overhead_decode_equals_eager_and_is_timed_against_captured_step(
         timings["reduce_overhead_skip_guards_us"] = _median_us(lambda: _decode(model, parallel, cache, ids, slots, pos, run))
         timings["reduce_overhead_skip_guards_host_us"] = _host_us(lambda: _decode(model, parallel, cache, ids, slots, pos, run))
     timings["reduce_overhead_host_profile"] = _host_profile(lambda: _decode(model, parallel, cache, ids, slots, pos, run))
+    # reduce-overhead's CUDA graphs without the trees' bookkeeping (one graph per shape, inputs
+    # copied in, replayed): Inductor's `triton.cudagraph_trees=False`
+    torch._dynamo.reset()
+    plain_graphs = torch.compile(model, fullgraph=True, options={"triton.cudagraphs": True, "triton.cudagraph_trees": False})
+    cache.restore(snap)
+    for _ in range(3):  # compile, record, replay
+        plain_out = _decode(model, parallel, cache, ids, slots, pos, plain_graphs).float().clone()
+        cache.restore(snap)
+    timings["cudagraphs_no_trees_relative_diff"] = _difference(plain_out, eager)["relative"]
+    timings["cudagraphs_no_trees_us"] = _median_us(lambda: _decode(model, parallel, cache, ids, slots, pos, plain_graphs))
+    timings["cudagraphs_no_trees_host_us"] = _host_us(lambda: _decode(model, parallel, cache, ids, slots, pos, plain_graphs))
+    with torch.compiler.set_stance(skip_guard_eval_unsafe=True):
+        timings["cudagraphs_no_trees_skip_guards_us"] = _median_us(lambda: _decode(model, parallel, cache, ids, slots, pos, plain_graphs))
     cache.restore(snap)
     logging.getLogger("torch").removeHandler(log)
     torch._logging.set_logs()
