@@ -26,6 +26,7 @@
 #   decode-kernels the flashinfer plugin's rope and decode attention against the torch path (alone,
 #               in a qwen3 static-cache decode with prepare_model, a CUDA graph, torch.compile)
 #   bench-decode   `layer-boundary bench decode` (batch 1, 32: graph replay, kernels vs HF, floor)
+#   probe-attention FlashInfer's decode attention planned with and without tensor cores / split-kv
 #   bench-cutedsl  `layer-boundary bench cutedsl` (CuTe DSL add + RMSNorm vs FlashInfer, copy baseline)
 #   sweep-cutedsl  the CuTe DSL add + RMSNorm with and without PDL, new buffers or in place, against FlashInfer
 #
@@ -203,6 +204,7 @@ group() {
     cutedsl-kernels) run_pytest cutedsl_kernels 300 tests/plugins/cutedsl/test_kernels_gpu.py ;;
     decode-kernels) run_pytest decode_kernels 560 -s tests/plugins/flashinfer/test_flashinfer_decode_kernels_gpu.py ;;
     bench-decode) run_bench bench_decode 290 python3 -m layer_boundary bench decode -- --out "$OUT/decode.json" ;;
+    probe-attention) run_bench probe_attention 290 python3 benchmarks/decode_attention_probe.py --out "$OUT/decode_attention_probe.json" ;;
     sweep-cutedsl) run_bench sweep_cutedsl 400 python3 -m layer_boundary_cutedsl.add_norm_sweep --out "$OUT/add_norm_sweep.json" ;;
     bench-cutedsl) run_bench bench_cutedsl 290 python3 -m layer_boundary bench cutedsl -- --out "$OUT/cutedsl_bench.json" ;;
     # the soak stops at its --budget-s (agreed by the ranks) with the steps it ran and its rate
@@ -212,7 +214,7 @@ group() {
       run_check soak_kill 150 $soak --only kill --out "$OUT/soak_kill.json" || rc=1
       return $rc ;;
     contract) run_pytest contract 560 tests/plugins/test_contract_plugins.py tests/plugins/test_contract_suite.py tests/test_example_provider.py ;;
-    *) log "unknown group $1 (core cutedsl flashinfer flashinfer4 contract soak compile compile-cpu compile-ops addnorm cutedsl-kernels decode-kernels shadow probe probe-moe final smoke-cutedsl bench-decode bench-cutedsl sweep-cutedsl)"; return 2 ;;
+    *) log "unknown group $1 (core cutedsl flashinfer flashinfer4 contract soak compile compile-cpu compile-ops addnorm cutedsl-kernels decode-kernels shadow probe probe-moe final smoke-cutedsl bench-decode probe-attention bench-cutedsl sweep-cutedsl)"; return 2 ;;
   esac
 }
 
