@@ -23,8 +23,10 @@
 #   compile-ops torch.library.opcheck on the plugins' fused kernel ops (cutedsl MoE, flashinfer at 2 ranks)
 #   addnorm     the local add + RMSNorm kernels (cutedsl, flashinfer) against the torch path, their
 #               order, a CUDA graph, a qwen3 TP=1 decode step launching fewer kernels
-#   decode-kernels the flashinfer plugin's rope and decode attention against the torch path (alone,
-#               in a qwen3 static-cache decode with prepare_model, a CUDA graph, torch.compile)
+#   decode-kernels the flashinfer plugin's rope, decode attention and gated activation (silu/gelu_tanh/
+#               gelu_and_mul) against the torch path (alone, in a qwen3 static-cache decode with
+#               prepare_model, a CUDA graph, torch.compile); the first run JIT-builds the three
+#               activation modules (not in fijit.tgz)
 #   bench-decode   `layer-boundary bench decode` (batch 1, 32: graph replay, kernels vs HF, floor)
 #   probe-attention FlashInfer's decode attention planned with and without tensor cores / split-kv
 #   bench-cutedsl  `layer-boundary bench cutedsl` (CuTe DSL add + RMSNorm vs FlashInfer, copy baseline)
@@ -202,7 +204,8 @@ group() {
     smoke-cutedsl) run_check cutedsl_smoke "${SMOKE_TIMEOUT:-240}" python3 -m layer_boundary_cutedsl.allreduce_smoke --ranks 2 --json "$OUT/cutedsl_smoke.json" ;;
     addnorm) run_pytest addnorm 560 tests/plugins/test_add_norm_gpu.py ;;
     cutedsl-kernels) run_pytest cutedsl_kernels 300 tests/plugins/cutedsl/test_kernels_gpu.py ;;
-    decode-kernels) run_pytest decode_kernels 560 -s tests/plugins/flashinfer/test_flashinfer_decode_kernels_gpu.py ;;
+    decode-kernels) run_pytest decode_kernels 560 -s tests/plugins/flashinfer/test_flashinfer_decode_kernels_gpu.py \
+      tests/plugins/flashinfer/test_flashinfer_gated_activation_gpu.py ;;
     bench-decode) run_bench bench_decode 290 python3 -m layer_boundary bench decode -- --out "$OUT/decode.json" ;;
     probe-attention) run_bench probe_attention 290 python3 benchmarks/decode_attention_probe.py --out "$OUT/decode_attention_probe.json" ;;
     sweep-cutedsl) run_bench sweep_cutedsl 400 python3 -m layer_boundary_cutedsl.add_norm_sweep --out "$OUT/add_norm_sweep.json" ;;

@@ -22,12 +22,15 @@ def prepare_model(model, *, max_tokens: int = 2048, settings=None) -> list[str]:
     Returns the names of the plugins (and deprecated setup records) that ran, in order. Every
     RMSNorm of the model chooses (compiles, loads) its add + norm kernel first, for its weight's
     device and dtype, so no choice runs inside a capture; the reference attentions choose their
-    rope and decode-attention kernels (agreed across the TP group: collective)."""
+    rope and decode-attention kernels and the gated MLPs their activation kernel (each agreed
+    across the TP group: collective)."""
     from ._residual.kernels import prepare_norms
     from .models.attention_kernels import prepare_attention_kernels
+    from .models.mlp_kernels import prepare_mlp_kernels
 
     prepare_norms(model)
     prepare_attention_kernels(model)
+    prepare_mlp_kernels(model)
     request = PrepareRequest(model, max_tokens, settings)
     done = []
     for name, hook in get_registry().prepare_hooks:
@@ -38,10 +41,12 @@ def prepare_model(model, *, max_tokens: int = 2048, settings=None) -> list[str]:
 
 def release_model(model) -> list[str]:
     """Release what `prepare_model` created (collective: call on all ranks); the reference
-    attentions return to their torch path."""
+    attentions and gated MLPs return to their torch path."""
     from .models.attention_kernels import release_attention_kernels
+    from .models.mlp_kernels import release_mlp_kernels
 
     release_attention_kernels(model)
+    release_mlp_kernels(model)
     request = ReleaseRequest(model)
     done = []
     for name, hook in get_registry().release_hooks:

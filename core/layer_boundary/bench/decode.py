@@ -138,6 +138,9 @@ def run(batches, layers: int, prompt: int, repeats: int, parallel=None, hf: bool
     prepare_model(model, max_tokens=max(batches) * prompt)
     chosen = getattr(model, "attention_kernels", None)
     attention = {"rope": chosen.rope.name, "decode_attention": chosen.decode_attention.name} if chosen is not None else None
+    # the gated MLPs' act(gate) * up kernel (one per distinct MLP width; qwen3 has one)
+    mlp_kernels = getattr(model, "mlp_kernels", None)
+    gated = ", ".join(sorted({c.name for c in mlp_kernels.values()})) if mlp_kernels else None
     weight_bytes, floor_us = weight_floor(model)
     rows = []
     for batch in batches:
@@ -194,7 +197,7 @@ def run(batches, layers: int, prompt: int, repeats: int, parallel=None, hf: bool
         del hf_model
     return {"model": cfg, "tp": parallel.topology.tp, "prompt": prompt, "rows": rows, "device": torch.cuda.get_device_name(),
             "weight_bytes": weight_bytes, "floor_us": floor_us, "stream_bytes_per_s": STREAM_BYTES_PER_S,
-            "add_norm_kernels": add_norm, "attention_kernels": attention, "hf": "transformers, sdpa, eager, DynamicCache" if hf and parallel.topology.tp == 1 else None,
+            "add_norm_kernels": add_norm, "attention_kernels": attention, "gated_activation_kernel": gated, "hf": "transformers, sdpa, eager, DynamicCache" if hf and parallel.topology.tp == 1 else None,
             "targets": {"kernel_us_over_hf": 0.8, "graph_over_floor": 1.5}}
 
 
@@ -218,7 +221,7 @@ def main(argv=None) -> dict:
         print(f"{r['batch']:>6} {r['eager_us']:>10.1f} {r['graph_us']:>10.1f} {r['eager_over_graph']:>12.2f} {str(r['graph_equals_eager']):>13} {r['peak_mem_gib']:>9.2f}")
     print(f"\none step under torch.profiler; weight-streaming floor {result['floor_us']:.0f} us "
           f"({result['weight_bytes'] / 1e9:.2f} GB at {result['stream_bytes_per_s'] / 1e12:.1f} TB/s); add + norm: {result['add_norm_kernels']}; "
-          f"attention: {result['attention_kernels']}")
+          f"attention: {result['attention_kernels']}; gated activation: {result['gated_activation_kernel']}")
     print(f"{'batch':>6} {'kernels':>8} {'kernel us':>10} {'HF kernels':>11} {'HF kernel us':>13} {'ours/HF':>8} {'graph/floor':>12}")
     for r in result["rows"]:
         hf_k = r.get("hf_kernels", "-")

@@ -53,7 +53,7 @@ def build_plans(model_name: str, hf_config, topology: Topology, reduction: str, 
 
 
 def build_plan_report(model_name: str, hf_config, topology: Topology, reduction: str, rank: int = 0, lora: int = 0, device="meta", dtype=None):
-    """`build_plans` and the model-wide lines (the attention kernels), as a fourth item."""
+    """`build_plans` and the model-wide lines (the attention and MLP kernels), as a fourth item."""
     from .._errors import MissingPluginError
     from ..models import ConfigError, build_model, load_hf_config, model_config
     from ..models.lora_layers import random_lora_spec
@@ -70,9 +70,10 @@ def build_plan_report(model_name: str, hf_config, topology: Topology, reduction:
         raise UsageError(str(exc)) from None
     from .._stage import boundaries_of
     from ..models.attention_kernels import describe as describe_attention_kernels
+    from ..models.mlp_kernels import describe as describe_mlp_kernels
 
-    attention = describe_attention_kernels(model)
-    return config, policy, [b.plan.describe() for b in boundaries_of(model)], {"attention_kernels": attention} if attention else {}
+    lines = {"attention_kernels": describe_attention_kernels(model), "mlp_kernels": describe_mlp_kernels(model)}
+    return config, policy, [b.plan.describe() for b in boundaries_of(model)], {k: v for k, v in lines.items() if v}
 
 
 def run(args) -> int:

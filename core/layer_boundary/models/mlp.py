@@ -7,7 +7,7 @@ from torch import nn
 
 from .._layers import RowParallelLinear, linear, shard_rows
 
-__all__ = ["TPGatedMLP", "activation", "dense_experts"]
+__all__ = ["TPGatedMLP", "activation", "activation_kind", "dense_experts"]
 
 
 def dense_experts(x) -> bool:
@@ -19,6 +19,12 @@ def dense_experts(x) -> bool:
     if torch.compiler.is_compiling():
         return True
     return x.is_cuda and torch.cuda.is_current_stream_capturing()
+
+
+def activation_kind(name: str) -> str:
+    """The plugin API's name of an activation (`GATED_ACTIVATIONS`): configs' aliases resolved."""
+    activation(name)  # an unsupported name raises here, as at construction
+    return "gelu_tanh" if name == "gelu_pytorch_tanh" else name
 
 
 def activation(name: str):
@@ -44,6 +50,10 @@ class TPGatedMLP(nn.Module):
         self.gate_up = nn.Parameter(torch.empty(2 * local, hidden, dtype=dtype, device=device))
         self.down = RowParallelLinear(intermediate, hidden, group, reduce_results=reduce_results, dtype=dtype, device=device)
         self.act = activation(act)
+        self.act_kind = activation_kind(act)
+        # `kernel(gate_up) -> act(gate) * up` of a `GatedActivationKernel`, chosen once per model
+        # by prepare_model (`mlp_kernels`); None: the torch path (two launches on strided halves)
+        self.gated_activation_kernel = None
 
     def load_full(self, gate: torch.Tensor, up: torch.Tensor, down: torch.Tensor) -> None:
         r, s = self.group.rank, self.group.size
@@ -51,6 +61,14 @@ class TPGatedMLP(nn.Module):
             self.gate_up.copy_(torch.cat((shard_rows(gate, r, s), shard_rows(up, r, s))))
         self.down.load_full(down)
 
+    def activate(self, gate_up: torch.Tensor) -> torch.Tensor:
+        """act(gate) * up of the fused projection's output [tokens, 2 * local]: the plugin kernel
+        when one was chosen, else torch on the two halves."""
+        kernel = self.gated_activation_kernel
+        if kernel is not None:
+            return kernel(gate_up)
+        gate, up = gate_up.split(self.local, dim=-1)
+        return self.act(gate) * up
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = linear(x, self.gate_up, self).split(self.local, dim=-1)
-        return self.down(self.act(gate) * up)
+        return self.down(self.activate(linear(x, self.gate_up, self)))

@@ -16,6 +16,7 @@ Registration (one hook per extension point; `docs/plugins.md` walks through them
 | `layer_boundary_add_norm_kernels` | `AddNormKernel` | `AddNormRequest` | `kernel(contribution, residual, weight) -> (normed, new_residual)` |
 | `layer_boundary_rope_kernels` | `RopeKernel` | `RopeRequest` | `kernel(q, k, positions) -> (q, k)` |
 | `layer_boundary_decode_attention_kernels` | `DecodeAttentionKernel` | `DecodeAttentionRequest` | `kernel(q, k_cache, v_cache, slots, positions) -> out` |
+| `layer_boundary_gated_activation_kernels` | `GatedActivationKernel` | `GatedActivationRequest` | `kernel(gate_up) -> act(gate) * up` |
 | `layer_boundary_benchmarks` | `Benchmark` | the option strings of `layer-boundary bench` | (runs it) |
 
 Life cycle (verbs, called on every rank): `layer_boundary_prepare_model(request:
@@ -66,6 +67,7 @@ from ._records import (
     CpPathProvider,
     DecodeAttentionKernel,
     FusionProvider,
+    GatedActivationKernel,
     OverlapProvider,
     Priority,
     Registered,
@@ -85,6 +87,8 @@ from ._requests import (
     DefersAllReduce,
     DefersFinalize,
     FfnInputFusion,
+    GATED_ACTIVATIONS,
+    GatedActivationRequest,
     Overlap,
     OverlapRequest,
     PrepareRequest,
@@ -112,6 +116,7 @@ __all__ = [
     "AddNormKernel",
     "RopeKernel",
     "DecodeAttentionKernel",
+    "GatedActivationKernel",
     "Benchmark",
     "Adapter",
     "Registered",
@@ -124,6 +129,8 @@ __all__ = [
     "AddNormRequest",
     "RopeRequest",
     "DecodeAttentionRequest",
+    "GatedActivationRequest",
+    "GATED_ACTIVATIONS",
     "PrepareRequest",
     "ReleaseRequest",
     # capabilities

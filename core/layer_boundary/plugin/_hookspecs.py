@@ -122,6 +122,13 @@ class LayerBoundarySpecs:
         yield from ()
 
     @hookspec
+    def layer_boundary_gated_activation_kernels(self) -> "Iterable[records.GatedActivationKernel]":
+        """Yield `GatedActivationKernel` records: `act(gate) * up` of the reference models' gated
+        MLP in one kernel. `factory(request)` (a `GatedActivationRequest`) runs once per model and
+        MLP width at `prepare_model`; chosen like rope kernels (rank-agreed, torch last)."""
+        yield from ()
+
+    @hookspec
     def layer_boundary_benchmarks(self) -> "Iterable[records.Benchmark]":
         """Yield `Benchmark` records: `layer-boundary bench COMMAND [options]` runs the record
         whose `command` it names, `factory(options)`."""

@@ -52,6 +52,7 @@ HOOKS = {
     "add_norm_kernels": ("layer_boundary_add_norm_kernels", rec.AddNormKernel),
     "rope_kernels": ("layer_boundary_rope_kernels", rec.RopeKernel),
     "decode_attention_kernels": ("layer_boundary_decode_attention_kernels", rec.DecodeAttentionKernel),
+    "gated_activation_kernels": ("layer_boundary_gated_activation_kernels", rec.GatedActivationKernel),
     "benchmarks": ("layer_boundary_benchmarks", rec.Benchmark),
 }
 LEGACY_HOOK = "layer_boundary_adapters"
@@ -97,6 +98,7 @@ class Registry:
     add_norm_kernels: tuple[Registered, ...]
     rope_kernels: tuple[Registered, ...]
     decode_attention_kernels: tuple[Registered, ...]
+    gated_activation_kernels: tuple[Registered, ...]
     benchmarks: tuple[Registered, ...]
     #: deprecated `Adapter` records as yielded (each is also mapped onto its extension point)
     adapters: tuple[Registered, ...]

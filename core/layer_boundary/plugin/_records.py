@@ -192,6 +192,21 @@ class DecodeAttentionKernel(_Record):
 
 
 @attrs.frozen(kw_only=True)
+class GatedActivationKernel(_Record):
+    """Hook `layer_boundary_gated_activation_kernels`: the activation-and-multiply of the reference
+    models' gated MLP (`TPGatedMLP`: `down(act(gate) * up)`), one launch where torch runs two.
+
+    `factory(request: GatedActivationRequest)` runs once per model and MLP width at
+    `prepare_model` and returns `kernel(gate_up) -> out`: gate_up [tokens, 2 * d], the gate in
+    the first d columns and the up projection in the last d (the fused projection's output,
+    contiguous); out a new [tokens, d] of the same dtype, `act(gate) * up` with `act` the
+    request's activation. None declines (another device, dtype, activation, a missing library).
+    Chosen like `RopeKernel` (rank-agreed, torch last). The kernel may be called inside a CUDA-graph
+    capture and must be traceable by torch.compile (a `torch.library.custom_op` with a fake
+    implementation)."""
+
+
+@attrs.frozen(kw_only=True)
 class Benchmark(_Record):
     """Hook `layer_boundary_benchmarks`: `layer-boundary bench COMMAND [options]` calls
     `factory(options)` (the option strings); a benchmark prints a table and writes its results

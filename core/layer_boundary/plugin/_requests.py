@@ -123,6 +123,25 @@ class DecodeAttentionRequest:
     scaling: float
 
 
+#: the activations a gated MLP names (`GatedActivationRequest.activation`): SiLU, GELU with the
+#: tanh approximation, exact (erf) GELU, squared ReLU
+GATED_ACTIVATIONS = ("silu", "gelu_tanh", "gelu", "relu2")
+
+
+@attrs.frozen
+class GatedActivationRequest:
+    """What a gated-activation kernel is asked to run: `act(gate) * up` over rows of
+    `intermediate` elements (this rank's share of the MLP width) on `device` in `dtype`, where
+    the input row holds gate then up (2 * intermediate elements). `activation` is one of
+    `GATED_ACTIVATIONS` ("gelu_tanh" also stands for Hugging Face's "gelu_pytorch_tanh").
+    Asked once per model and distinct width (`prepare_model`)."""
+
+    device: "torch.device"
+    dtype: "torch.dtype"
+    activation: str
+    intermediate: int
+
+
 @attrs.frozen
 class PrepareRequest:
     """`prepare_model(model, max_tokens=...)`: a model whose weights are in place, before its

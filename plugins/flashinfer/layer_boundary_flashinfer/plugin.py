@@ -5,7 +5,9 @@ from __future__ import annotations
 
 import torch
 
-from layer_boundary.plugin import AddNormKernel, Benchmark, DecodeAttentionKernel, FusionProvider, Priority, RopeKernel, hookimpl
+from layer_boundary.plugin import (
+    AddNormKernel, Benchmark, DecodeAttentionKernel, FusionProvider, GatedActivationKernel, Priority, RopeKernel, hookimpl,
+)
 
 from .eligibility import ENABLE_ENV, finalize_stage_reason, flashinfer_installed, settings, stage_reason
 
@@ -103,6 +105,21 @@ def layer_boundary_decode_attention_kernels():
     yield DecodeAttentionKernel(
         name="flashinfer.decode_attention", factory=build_decode_attention, priority=Priority.VENDOR,
         description="decode attention over the static KV cache (BatchDecodeWithPagedKVCacheWrapper, a slot per page), CUDA bf16/fp16",
+    )
+
+
+def build_gated_activation(request):
+    """FlashInfer's fused activation-and-multiply (silu, gelu_tanh, gelu) for a CUDA bf16/fp16 gated MLP."""
+    from .gated_activation import gated_activation_factory
+
+    return gated_activation_factory(request)
+
+
+@hookimpl
+def layer_boundary_gated_activation_kernels():
+    yield GatedActivationKernel(
+        name="flashinfer.gated_activation", factory=build_gated_activation, priority=Priority.VENDOR,
+        description="act(gate) * up of the gated MLP in one FlashInfer launch (silu_and_mul, gelu_tanh_and_mul, gelu_and_mul), CUDA bf16/fp16",
     )
 
 
