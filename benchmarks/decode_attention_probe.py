@@ -100,7 +100,7 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", default="decode_attention_probe.json")
     args = parser.parse_args(argv)
-    rows = [probe(batch, length) for batch in (1, 32) for length in (40, 1032)]
+    rows = [probe(batch, length) for batch in (1, 32) for length in (40, 128, 256, 512, 1032)]
     for row in rows:
         cells = "  ".join(f"{v}: {row[v].get('us_8_layers', float('nan')):.1f} us (err {row[v].get('relative_error', float('nan')):.1e})"
                           if "error" not in row[v] else f"{v}: {row[v]['error'][:80]}" for v in VARIANTS)

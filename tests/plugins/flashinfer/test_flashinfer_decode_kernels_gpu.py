@@ -67,18 +67,20 @@ def _torch_decode(q, k_cache, v_cache, slots, positions):
     return torch.einsum("thl,thld->thd", torch.softmax(scores, dim=-1), values)
 
 
+@pytest.mark.parametrize("cache_len", [48, 520], ids=["cuda_cores", "tensor_cores"])
 @pytest.mark.parametrize("slots_given", [False, True], ids=["rows_are_slots", "slots_given"])
 @torch.inference_mode()
-def test_decode_attention_kernel_matches_the_reference(slots_given):
+def test_decode_attention_kernel_matches_the_reference(slots_given, cache_len):
     kernel = decode_kernels.decode_attention_factory(_decode_request())
     assert kernel is not None, "flashinfer.decode_attention declined on this GPU"
+    assert (cache_len >= decode_kernels.TENSOR_CORE_MIN_LEN) == (cache_len == 520)
     gen = torch.Generator(device="cuda").manual_seed(1)
-    cache_shape = (6, KV_HEADS, 48, D)
+    cache_shape = (6, KV_HEADS, cache_len, D)
     k_cache = torch.randn(cache_shape, device="cuda", generator=gen).bfloat16()
     v_cache = torch.randn(cache_shape, device="cuda", generator=gen).bfloat16()
     batch = 3 if slots_given else 6
     slots = torch.tensor([5, 0, 2], device="cuda") if slots_given else None
-    positions = torch.tensor([0, 20, 47, 7, 33, 1][:batch], device="cuda")
+    positions = torch.tensor([0, 20, cache_len - 1, 7, 33, 1][:batch], device="cuda")
     q = torch.randn(batch, HEADS, D, device="cuda", generator=gen).bfloat16()
     got = kernel(q, k_cache, v_cache, slots, positions)
     assert got.shape == q.shape and got.dtype == q.dtype
@@ -88,9 +90,10 @@ def test_decode_attention_kernel_matches_the_reference(slots_given):
     assert _rel(kernel(q, k_cache, v_cache, slots, later), _torch_decode(q, k_cache, v_cache, slots, later)) < 2e-2
 
 
+@pytest.mark.parametrize("cache_len", [48, 520], ids=["cuda_cores", "tensor_cores"])
 @pytest.mark.parametrize("slots_given", [False, True], ids=["rows_are_slots", "slots_given"])
 @torch.inference_mode()
-def test_step_bound_write_fills_the_cache_index_put_fills_and_attends_the_same(slots_given):
+def test_step_bound_write_fills_the_cache_index_put_fills_and_attends_the_same(slots_given, cache_len):
     """`bind_step` once, then `write` (one append_paged_kv_cache for keys and values, v strided
     as a fused projection leaves it) and `attend`: the cache equals the core's `index_put_`
     write bitwise, the output equals the per-call kernel's, and a CUDA graph of bind + write +
@@ -100,14 +103,14 @@ def test_step_bound_write_fills_the_cache_index_put_fills_and_attends_the_same(s
     kernel = decode_kernels.decode_attention_factory(_decode_request())
     assert kernel is not None, "flashinfer.decode_attention declined on this GPU"
     gen = torch.Generator(device="cuda").manual_seed(2)
-    cache = StaticKVCache(2, 6, 48, KV_HEADS, D, dtype=torch.bfloat16, device="cuda")
+    cache = StaticKVCache(2, 6, cache_len, KV_HEADS, D, dtype=torch.bfloat16, device="cuda")
     cache.k[0].copy_(torch.randn(cache.k[0].shape, device="cuda", generator=gen))
     cache.v[0].copy_(torch.randn(cache.v[0].shape, device="cuda", generator=gen))
     cache.k[1].copy_(cache.k[0])  # layer 1 starts as layer 0: the two writes are then compared whole
     cache.v[1].copy_(cache.v[0])
     batch = 3 if slots_given else 6
     slots = torch.tensor([5, 0, 2], device="cuda") if slots_given else None
-    positions = torch.tensor([0, 20, 47, 7, 33, 1][:batch], device="cuda")
+    positions = torch.tensor([0, 20, cache_len - 1, 7, 33, 1][:batch], device="cuda")
     fused = torch.randn(batch, (HEADS + 2 * KV_HEADS) * D, device="cuda", generator=gen).bfloat16()
     q, k, v = fused.split((HEADS * D, KV_HEADS * D, KV_HEADS * D), dim=-1)
     q, k, v = q.reshape(batch, HEADS, D), k.contiguous().view(batch, KV_HEADS, D), v.view(batch, KV_HEADS, D)
