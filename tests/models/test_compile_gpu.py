@@ -282,6 +282,54 @@ def test_reduce_overhead_decode_equals_eager_and_is_timed_against_captured_step(
     out.write_text(json.dumps(previous, indent=2))
 
 
+@pytest.mark.gpu
+@needs_gpu
+@torch.inference_mode()
+def test_reduce_overhead_at_the_bench_size_against_captured_step():
+    """`bench decode`'s qwen3 (hidden 4096, 8 layers, bf16; the torch path, no plugin kernels)
+    at batch 1: where the GPU's time per step dwarfs the host's, `reduce-overhead` against
+    `CapturedStep`, synced every step and pipelined (timings recorded, not asserted)."""
+    from layer_boundary._cuda_graphs import CapturedStep
+    from layer_boundary.bench.decode import REALISTIC, _random_init
+
+    torch._dynamo.reset()
+    reset_graph_breaks()
+    parallel = Parallel.single()
+    config = model_config("qwen3", dict(REALISTIC))
+    model = build_model(config, parallel, dtype=torch.bfloat16, device="cuda").eval()
+    _random_init(model)
+    prompts, decode, base = _steps(config, 1, 2, "cuda")
+    cache = model.new_static_cache(len(prompts), 40)
+    static_prefill(model, parallel, cache, prompts, "cuda")
+    slots = torch.arange(len(prompts), device="cuda")
+    ids, pos = decode[0], base
+    snap = cache.snapshot()
+    eager = _decode(model, parallel, cache, ids, slots, pos).float().clone()
+    captured = CapturedStep(lambda i, p: _decode(model, parallel, cache, i, slots, p), (ids.clone(), pos.clone()))
+    run = torch.compile(model, mode="reduce-overhead", fullgraph=True)
+    for _ in range(3):
+        cache.restore(snap)
+        compiled = _decode(model, parallel, cache, ids, slots, pos, run).float().clone()
+    difference = _difference(compiled, eager)
+    assert graph_breaks() == 0 and difference["relative"] < 3e-2, difference
+    timings = {
+        "model": "bench decode qwen3 (hidden 4096, 8 layers, bf16, torch path)", "batch": 1,
+        "captured_step_us": _median_us(lambda: captured.replay(ids, pos)),
+        "reduce_overhead_us": _median_us(lambda: _decode(model, parallel, cache, ids, slots, pos, run)),
+        "captured_step_pipelined_us": _pipelined_us(lambda: captured.replay(ids, pos)),
+        "reduce_overhead_pipelined_us": _pipelined_us(lambda: _decode(model, parallel, cache, ids, slots, pos, run)),
+        "reduce_overhead_host_us": _host_us(lambda: _decode(model, parallel, cache, ids, slots, pos, run)),
+        "relative_diff": difference["relative"], "cudagraph_skips": _cudagraph_skips(),
+    }
+    cache.restore(snap)
+    print(f"\ncompiled decode at the bench size: {json.dumps(timings)}")
+    out = Path(os.environ.get("LAYER_BOUNDARY_COMPILE_JSON", "benchmarks/results/compile_gpu.json"))
+    previous = json.loads(out.read_text()) if out.exists() else {}
+    previous["bench_size_batch1"] = timings
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(previous, indent=2))
+
+
 @torch.inference_mode()  # an engine's decode: custom ops have no autograd formula, and need none
 def _flashinfer_rank(parallel, name: str = "qwen3", steps: int = 3):
     """A TP=2 model (`name`) with the flashinfer plugin's fused candidates, decode compiled
