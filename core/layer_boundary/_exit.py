@@ -299,8 +299,15 @@ class PlainFfnExit(FfnExit):
                 and ((out.is_cpu and residual.is_cpu) or out.device == residual.device)
             ):
                 self._finished = True
-                # a complete contribution (positional arguments: a keyword call costs more)
-                stream.pending = Contribution(out, self.plan.declaration.update, None, None, ex.output_rows)
+                contribution = stream.spare
+                if contribution is None:  # positional arguments: a keyword call costs more
+                    stream.pending = Contribution(out, self.plan.declaration.update, None, None, ex.output_rows)
+                else:  # the complete contribution the last input consumed, refilled
+                    stream.spare = None
+                    contribution.value = out
+                    contribution.update = self.plan.declaration.update
+                    contribution.rows = ex.output_rows
+                    stream.pending = contribution
                 stream.handle = out  # complete: the handle is the tensor itself
                 return out
         return FfnExit.finish(self, out)

@@ -123,6 +123,7 @@ class StageBoundary:
                     stream.pending = stream.handle = None
                     inp, residual = entry.add_norm(pending.value, stream.residual)
                     pending.value = None  # consumed: the caller's handle retains nothing
+                    stream.spare = pending  # complete: the next lean finish() refills it
                     stream.residual = residual
                     stream.rows = entry.residual_rows
                     return inp
@@ -164,8 +165,15 @@ class StageBoundary:
                     and output.dtype is residual.dtype
                     and ((output.is_cpu and residual.is_cpu) or output.device == residual.device)
                 ):
-                    # a complete contribution (positional arguments: a keyword call costs more)
-                    stream.pending = Contribution(output, self._update, None, None, ex.output_rows)
+                    contribution = stream.spare
+                    if contribution is None:  # positional arguments: a keyword call costs more
+                        stream.pending = Contribution(output, self._update, None, None, ex.output_rows)
+                    else:  # the complete contribution the last input consumed, refilled
+                        stream.spare = None
+                        contribution.value = output
+                        contribution.update = self._update
+                        contribution.rows = ex.output_rows
+                        stream.pending = contribution
                     stream.handle = output  # complete: the handle is the tensor itself
                     return output
             return record_attention(self.plan, output, forward, ex)
