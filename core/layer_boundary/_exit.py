@@ -32,12 +32,6 @@ __all__ = [
 ]
 
 _Tensor = torch.Tensor
-#: builds a slotted object without running its `__init__` (a Python frame): the hot exits fill
-#: the slots themselves
-_new = object.__new__
-#: torch 2.11's Dynamo (the GPU machines') cannot trace `object.__new__`: a compiled region takes
-#: the constructors, which every version traces
-_compiling = torch.compiler.is_compiling
 
 
 class ExitDecision:
@@ -284,8 +278,7 @@ class PlainFfnExit(FfnExit):
     anything else (a second finish, a malformed output, no stream, a pending contribution) takes
     `FfnExit.finish`, which raises its errors.
 
-    `StageBoundary.exit` builds it without an `__init__` frame (this runs at every FFN exit),
-    filling every `_ExitScope` slot itself: a slot added there must be filled there too."""
+    `StageBoundary.exit` builds it with `COMPLETE_NOW`."""
 
     __slots__ = ()
 
@@ -306,16 +299,15 @@ class PlainFfnExit(FfnExit):
                 and ((out.is_cpu and residual.is_cpu) or out.device == residual.device)
             ):
                 self._finished = True
-                if _compiling():
-                    contribution = Contribution(out, self.plan.declaration.update, rows=ex.output_rows)
-                else:
-                    contribution = _new(Contribution)  # a complete one: `Contribution(out, update, rows=...)`
+                contribution = stream.spare
+                if contribution is None:  # positional arguments: a keyword call costs more
+                    stream.pending = Contribution(out, self.plan.declaration.update, None, None, ex.output_rows)
+                else:  # the complete contribution the last input consumed, refilled
+                    stream.spare = None
                     contribution.value = out
                     contribution.update = self.plan.declaration.update
-                    contribution.owed = None
-                    contribution.transform = None
                     contribution.rows = ex.output_rows
-                stream.pending = contribution
+                    stream.pending = contribution
                 stream.handle = out  # complete: the handle is the tensor itself
                 return out
         return FfnExit.finish(self, out)

@@ -7,10 +7,10 @@ from typing import Mapping
 from ._checks import check_rows
 from ._contracts import StageKind
 from ._errors import Messages
-from ._exit import COMPLETE_NOW, NO_SKIP, FfnExit, MixerExit, PlainFfnExit, complete_reduced, compute_rows, plain_ffn_exit, record_attention
-from ._exit import _Tensor, _compiling, _new  # the hot exits' shared shortcuts (see _exit.py)
+from ._exit import COMPLETE_NOW, FfnExit, MixerExit, PlainFfnExit, complete_reduced, compute_rows, plain_ffn_exit, record_attention
+from ._exit import _Tensor  # the hot exits' shared shortcut (see _exit.py)
 from ._features import resolve_branch_transport
-from ._forward import RowLayout
+from ._forward import BatchVariant, RowLayout
 from ._ops import align_rows
 from ._output import UnreducedOutput
 from ._paths import EntryMode, Owed
@@ -22,6 +22,7 @@ from .plugin._manager import get_registry
 
 ATTENTION_ROWS = RowLayout.DP_LOCAL
 _DP_LOCAL = RowLayout.DP_LOCAL
+_ORDINARY = BatchVariant.ORDINARY
 #: what no contribution's update is (a stage without `previous=` expects none)
 _NO_UPDATE = object()
 
@@ -49,6 +50,9 @@ class StageBoundary:
         "_plain_exits",
         "_update",
         "_hidden_size",
+        "_lean_ordinary",
+        "_recording_ordinary",
+        "_plain_ordinary",
         "branch_transport",
     )
 
@@ -85,6 +89,12 @@ class StageBoundary:
         #: of those, the exits whose output is recorded as it is (`plain_ffn_exit`)
         self._plain_exits = {variant: path for variant, path in self._static_exits.items() if plain_ffn_exit(plan, path)}
         self._hidden_size = plan.hidden_size
+        # The ordinary batch's values of the three hot lookups, read after an identity test of the
+        # variant: a dict lookup keyed by an enum runs Enum.__hash__ (a Python frame), four times a
+        # layer, and the enum keeps its own hash for torch 2.11's Dynamo (see `BatchVariant`)
+        self._lean_ordinary = self._lean_entries.get(_ORDINARY)
+        self._recording_ordinary = self._recording_exits.get(_ORDINARY)
+        self._plain_ordinary = self._plain_exits.get(_ORDINARY)
         #: a prepared branch's transport (`branch_input`), found once here
         self.branch_transport = resolve_branch_transport(self) if plan.declaration.prepared_from is not None else None
 
@@ -99,7 +109,8 @@ class StageBoundary:
         """
         capturing = capture_output is not None or captured_last_layer_outputs is not None or post_residual_addition is not None
         if not capturing:
-            entry = self._lean_entries.get(forward.variant)
+            variant = forward.variant
+            entry = self._lean_ordinary if variant is _ORDINARY else self._lean_entries.get(variant)
             if entry is not None:
                 # `run_local`'s commonest case, inlined: the handle of a complete output under the
                 # declared plain add, read by the norm's add + norm bound at construction
@@ -116,6 +127,7 @@ class StageBoundary:
                     stream.pending = stream.handle = None
                     inp, residual = entry.add_norm(pending.value, stream.residual)
                     pending.value = None  # consumed: the caller's handle retains nothing
+                    stream.spare = pending  # complete: the next lean finish() refills it
                     stream.residual = residual
                     stream.rows = entry.residual_rows
                     return inp
@@ -139,7 +151,8 @@ class StageBoundary:
     # producer side ----------------------------------------------------------------------------
     def finish(self, output, forward):
         """Register a PARTIAL attention's contribution; returns the handle to pass on."""
-        ex = self._recording_exits.get(forward.variant)
+        variant = forward.variant
+        ex = self._recording_ordinary if variant is _ORDINARY else self._recording_exits.get(variant)
         if ex is not None:
             # `record_attention` over one rank, inlined for a well-formed output on a stream with
             # nothing pending; anything else takes `record_attention`, which raises its errors
@@ -156,16 +169,15 @@ class StageBoundary:
                     and output.dtype is residual.dtype
                     and ((output.is_cpu and residual.is_cpu) or output.device == residual.device)
                 ):
-                    if _compiling():
-                        contribution = Contribution(output, self._update, rows=ex.output_rows)
-                    else:
-                        contribution = _new(Contribution)  # a complete one: `Contribution(output, update, rows=...)`
+                    contribution = stream.spare
+                    if contribution is None:  # positional arguments: a keyword call costs more
+                        stream.pending = Contribution(output, self._update, None, None, ex.output_rows)
+                    else:  # the complete contribution the last input consumed, refilled
+                        stream.spare = None
                         contribution.value = output
                         contribution.update = self._update
-                        contribution.owed = None
-                        contribution.transform = None
                         contribution.rows = ex.output_rows
-                    stream.pending = contribution
+                        stream.pending = contribution
                     stream.handle = output  # complete: the handle is the tensor itself
                     return output
             return record_attention(self.plan, output, forward, ex)
@@ -182,20 +194,10 @@ class StageBoundary:
     def exit(self, forward):
         """Open the exit scope of an FFN (`FfnExit`) or a single-stage mixer (`MixerExit`)."""
         if forward.residual_stream is not None:
-            path = self._plain_exits.get(forward.variant)
+            variant = forward.variant
+            path = self._plain_ordinary if variant is _ORDINARY else self._plain_exits.get(variant)
             if path is not None:
-                if _compiling():
-                    return PlainFfnExit(self.plan, path, forward, COMPLETE_NOW)
-                # a `PlainFfnExit` without an `__init__` frame: every `_ExitScope` slot filled here
-                scope = _new(PlainFfnExit)
-                scope.plan = self.plan
-                scope.path = path
-                scope.fwd = forward
-                scope.decision = COMPLETE_NOW
-                scope.flags = NO_SKIP
-                scope._previous = None
-                scope._finished = False
-                return scope
+                return PlainFfnExit(self.plan, path, forward, COMPLETE_NOW)
             path = self._static_exits.get(forward.variant)
             if path is not None:
                 return FfnExit(self.plan, path, forward, path.exit.static_decision)

@@ -214,3 +214,42 @@ def test_start_again_mid_stack_is_caught():
     residual_batch.start(fwd)
     with pytest.raises(RuntimeError, match="has a producer .* residual stream is empty"):
         ffn.prepare(_x(), fwd)
+
+
+def test_lean_calls_refill_the_consumed_contribution():
+    """A lean prepare() keeps the complete contribution it consumed as the stream's spare, with its
+    value dropped; the next lean finish() refills that object with its own update and rows."""
+    parallel = Parallel.single()
+    layers = [
+        make_stages(
+            (declare_attn(), _norm()), (declare_ffn(), _norm(2.0)), previous=declare_ffn() if i else None, terminal=i == 1, parallel=parallel
+        )
+        for i in range(2)
+    ]
+    fwd = Forward(parallel, 3)
+    stream = residual_batch.start(fwd)
+    x = _x()
+    h = layers[0][0].prepare(x, fwd)
+    h = layers[0][0].finish(h, fwd)
+    attn_contribution = stream.pending
+    h = layers[0][1].prepare(h, fwd)
+    assert stream.spare is attn_contribution and attn_contribution.value is None  # consumed: retains nothing
+    with layers[0][1].exit(fwd) as out:
+        y = h * 3
+    h = out.finish(y)
+    assert stream.spare is None and stream.pending is attn_contribution  # refilled, not rebuilt
+    assert attn_contribution.value is y and attn_contribution.update is layers[0][1].declaration.update
+    assert attn_contribution.owed is None and attn_contribution.transform is None
+    h = layers[1][0].prepare(h, fwd)
+    assert stream.spare is attn_contribution and attn_contribution.value is None
+    h = layers[1][0].finish(h * 5, fwd)
+    assert stream.pending is attn_contribution and attn_contribution.update is layers[1][0].declaration.update
+    h = layers[1][1].prepare(h, fwd)
+    with layers[1][1].exit(fwd) as out:
+        y = h + 1
+    out.finish(y)
+    # the numbers of the unfused reference, layer by layer
+    inp, res = add_rms_norm(layers[0][1].plan.norm, layers[0][0].plan.norm(x), x)
+    inp, res = add_rms_norm(layers[1][0].plan.norm, inp * 3, res)
+    inp, res = add_rms_norm(layers[1][1].plan.norm, inp * 5, res)
+    assert torch.allclose(stream.residual, res) and torch.allclose(stream.pending.value, inp + 1)

@@ -115,15 +115,20 @@ class OwedOutput:
 
 
 class ResidualStream:
-    """Residual and pending contribution of one forward (or one microbatch)."""
+    """Residual and pending contribution of one forward (or one microbatch).
 
-    __slots__ = ("residual", "rows", "pending", "handle")
+    `spare` is a complete contribution a lean `prepare()` consumed (its value dropped), which
+    the next lean `finish()` refills instead of building one: no constructor frame per layer.
+    Only a complete contribution (no owed work, no transform) becomes the spare."""
+
+    __slots__ = ("residual", "rows", "pending", "handle", "spare")
 
     def __init__(self):
         self.residual = None
         self.rows = _ATTENTION_ROWS
         self.pending: Optional[Contribution] = None
         self.handle: Any = None
+        self.spare: Optional[Contribution] = None
 
     # state --------------------------------------------------------------------------------
     @property
