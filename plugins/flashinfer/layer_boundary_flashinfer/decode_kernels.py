@@ -7,7 +7,7 @@ over a float32 table [max_positions, head_dim] built once here: cos of `position
 the first half, sin in the second, the values the core's `RotaryEmbedding` computes.
 
 Decode attention: `BatchDecodeWithPagedKVCacheWrapper` (HND layout, CUDA-graph mode, its decode
-kernel without tensor cores for short caches, with them from `TENSOR_CORE_MIN_LEN` tokens) over
+kernel without tensor cores for short caches, with them for long ones: `uses_tensor_cores`) over
 the core's `StaticKVCache` as it is: a slot's [kv_heads,
 max_len, head_dim] block is one page of `max_len` tokens, so the page table is the slot of each
 row and the last page's length is the row's position + 1. The plan depends only on the batch
@@ -51,11 +51,19 @@ DTYPES = (torch.bfloat16, torch.float16)
 HEAD_DIMS = (64, 128, 256)
 #: the float workspace FlashInfer's decode splits use (its recommended size)
 WORKSPACE_BYTES = 128 * 2**20
-#: the cache length (tokens a slot holds) from which decode runs FlashInfer's tensor-core kernel:
-#: on an H200 (32 query / 8 KV heads, D 128, 8 layers; benchmarks/decode_attention_probe.py) it
-#: took 146-194 us where the CUDA-core kernel took 302-514 us at 1032 tokens, and lost at 40
-#: (64-69 against 44-66 us). The choice depends on the cache shape only: the same on every rank.
-TENSOR_CORE_MIN_LEN = 256
+#: from how many cached tokens a slot FlashInfer's tensor-core decode kernel runs, for one row
+#: and for a batch of `TENSOR_CORE_BATCH` rows or more. On an H200 (32 query / 8 KV heads, D 128,
+#: 8 layers, graph replay; benchmarks/decode_attention_probe.py, session 7) the CUDA-core kernel
+#: won at batch 1 up to 256 tokens (63 against 79 us) and lost from 512 (114 against 93; 385
+#: against 159 at 1032); at batch 32 it won at 40 (66 against 92) and lost from 128 (118 against
+#: 107; 494 against 220 at 1032). The choice depends on the plan's shape only: the same on every rank.
+TENSOR_CORE_MIN_LEN = 512
+TENSOR_CORE_BATCH, TENSOR_CORE_BATCH_MIN_LEN = 16, 128
+
+
+def uses_tensor_cores(batch: int, page_size: int) -> bool:
+    """Whether a plan for `batch` rows over slots of `page_size` tokens takes the tensor-core kernel."""
+    return page_size >= TENSOR_CORE_MIN_LEN or (batch >= TENSOR_CORE_BATCH and page_size >= TENSOR_CORE_BATCH_MIN_LEN)
 
 
 def reason(request) -> Optional[str]:
@@ -132,7 +140,7 @@ class _Planned:
         self.rows = torch.arange(batch, dtype=torch.int32, device=device)  # row i is request i (one page each)
         self.lengths = torch.full((batch,), page_size, dtype=torch.int32, device=device)
         self.wrapper = flashinfer.BatchDecodeWithPagedKVCacheWrapper(
-            workspace, kv_layout="HND", use_cuda_graph=True, use_tensor_cores=page_size >= TENSOR_CORE_MIN_LEN,
+            workspace, kv_layout="HND", use_cuda_graph=True, use_tensor_cores=uses_tensor_cores(batch, page_size),
             paged_kv_indptr_buffer=self.indptr, paged_kv_indices_buffer=self.indices,
             paged_kv_last_page_len_buffer=self.lengths,
         )

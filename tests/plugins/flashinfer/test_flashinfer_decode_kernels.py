@@ -64,3 +64,11 @@ def test_a_cpu_model_keeps_the_torch_path_with_the_plugin_installed():
     chosen = model.attention_kernels
     assert chosen.rope.name == TORCH and "flashinfer.rope" in chosen.rope.declined
     assert chosen.decode_attention.name == TORCH and "flashinfer.decode_attention" in chosen.decode_attention.declined
+
+
+def test_the_tensor_core_kernel_is_planned_for_long_caches_and_large_batches():
+    """The measured rule (decode_kernels.TENSOR_CORE_*): shape facts only, so every rank agrees."""
+    assert not decode_kernels.uses_tensor_cores(1, 40) and not decode_kernels.uses_tensor_cores(1, 256)
+    assert decode_kernels.uses_tensor_cores(1, 512) and decode_kernels.uses_tensor_cores(1, 1032)
+    assert not decode_kernels.uses_tensor_cores(32, 40) and decode_kernels.uses_tensor_cores(32, 128)
+    assert not decode_kernels.uses_tensor_cores(8, 128) and decode_kernels.uses_tensor_cores(16, 128)

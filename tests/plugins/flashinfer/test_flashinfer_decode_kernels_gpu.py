@@ -73,7 +73,7 @@ def _torch_decode(q, k_cache, v_cache, slots, positions):
 def test_decode_attention_kernel_matches_the_reference(slots_given, cache_len):
     kernel = decode_kernels.decode_attention_factory(_decode_request())
     assert kernel is not None, "flashinfer.decode_attention declined on this GPU"
-    assert (cache_len >= decode_kernels.TENSOR_CORE_MIN_LEN) == (cache_len == 520)
+    assert decode_kernels.uses_tensor_cores(6, cache_len) == (cache_len == 520)
     gen = torch.Generator(device="cuda").manual_seed(1)
     cache_shape = (6, KV_HEADS, cache_len, D)
     k_cache = torch.randn(cache_shape, device="cuda", generator=gen).bfloat16()
