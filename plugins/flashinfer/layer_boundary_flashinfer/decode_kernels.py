@@ -41,7 +41,7 @@ import torch
 
 from layer_boundary.plugin import graph_key, graph_object, register_graph_object
 
-from .eligibility import flashinfer_installed, settings
+from .eligibility import model_kernel_reason
 
 __all__ = ["FlashInferRope", "FlashInferDecodeAttention", "rope_factory", "decode_attention_factory", "rope_table", "reason"]
 
@@ -68,17 +68,7 @@ def uses_tensor_cores(batch: int, page_size: int) -> bool:
 
 def reason(request) -> Optional[str]:
     """Why the kernels are not asked for `request` (None: they are tried)."""
-    if request.device.type != "cuda":
-        return f"a {request.device.type} device"
-    if request.dtype not in DTYPES:
-        return f"{request.dtype} rows"
-    if request.head_dim not in HEAD_DIMS:
-        return f"head_dim {request.head_dim}"
-    if not settings().enabled:
-        return "LAYER_BOUNDARY_FLASHINFER=0"
-    if not flashinfer_installed():
-        return "flashinfer-python missing"
-    return None
+    return model_kernel_reason(request, DTYPES, None if request.head_dim in HEAD_DIMS else f"head_dim {request.head_dim}")
 
 
 def rope_table(head_dim: int, theta: float, max_positions: int, device) -> torch.Tensor:

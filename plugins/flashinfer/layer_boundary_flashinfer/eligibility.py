@@ -353,3 +353,20 @@ def device_reason(device) -> Optional[str]:
     if not flashinfer_installed():
         return "flashinfer-python is not installed"
     return None
+
+
+def model_kernel_reason(request, dtypes, unsupported: Optional[str] = None) -> Optional[str]:
+    """Why a model-wide kernel (rope, decode attention, gated activation) is not asked for
+    `request`, in the order the reasons are reported: the device, the dtype, what the kernel
+    itself cannot take (`unsupported`, the caller's), the switch, the library. None: tried."""
+    if request.device.type != "cuda":
+        return f"a {request.device.type} device"
+    if request.dtype not in dtypes:
+        return f"{request.dtype} rows"
+    if unsupported is not None:
+        return unsupported
+    if not settings().enabled:
+        return "LAYER_BOUNDARY_FLASHINFER=0"
+    if not flashinfer_installed():
+        return "flashinfer-python missing"
+    return None

@@ -23,7 +23,7 @@ from typing import Optional
 
 import torch
 
-from .eligibility import flashinfer_installed, settings
+from .eligibility import model_kernel_reason, settings
 
 __all__ = ["FlashInferGatedActivation", "gated_activation_factory", "reason", "FUNCTIONS"]
 
@@ -36,17 +36,7 @@ FUNCTIONS = {"silu": "silu_and_mul", "gelu_tanh": "gelu_tanh_and_mul", "gelu": "
 
 def reason(request) -> Optional[str]:
     """Why the kernel is not asked for `request` (None: it is tried)."""
-    if request.device.type != "cuda":
-        return f"a {request.device.type} device"
-    if request.dtype not in DTYPES:
-        return f"{request.dtype} rows"
-    if request.activation not in FUNCTIONS:
-        return f"activation {request.activation!r}"
-    if not settings().enabled:
-        return "LAYER_BOUNDARY_FLASHINFER=0"
-    if not flashinfer_installed():
-        return "flashinfer-python missing"
-    return None
+    return model_kernel_reason(request, DTYPES, None if request.activation in FUNCTIONS else f"activation {request.activation!r}")
 
 
 def _run(gate_up: torch.Tensor, activation: str, pdl: bool) -> torch.Tensor:

@@ -39,9 +39,11 @@ def test_reasons_name_dtype_activation_switch_and_library(monkeypatch):
     monkeypatch.setenv("LAYER_BOUNDARY_FLASHINFER", "0")
     assert gated_activation.reason(cuda) == "LAYER_BOUNDARY_FLASHINFER=0"
     monkeypatch.delenv("LAYER_BOUNDARY_FLASHINFER")
-    monkeypatch.setattr(gated_activation, "flashinfer_installed", lambda: False)
+    from layer_boundary_flashinfer import eligibility
+
+    monkeypatch.setattr(eligibility, "flashinfer_installed", lambda: False)
     assert gated_activation.reason(cuda) == "flashinfer-python missing"
-    monkeypatch.setattr(gated_activation, "flashinfer_installed", lambda: True)
+    monkeypatch.setattr(eligibility, "flashinfer_installed", lambda: True)
     assert gated_activation.reason(cuda) is None
 
 
