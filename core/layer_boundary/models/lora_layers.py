@@ -263,21 +263,15 @@ class LoraGatedMLP(TPGatedMLP):
             self.down.shard_addend = LoraSlots(self.local, hidden, spec, dtype=dtype, device=device)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # the deltas go into the halves of the projection's (fresh) output in place (the same
+        # adds as `gate + delta`), so `activate` reads one [tokens, 2 * local] buffer, which is
+        # what a gated-activation kernel takes
         gate_up = nn.functional.linear(x, self.gate_up)
-        if self.gated_activation_kernel is None:
-            gate, up = gate_up.split(self.local, dim=-1)
-            if self.lora_gate is not None:
-                gate = gate + self.lora_gate(x)
-            if self.lora_up is not None:
-                up = up + self.lora_up(x)
-            return self.down(self.act(gate) * up)
-        # the kernel reads gate and up from one [tokens, 2 * local] buffer: the deltas go into
-        # the halves of the projection's (fresh) output in place, then one launch
         if self.lora_gate is not None:
-            gate_up[:, : self.local] += self.lora_gate(x)
+            gate_up[..., : self.local] += self.lora_gate(x)
         if self.lora_up is not None:
-            gate_up[:, self.local :] += self.lora_up(x)
-        return self.down(self.gated_activation_kernel(gate_up))
+            gate_up[..., self.local :] += self.lora_up(x)
+        return self.down(self.activate(gate_up))
 
 
 # ---------------------------------------------------------------------------------------------
