@@ -25,6 +25,7 @@ __all__ = [
     "COMPLETE_NOW",
     "record_complete",
     "record_attention",
+    "record_lean",
     "complete_reduced",
     "plain_ffn_exit",
     "PlainFfnExit",
@@ -92,6 +93,35 @@ def record_complete(plan, ex, value, fwd):
 
 
 _DP_LOCAL = RowLayout.DP_LOCAL
+
+
+def record_lean(stream, output, forward, ex, hidden_size: int, update) -> bool:
+    """The lean finishes' common case (`PlainFfnExit.finish`, one-rank attention
+    `StageBoundary.finish`): an output that `check_rows` would pass — [rows, hidden] in the
+    residual's dtype (dtypes are singletons) on its device — becomes the stream's complete
+    pending contribution, refilling the spare the last lean input left; the handle is the
+    tensor itself. False (nothing recorded): the caller's general path checks and raises."""
+    residual = stream.residual
+    layout = ex.compute_rows
+    rows = forward.num_tokens if layout is _DP_LOCAL else layout.rows(forward)
+    if not (
+        type(residual) is _Tensor
+        and output.shape == (rows, hidden_size)
+        and output.dtype is residual.dtype
+        and ((output.is_cpu and residual.is_cpu) or output.device == residual.device)
+    ):
+        return False
+    contribution = stream.spare
+    if contribution is None:  # positional arguments: a keyword call costs more
+        stream.pending = Contribution(output, update, None, None, ex.output_rows)
+    else:  # the complete contribution the last input consumed, refilled
+        stream.spare = None
+        contribution.value = output
+        contribution.update = update
+        contribution.rows = ex.output_rows
+        stream.pending = contribution
+    stream.handle = output
+    return True
 
 
 def compute_rows(ex, fwd) -> int:
@@ -286,29 +316,8 @@ class PlainFfnExit(FfnExit):
         fwd = self.fwd
         stream = fwd.residual_stream
         if type(out) is _Tensor and stream is not None and stream.pending is None and not self._finished:
-            residual = stream.residual
-            ex = self.path.exit
-            layout = ex.compute_rows
-            rows = fwd.num_tokens if layout is _DP_LOCAL else layout.rows(fwd)
-            # `check_rows`'s common case, inlined: a [rows, hidden] output in the residual's dtype
-            # (dtypes are singletons) on its device
-            if (
-                type(residual) is _Tensor
-                and out.shape == (rows, self.plan.hidden_size)
-                and out.dtype is residual.dtype
-                and ((out.is_cpu and residual.is_cpu) or out.device == residual.device)
-            ):
+            if record_lean(stream, out, fwd, self.path.exit, self.plan.hidden_size, self.plan.declaration.update):
                 self._finished = True
-                contribution = stream.spare
-                if contribution is None:  # positional arguments: a keyword call costs more
-                    stream.pending = Contribution(out, self.plan.declaration.update, None, None, ex.output_rows)
-                else:  # the complete contribution the last input consumed, refilled
-                    stream.spare = None
-                    contribution.value = out
-                    contribution.update = self.plan.declaration.update
-                    contribution.rows = ex.output_rows
-                    stream.pending = contribution
-                stream.handle = out  # complete: the handle is the tensor itself
                 return out
         return FfnExit.finish(self, out)
 

@@ -7,7 +7,7 @@ from typing import Mapping
 from ._checks import check_rows
 from ._contracts import StageKind
 from ._errors import Messages
-from ._exit import COMPLETE_NOW, FfnExit, MixerExit, PlainFfnExit, complete_reduced, compute_rows, plain_ffn_exit, record_attention
+from ._exit import COMPLETE_NOW, FfnExit, MixerExit, PlainFfnExit, complete_reduced, compute_rows, plain_ffn_exit, record_attention, record_lean
 from ._exit import _Tensor  # the hot exits' shared shortcut (see _exit.py)
 from ._features import resolve_branch_transport
 from ._forward import BatchVariant, RowLayout
@@ -16,7 +16,7 @@ from ._output import UnreducedOutput
 from ._paths import EntryMode, Owed
 from ._planning import StagePlan, arriving_sum, plan_stages
 from ._prepare import run_entry, run_local
-from ._residual.stream import Contribution, ResidualStream
+from ._residual.stream import ResidualStream
 from ._row_publishers import publish_rows
 from .plugin._manager import get_registry
 
@@ -157,29 +157,13 @@ class StageBoundary:
             # `record_attention` over one rank, inlined for a well-formed output on a stream with
             # nothing pending; anything else takes `record_attention`, which raises its errors
             stream = forward.residual_stream
-            if type(output) is _Tensor and stream is not None and stream.pending is None:
-                residual = stream.residual
-                layout = ex.compute_rows
-                rows = forward.num_tokens if layout is _DP_LOCAL else layout.rows(forward)
-                # `check_rows`'s common case: a [rows, hidden] output in the residual's dtype
-                # (dtypes are singletons) on its device
-                if (
-                    type(residual) is _Tensor
-                    and output.shape == (rows, self._hidden_size)
-                    and output.dtype is residual.dtype
-                    and ((output.is_cpu and residual.is_cpu) or output.device == residual.device)
-                ):
-                    contribution = stream.spare
-                    if contribution is None:  # positional arguments: a keyword call costs more
-                        stream.pending = Contribution(output, self._update, None, None, ex.output_rows)
-                    else:  # the complete contribution the last input consumed, refilled
-                        stream.spare = None
-                        contribution.value = output
-                        contribution.update = self._update
-                        contribution.rows = ex.output_rows
-                        stream.pending = contribution
-                    stream.handle = output  # complete: the handle is the tensor itself
-                    return output
+            if (
+                type(output) is _Tensor
+                and stream is not None
+                and stream.pending is None
+                and record_lean(stream, output, forward, ex, self._hidden_size, self._update)
+            ):
+                return output
             return record_attention(self.plan, output, forward, ex)
         if self.plan.kind is not StageKind.ATTENTION:
             raise RuntimeError(
