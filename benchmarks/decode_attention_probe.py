@@ -14,9 +14,10 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 
 import torch
+
+from layer_boundary.bench.decode import _events_us  # CUDA events around each call, median
 
 HEADS, KV_HEADS, D, LAYERS = 32, 8, 128, 8
 VARIANTS = {
@@ -56,18 +57,6 @@ def _wrapper(batch, page_size, variant):
     return wrapper, lengths
 
 
-def _replay_us(graph, repeats=200) -> float:
-    times = []
-    for _ in range(repeats):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        graph.replay()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) * 1e3)
-    return statistics.median(times)
-
-
 @torch.inference_mode()
 def probe(batch: int, page_size: int) -> dict:
     gen = torch.Generator(device="cuda").manual_seed(batch * 7 + page_size)
@@ -90,7 +79,7 @@ def probe(batch: int, page_size: int) -> dict:
                     wrapper.run(q, (k, v))
             for _ in range(5):
                 graph.replay()
-            row[variant] = {"us_8_layers": _replay_us(graph), "relative_error": err}
+            row[variant] = {"us_8_layers": _events_us(graph.replay, 200), "relative_error": err}
         except Exception as exc:  # noqa: BLE001 - a variant this FlashInfer cannot run is reported
             row[variant] = {"error": f"{type(exc).__name__}: {str(exc)[:300]}"}
     return row
