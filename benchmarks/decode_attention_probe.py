@@ -88,8 +88,12 @@ def probe(batch: int, page_size: int) -> dict:
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", default="decode_attention_probe.json")
+    parser.add_argument("--batches", type=int, nargs="+", default=[1, 8, 32])
+    # up to 8200 tokens: whether the split still pays for a long cache at one row (8 KV heads are
+    # 8 blocks without it), the cap a "no split" rule needs
+    parser.add_argument("--lengths", type=int, nargs="+", default=[40, 128, 256, 512, 1032, 2056, 4104, 8200])
     args = parser.parse_args(argv)
-    rows = [probe(batch, length) for batch in (1, 32) for length in (40, 128, 256, 512, 1032)]
+    rows = [probe(batch, length) for batch in args.batches for length in args.lengths]
     for row in rows:
         cells = "  ".join(f"{v}: {row[v].get('us_8_layers', float('nan')):.1f} us (err {row[v].get('relative_error', float('nan')):.1e})"
                           if "error" not in row[v] else f"{v}: {row[v]['error'][:80]}" for v in VARIANTS)

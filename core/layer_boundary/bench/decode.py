@@ -107,6 +107,22 @@ def hf_profile(hf, batches, prompt: int, vocab: int) -> dict:
     return out
 
 
+def _pipelined_us(fn, calls: int, repeats: int) -> float:
+    """Per call of `calls` back-to-back calls between one pair of CUDA events (median of
+    `repeats`): the steady state of an engine that enqueues the next step without waiting, where
+    a graph's launch latency hides behind the step before."""
+    times = []
+    for _ in range(repeats):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        for _ in range(calls):
+            fn()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) * 1e3 / calls)
+    return statistics.median(times)
+
+
 def _events_us(fn, repeats: int) -> float:
     times = []
     for _ in range(repeats):
@@ -161,6 +177,7 @@ def run(batches, layers: int, prompt: int, repeats: int, parallel=None, hf: bool
         equal = bool(torch.equal(eager_out, replay_out))
         eager_us = _events_us(lambda: static_decode_step(model, parallel, cache, ids, slots, pos), repeats)
         graph_us = _events_us(lambda: graph.replay(ids, pos), repeats * 3)
+        graph_pipelined_us = _pipelined_us(lambda: graph.replay(ids, pos), 20, repeats)
         ours = profile_step(lambda: static_decode_step(model, parallel, cache, ids, slots, pos))
         # the replay's kernels as the profiler sees them inside the graph (their times are what
         # graph replay pays; the eager profile's times are of kernels launched one by one)
@@ -175,6 +192,8 @@ def run(batches, layers: int, prompt: int, repeats: int, parallel=None, hf: bool
                 "peak_mem_gib": torch.cuda.max_memory_allocated() / 2**30,
                 "floor_us": floor_us,
                 "graph_over_floor": graph_us / floor_us,
+                "graph_pipelined_us": graph_pipelined_us,
+                "graph_pipelined_over_floor": graph_pipelined_us / floor_us,
                 "kernels": ours["kernels"],
                 "kernel_us": ours["kernel_us"],
                 "copies": ours["copies"],
@@ -183,6 +202,7 @@ def run(batches, layers: int, prompt: int, repeats: int, parallel=None, hf: bool
                 "graph_kernels": replayed["kernels"],
                 "graph_kernel_us": replayed["kernel_us"],
                 "graph_by_time": replayed["by_time"],
+                "graph_timeline": replayed["timeline"],
             }
         )
         del graph, cache
@@ -232,6 +252,11 @@ def main(argv=None) -> dict:
         print(f"\nbatch {r['batch']}: where graph replay's time goes ({r['graph_kernels']} kernels, {r['graph_kernel_us']:.1f} us)")
         for name, launches, us in r["graph_by_time"]:
             print(f"  {us:>8.1f} us {launches:>4}x  {name}")
+        t = r["graph_timeline"]
+        print(f"  on the device: span {t['span_us']:.1f} us, busy {t['busy_us']:.1f}, idle {t['idle_us']:.1f}; "
+              f"20 replays back to back: {r['graph_pipelined_us']:.1f} us a step ({r['graph_pipelined_over_floor']:.2f}x the floor)")
+        for before, after, us in t["gaps"]:
+            print(f"  gap {us:>7.2f} us  {before} -> {after}")
     from .plot import line_plot
 
     xs = [r["batch"] for r in result["rows"]]

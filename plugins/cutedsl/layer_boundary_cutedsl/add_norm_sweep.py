@@ -1,6 +1,8 @@
-"""Where the CuTe DSL add + RMSNorm loses to FlashInfer's, and why: launch mode and buffers.
+"""Where the CuTe DSL add + RMSNorm loses to FlashInfer's, and why: launch mode and buffers,
+and (`--layouts`) which row layout of a CTA wins at each width.
 
     python -m layer_boundary_cutedsl.add_norm_sweep --out sweep.json
+    python -m layer_boundary_cutedsl.add_norm_sweep --layouts --out layouts.json
 
 At each (T, H) it times our kernel four ways by CUDA-graph replay on random bf16 data: launched
 as a programmatic dependent (PDL, the default) or not, writing new buffers (four live buffers:
@@ -9,6 +11,11 @@ which is what FlashInfer's `fused_add_rmsnorm` does), and FlashInfer's on the sa
 replayed call finds its data in L2 when the live buffers fit, so the in-place columns are the
 like-for-like comparison with FlashInfer. Every variant's output is checked against the
 default's first (the residual bit for bit, the norm within one rounding).
+
+`--layouts` times the kernel in place with PDL (FlashInfer's mode) for every candidate layout
+of a CTA (threads per row, rows per CTA: `LAYOUTS`) and for the default tiling, against
+FlashInfer, and prints per width the layout with the lowest worst ratio over the token counts
+(the entry `tiling.ADD_NORM_LAYOUTS` takes).
 """
 
 from __future__ import annotations
@@ -22,6 +29,7 @@ from layer_boundary.cli.args import OneLineParser, positive_int
 
 from .bench import EPS, time_graph, write
 from .kernels import fused_add_rmsnorm
+from .kernels.tiling import group_tiling
 
 DT = torch.bfloat16
 #: (pdl, in_place) -> column name
@@ -73,6 +81,74 @@ def _measure(t: int, hidden: int, fi, iters: int, repeats: int) -> dict:
     return row
 
 
+#: (threads per row, rows per CTA) candidates; at most MAX_VPT vectors a thread (registers)
+LAYOUTS = ((32, 4), (32, 8), (64, 2), (64, 4), (128, 1), (128, 2), (256, 1))
+MAX_VPT = 16
+
+
+def candidate_layouts(hidden: int) -> list:
+    """The default tiling (None) and every layout of `LAYOUTS` that fits a row of `hidden`."""
+    out = [None]
+    for layout in LAYOUTS:
+        try:
+            tiling = group_tiling(hidden, DT, *layout)
+        except ValueError:
+            continue
+        if tiling.vpt <= MAX_VPT:
+            out.append(layout)
+    return out
+
+
+def _layout_name(layout) -> str:
+    return "default" if layout is None else f"{layout[0]}x{layout[1]}"
+
+
+def _measure_layouts(t: int, hidden: int, fi, iters: int, repeats: int) -> dict:
+    x, r, gamma = _inputs(t, hidden)
+    ref_n, ref_r = fused_add_rmsnorm(x, r, gamma, EPS)
+    n_iters = iters if t * hidden <= 1024 * 8192 else max(2, iters // 4)
+    row = dict(tokens=t, hidden=hidden, us={})
+    for layout in candidate_layouts(hidden):
+        name = _layout_name(layout)
+        xx, rr = x.clone(), r.clone()
+        fused_add_rmsnorm(xx, rr, gamma, EPS, out=xx, residual_out=rr, layout=layout)
+        torch.cuda.synchronize()
+        if not torch.equal(rr, ref_r):
+            raise AssertionError(f"layout {name} at T={t} H={hidden}: new residual differs")
+        if not torch.allclose(xx.float(), ref_n.float(), rtol=2**-7, atol=2**-7):
+            raise AssertionError(f"layout {name} at T={t} H={hidden}: norm differs beyond a rounding")
+        run = lambda xx=xx, rr=rr, layout=layout: fused_add_rmsnorm(xx, rr, gamma, EPS, out=xx, residual_out=rr, layout=layout)  # noqa: E731
+        row["us"][name] = time_graph(run, n_iters, repeats)
+    if fi is not None:
+        fx, fr = x.clone(), r.clone()
+        row["flashinfer_us"] = time_graph(lambda: fi(fx, fr, gamma, EPS), n_iters, repeats)
+    return row
+
+
+def sweep_layouts(widths, tokens, iters: int, repeats: int) -> dict:
+    """Every candidate layout at every (T, H), and per width the layout whose worst ratio to
+    FlashInfer over the token counts is lowest (to the default tiling without FlashInfer)."""
+    fi, fi_error = _flashinfer()
+    rows, best = [], {}
+    for hidden in widths:
+        mine = []
+        for t in tokens:
+            row = _measure_layouts(t, hidden, fi, iters, repeats)
+            rows.append(row)
+            mine.append(row)
+            base = row.get("flashinfer_us", row["us"]["default"])
+            cells = "  ".join(f"{k} {v / base:5.2f}" for k, v in row["us"].items())
+            print(f"T={t:6d} H={hidden}: {'fi' if fi else 'default'} {base:7.2f} us; ours/that: {cells}", flush=True)
+        worst = {}
+        for name in mine[0]["us"]:
+            worst[name] = max(r["us"][name] / r.get("flashinfer_us", r["us"]["default"]) for r in mine)
+        choice = min(worst, key=worst.get)
+        best[hidden] = dict(layout=choice, worst_ratio=worst[choice], worst_by_layout=worst)
+        print(f"H={hidden}: best layout {choice} (worst ratio {worst[choice]:.3f}); "
+              + ", ".join(f"{k} {v:.3f}" for k, v in worst.items()), flush=True)
+    return dict(rows=rows, best=best, flashinfer_error=fi_error)
+
+
 def sweep(widths, tokens, iters: int, repeats: int) -> dict:
     fi, fi_error = _flashinfer()
     rows = []
@@ -93,13 +169,14 @@ def main(argv=None) -> int:
     ap.add_argument("--repeats", type=positive_int, default=30)
     ap.add_argument("--widths", type=positive_int, nargs="*", default=list(WIDTHS))
     ap.add_argument("--tokens", type=positive_int, nargs="*", default=list(TOKENS))
+    ap.add_argument("--layouts", action="store_true", help="rank the CTA row layouts instead of the launch modes")
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():
         print("no CUDA device: nothing to sweep", file=sys.stderr)
         return 2
     t0 = time.time()
     payload = dict(device=torch.cuda.get_device_name(), torch=torch.__version__)
-    payload.update(sweep(args.widths, args.tokens, args.iters, args.repeats))
+    payload.update((sweep_layouts if args.layouts else sweep)(args.widths, args.tokens, args.iters, args.repeats))
     payload["seconds"] = time.time() - t0
     write(args.out, payload)
     print(f"done in {payload['seconds']:.0f} s")

@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from layer_boundary_cutedsl.kernels import fused_add_rmsnorm, moe_finalize, moe_finalize_add_rmsnorm
-from layer_boundary_cutedsl.kernels.tiling import MoeVariant, row_tiling
+from layer_boundary_cutedsl.kernels.tiling import AddNormVariant, MoeVariant, default_grid, group_tiling, row_tiling
 
 bf16 = torch.bfloat16
 
@@ -68,3 +68,23 @@ def test_tiling_choices():
     assert MoeVariant(bf16, 8192, 8).tiling().vpt == 2
     with pytest.raises(ValueError):
         MoeVariant(bf16, 4096, 0)
+
+
+def test_multi_row_layouts():
+    # rows side by side in a CTA: threads per row (a multiple of 32) and rows per CTA
+    t = group_tiling(4096, bf16, 64, 2)
+    assert (t.threads, t.vpt, t.rows_per_cta, t.cta_threads, t.warps, t.full) == (64, 8, 2, 128, 2, True)
+    t = group_tiling(2880, bf16, 128, 1)
+    assert (t.vpt, t.full) == (3, False) and t.threads * t.vpt * t.vec >= 2880
+    assert row_tiling(4096).rows_per_cta == 1 and row_tiling(4096).cta_threads == 128
+    for threads, rows in ((48, 2), (0, 1), (64, 0), (512, 4)):
+        with pytest.raises(ValueError, match="multiple of 32"):
+            group_tiling(4096, bf16, threads, rows)
+    with pytest.raises(ValueError, match="idle"):
+        group_tiling(2048, bf16, 256 + 32, 1)  # 256 vectors on 288 threads: a warp with nothing to do
+    # a CTA per rows_per_cta rows, the last one partly empty
+    assert [default_grid(n, 4) for n in (0, 1, 4, 5, 301)] == [0, 1, 1, 2, 76]
+    assert default_grid(301) == 301
+    # an explicit layout is part of the kernel's name (and so of its compile cache key)
+    assert AddNormVariant(bf16, 4096, layout=(64, 2)).name == "add_rmsnorm_bf16_h4096_r64x2"
+    assert AddNormVariant(bf16, 4096, layout=(64, 2)).tiling() == group_tiling(4096, bf16, 64, 2)

@@ -43,12 +43,37 @@ def _compile(variant, ptx_dir):
 
     compiled = compile_variant(variant, "sm_90a", keep_ptx_dir=str(ptx_dir))
     assert compiled.has_gpu_module and len(compiled.kernel_info) == 1, variant
-    assert lint(compiled.__ptx__, variant.tiling().threads) == [], variant
+    assert lint(compiled.__ptx__, variant.tiling().cta_threads) == [], variant
 
 
 @pytest.mark.parametrize("variant", ADD_NORM, ids=lambda v: v.name)
 def test_add_rmsnorm_compiles(variant, tmp_path):
     _compile(variant, tmp_path)
+
+
+#: multi-row CTA layouts (threads per row, rows per CTA), on a width with bounds checks and one without
+LAYOUT_VARIANTS = [
+    AddNormVariant(torch.bfloat16, hidden, offset, True, layout)
+    for hidden in (2880, 4096)
+    for layout in ((32, 4), (64, 2), (64, 4), (128, 1), (128, 2), (256, 1))
+    for offset in (0.0,)
+] + [AddNormVariant(torch.float16, 8192, 1.0, False, (128, 2))]
+
+
+@pytest.mark.parametrize("variant", LAYOUT_VARIANTS, ids=lambda v: v.name)
+def test_add_rmsnorm_layouts_compile(variant, tmp_path):
+    """The CTA holds rows_per_cta rows: the lint checks the launch's block (threads x rows) and
+    that no barrier sits under the rows-past-the-end branch."""
+    _compile(variant, tmp_path)
+
+
+def test_a_one_warp_row_needs_no_barrier(tmp_path):
+    from layer_boundary_cutedsl.kernels.compiler import compile_variant
+
+    one_warp = compile_variant(AddNormVariant(torch.bfloat16, 2048, layout=(32, 4)), "sm_90a", keep_ptx_dir=str(tmp_path)).__ptx__
+    two_warps = compile_variant(AddNormVariant(torch.bfloat16, 2048, layout=(64, 2)), "sm_90a", keep_ptx_dir=str(tmp_path)).__ptx__
+    assert "bar.sync" not in one_warp and "barrier" not in one_warp
+    assert "bar.sync" in two_warps or "barrier.sync" in two_warps
 
 
 @pytest.mark.parametrize("variant", MOE + MOE_TOP_K, ids=lambda v: v.name)

@@ -99,6 +99,34 @@ def test_many_rows_and_ctas_looping_over_rows(hidden, max_ctas, monkeypatch):
     _check_add_norm(x, r, gamma, 0.0, normed, res)
 
 
+#: multi-row CTAs (threads per row, rows per CTA): a one-warp row (no barrier), two- and four-warp
+#: rows, two and four rows a CTA; the layout sweep's candidates come from this set
+LAYOUTS = [(32, 4), (64, 2), (64, 4), (128, 1), (128, 2), (256, 1)]
+
+
+@pytest.mark.parametrize("hidden", [2048, 2880, 4096, 7168, 8192])
+@pytest.mark.parametrize("layout", LAYOUTS, ids=lambda lay: f"{lay[0]}x{lay[1]}")
+@pytest.mark.parametrize("tokens", [1, 5, 301])
+@pytest.mark.parametrize("max_ctas", [None, 3])
+def test_row_layouts(hidden, layout, tokens, max_ctas, monkeypatch):
+    """Each layout equals the reference, with a row count that leaves a CTA's last rows empty
+    (rows past the end reduce with the others and store nothing) and with CTAs looping."""
+    from layer_boundary_cutedsl.kernels import _launch
+
+    monkeypatch.setattr(_launch, "MAX_CTAS", max_ctas)
+    gen = torch.Generator(device="cuda").manual_seed(hidden + tokens)
+    x = torch.randn(tokens, hidden, generator=gen, device="cuda").to(torch.bfloat16)
+    scale = torch.logspace(-3, 3, tokens, device="cuda")[:, None]  # a stale slot would show as a wrong rstd
+    r = (torch.randn(tokens, hidden, generator=gen, device="cuda") * scale).to(torch.bfloat16)
+    gamma = _gamma(hidden, 1.0, torch.bfloat16, gen)
+    guard = torch.full((tokens + 4, hidden), 7.0, dtype=torch.bfloat16, device="cuda")
+    normed, res = guard[:tokens], torch.empty_like(x)
+    fused_add_rmsnorm(x, r, gamma, EPS, out=normed, residual_out=res, weight_offset=1.0, layout=layout)
+    torch.cuda.synchronize()
+    _check_add_norm(x, r, gamma, 1.0, normed, res)
+    assert bool((guard[tokens:] == 7.0).all()), "a row past the end was written"
+
+
 def test_in_place_and_3d():
     gen = torch.Generator(device="cuda").manual_seed(6)
     hidden = 4096

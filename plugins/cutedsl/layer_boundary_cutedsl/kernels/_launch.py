@@ -26,7 +26,7 @@ DEBUG = os.environ.get("LAYER_BOUNDARY_DEBUG", "").strip().lower() in ("1", "tru
 MAX_CTAS = None
 
 _lock = threading.Lock()
-_executors: dict = {}  # (key, device index) -> (executor, threads, num_sms)
+_executors: dict = {}  # (key, device index) -> (launcher, rows per CTA, num_sms)
 
 
 _CTYPES = {"i64": ctypes.c_int64, "i32": ctypes.c_int32, "f32": ctypes.c_float, "stream": ctypes.c_void_p}
@@ -87,7 +87,7 @@ class FastCall:
 
 
 def executor_for(key: tuple, device: torch.device, make_variant: Callable, n_addresses: int, *, kinds=None, probe=None):
-    """(launcher, threads, num_sms) for variant `key` on `device`; compiled and bound once.
+    """(launcher, rows per CTA, num_sms) for variant `key` on `device`; compiled and bound once.
 
     `kinds`/`probe`: the entry's C argument types and a probe tuple of that layout (CUstream
     last), for entries whose scalars differ from `pack_kinds(n_addresses)`."""
@@ -109,7 +109,7 @@ def executor_for(key: tuple, device: torch.device, make_variant: Callable, n_add
                 if not launcher.matches(compiled.execution_args, probe):
                     warnings.warn("cutedsl: unexpected argument ABI; using the slower generic launch path")
                     launcher = _GenericCall(executor)
-                entry = (launcher, variant.tiling().threads, sms)
+                entry = (launcher, variant.tiling().rows_per_cta, sms)
                 _executors[(key, device.index)] = entry
     return entry
 
@@ -135,8 +135,8 @@ except ImportError:  # pragma: no cover
 
 
 def launch(entry, rows: int, addresses: list, eps: float, device: torch.device) -> None:
-    launcher, threads, sms = entry
-    grid = default_grid(rows, threads, sms)
+    launcher, rows_per_cta, sms = entry
+    grid = default_grid(rows, rows_per_cta, sms)
     if grid == 0:
         return
     if MAX_CTAS is not None:

@@ -22,7 +22,8 @@ __all__ = ["AddRMSNormKernel"]
 
 class AddRMSNormKernel(RowKernel):
     """Arguments (all addresses of row-major, 16-byte aligned rows of `hidden` elements):
-    x, residual, gamma -> residual_out, out; `rows` tokens; `grid` CTAs (grid-stride over rows).
+    x, residual, gamma -> residual_out, out; `rows` tokens; `grid` CTAs (grid-stride over blocks
+    of `rows_per_cta` rows: a CTA's rows side by side, each on its own `threads` threads).
     residual_out may alias residual and out may alias x (each element is read before it is written
     by the same thread)."""
 
@@ -46,7 +47,7 @@ class AddRMSNormKernel(RowKernel):
         stream: cuda.CUstream,
     ):
         self.kernel(x, residual, gamma, residual_out, out, rows, eps).launch(
-            grid=[grid, 1, 1], block=[self.threads, 1, 1], stream=stream, use_pdl=self.pdl
+            grid=[grid, 1, 1], block=[self.cta_threads, 1, 1], stream=stream, use_pdl=self.pdl
         )
 
     @cute.kernel
@@ -55,19 +56,41 @@ class AddRMSNormKernel(RowKernel):
         bidx, _, _ = cute.arch.block_idx()
         gdim, _, _ = cute.arch.grid_dim()
         red = self.alloc_reduction()
-        gam = self.load_gamma(gamma, tidx, self.weight_offset)
+        if const_expr(self.rows_per_cta == 1):
+            lane = tidx
+            group = Int32(0)
+        else:
+            lane = tidx % self.threads
+            group = tidx // self.threads
+        gam = self.load_gamma(gamma, lane, self.weight_offset)
         if const_expr(self.pdl):
             # x and the residual may come from the kernel before: wait for it to finish (a no-op
             # when not launched as a dependent), and let the kernel after start its own prologue
             cute.arch.griddepcontrol_wait()
             cute.arch.griddepcontrol_launch_dependents()
         parity = Int32(0)
-        for row in cutlass.range(bidx, rows, gdim):
-            row_elem = Int64(row) * self.hidden
-            xf = self.new_frag()
-            rf = self.new_frag()
-            self.load_row(x, row_elem, xf, tidx)
-            self.load_row(residual, row_elem, rf, tidx)
-            total = xf.load().to(Float32) + rf.load().to(Float32)
-            self.norm_and_store(total, gam, eps, red, parity, residual_out, out, row_elem, tidx)
-            parity = 1 - parity
+        if const_expr(self.rows_per_cta == 1):
+            for row in cutlass.range(bidx, rows, gdim):
+                row_elem = Int64(row) * self.hidden
+                xf = self.new_frag()
+                rf = self.new_frag()
+                self.load_row(x, row_elem, xf, lane)
+                self.load_row(residual, row_elem, rf, lane)
+                total = xf.load().to(Float32) + rf.load().to(Float32)
+                self.norm_and_store(total, gam, eps, red, parity, residual_out, out, row_elem, lane, tidx)
+                parity = 1 - parity
+        else:
+            # every thread runs every block's iteration (the row's reduction may need the CTA's
+            # barrier); a row past the end loads zeros and stores nothing
+            for first in cutlass.range(bidx * self.rows_per_cta, rows, gdim * self.rows_per_cta):
+                row = first + group
+                live = row < rows
+                row_elem = Int64(row) * self.hidden
+                xf = self.new_frag()
+                rf = self.new_frag()
+                if live:
+                    self.load_row(x, row_elem, xf, lane)
+                    self.load_row(residual, row_elem, rf, lane)
+                total = xf.load().to(Float32) + rf.load().to(Float32)
+                self.norm_and_store(total, gam, eps, red, parity, residual_out, out, row_elem, lane, tidx, live)
+                parity = 1 - parity

@@ -230,7 +230,7 @@ class AllReduceAddRMSNormKernel(RowKernel):
             for r in cutlass.range_constexpr(1, world):
                 total = total + peers[None, None, r].load().to(Float32)
             total = total + rf.load().to(Float32)
-            self.norm_and_store(total, gam, eps, red, red_parity, residual_out, out, row_elem, tidx)
+            self.norm_and_store(total, gam, eps, red, red_parity, residual_out, out, row_elem, tidx, tidx)
             red_parity = 1 - red_parity
         # the last CTA out stores the epoch for the next launch (every CTA read it before this)
         cute.arch.sync_threads()

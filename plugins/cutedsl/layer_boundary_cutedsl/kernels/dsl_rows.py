@@ -35,10 +35,12 @@ class RowKernel:
         self.ebytes = torch.empty((), dtype=dtype).element_size()
         self.hidden = tiling.hidden
         self.vec = tiling.vec
-        self.threads = tiling.threads
+        self.threads = tiling.threads  # per row
         self.vpt = tiling.vpt
-        self.warps = tiling.warps
+        self.warps = tiling.warps  # per row
         self.full = tiling.full
+        self.rows_per_cta = tiling.rows_per_cta
+        self.cta_threads = tiling.cta_threads
 
     def _atom(self):
         return cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), self.dtype, num_bits_per_copy=128)
@@ -71,11 +73,13 @@ class RowKernel:
     def alloc_reduction(self):
         """Two slots per warp: consecutive rows alternate, so one barrier per row suffices."""
         smem = _SmemAllocator()
-        return smem.allocate_tensor(Float32, cute.make_layout((self.warps, 2)), byte_alignment=16)
+        return smem.allocate_tensor(Float32, cute.make_layout((self.warps * self.rows_per_cta, 2)), byte_alignment=16)
 
     @cute.jit
     def block_sum(self, value: Float32, red: cute.Tensor, parity: Int32, tidx: Int32) -> Float32:
-        """Sum of `value` over the CTA: warp shuffles, then one shared-memory exchange.
+        """Sum of `value` over the threads of this thread's row: warp shuffles, then (a row of
+        several warps) one shared-memory exchange. `tidx` is the index in the CTA; a row's warps
+        are consecutive, so warp w of the CTA serves row w // warps.
 
         The warp and lane numbers are plain arithmetic on `tidx`, never `cute.arch.warp_idx()`:
         that one is marked warp-uniform with a full-mask `shfl.sync`, and a full-mask shuffle
@@ -89,9 +93,15 @@ class RowKernel:
             if lane == 0:
                 red[warp, parity] = value
             cute.arch.sync_threads()
-            total = red[0, parity]
-            for w in cutlass.range_constexpr(1, self.warps):
-                total = total + red[w, parity]
+            if const_expr(self.rows_per_cta == 1):
+                total = red[0, parity]
+                for w in cutlass.range_constexpr(1, self.warps):
+                    total = total + red[w, parity]
+            else:
+                first = (warp // self.warps) * self.warps
+                total = red[first, parity]
+                for w in cutlass.range_constexpr(1, self.warps):
+                    total = total + red[first + w, parity]
         return total
 
     @cute.jit
@@ -115,16 +125,28 @@ class RowKernel:
         residual_out: Int64,
         out: Int64,
         row_elem: Int64,
+        lane: Int32,
         tidx: Int32,
+        live=None,
     ):
         """Write round(total) as the new residual and round(total * rstd * gamma) as the norm,
-        where rstd = 1/sqrt(mean(total^2) + eps) over the row (fp32 throughout)."""
+        where rstd = 1/sqrt(mean(total^2) + eps) over the row (fp32 throughout). `lane`: the
+        thread's index in its row; `tidx`: in the CTA (the reduction's); `live` (multi-row CTAs): False for a
+        row past the end, which reduces with the others but stores nothing."""
         rfrag = cute.make_rmem_tensor((self.vec, self.vpt), self.dtype)
         rfrag.store(total.to(self.dtype))
-        self.store_row(residual_out, row_elem, rfrag, tidx)
+        if const_expr(live is None):
+            self.store_row(residual_out, row_elem, rfrag, lane)
+        else:
+            if live:
+                self.store_row(residual_out, row_elem, rfrag, lane)
         sq = (total * total).reduce(cute.ReductionOp.ADD, Float32(0.0), 0)
         sq = self.block_sum(sq, red, parity, tidx)
         rstd = cute.math.rsqrt(sq * Float32(1.0 / self.hidden) + eps)
         nfrag = cute.make_rmem_tensor((self.vec, self.vpt), self.dtype)
         nfrag.store((total * rstd * gam).to(self.dtype))
-        self.store_row(out, row_elem, nfrag, tidx)
+        if const_expr(live is None):
+            self.store_row(out, row_elem, nfrag, lane)
+        else:
+            if live:
+                self.store_row(out, row_elem, nfrag, lane)

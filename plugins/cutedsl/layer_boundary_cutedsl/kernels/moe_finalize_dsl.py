@@ -127,7 +127,7 @@ class MoeFinalizeKernel(RowKernel):
                 acc = acc + sf.load().to(Float32)
             if const_expr(self.norm):
                 total = acc + rf.load().to(Float32)
-                self.norm_and_store(total, gam, eps, red, parity, residual_out, out, row_elem, tidx)
+                self.norm_and_store(total, gam, eps, red, parity, residual_out, out, row_elem, tidx, tidx)
             else:
                 of = cute.make_rmem_tensor((self.vec, self.vpt), self.dtype)
                 of.store(acc.to(self.dtype))

@@ -3,10 +3,10 @@
 Pure Python (no cutlass, no CUDA) so that the choices can be tested and listed on any machine.
 
 Every kernel here works on rows of `hidden` elements moved as 16-byte vectors (8 bf16/fp16
-values). One CTA owns one row at a time (one CTA per row; the kernels also loop over rows
-when given fewer CTAs); each of its `threads`
-threads holds `vpt` vectors of the row in registers, so the row is read from HBM once, reduced
-with warp shuffles plus one shared-memory exchange, and written once.
+values). A CTA owns `rows_per_cta` rows at a time (one row for most kernels; the kernels also
+loop over rows when given fewer CTAs); each row's `threads` threads hold `vpt` vectors of it in
+registers, so the row is read from HBM once, reduced with warp shuffles (plus one shared-memory
+exchange when a row spans several warps), and written once.
 """
 
 from __future__ import annotations
@@ -23,6 +23,9 @@ __all__ = [
     "MAX_HIDDEN",
     "RowTiling",
     "row_tiling",
+    "group_tiling",
+    "ADD_NORM_LAYOUTS",
+    "add_norm_layout",
     "AddNormVariant",
     "MoeVariant",
     "check_hidden",
@@ -59,7 +62,8 @@ def check_hidden(hidden: int, dtype: torch.dtype = torch.bfloat16) -> None:
 
 @dataclass(frozen=True)
 class RowTiling:
-    """`threads` threads per CTA, each holding `vpt` vectors of `vec` elements of one row.
+    """`threads` threads per row, each holding `vpt` vectors of `vec` elements of it, and
+    `rows_per_cta` rows side by side in a CTA of `cta_threads` threads.
 
     `full` is True when threads * vpt * vec == hidden exactly, so no vector needs a bounds check.
     """
@@ -68,6 +72,11 @@ class RowTiling:
     vec: int
     threads: int
     vpt: int
+    rows_per_cta: int = 1
+
+    @property
+    def cta_threads(self) -> int:
+        return self.threads * self.rows_per_cta
 
     @property
     def nvec(self) -> int:
@@ -100,6 +109,34 @@ def row_tiling(hidden: int, dtype: torch.dtype = torch.bfloat16, *, max_vpt: int
     return RowTiling(hidden=hidden, vec=vec, threads=threads, vpt=vpt)
 
 
+def group_tiling(hidden: int, dtype: torch.dtype, threads_per_row: int, rows_per_cta: int) -> RowTiling:
+    """`rows_per_cta` rows a CTA, each spread over `threads_per_row` threads (a multiple of 32,
+    so that no warp holds two rows and a one-warp row reduces with shuffles alone)."""
+    check_hidden(hidden, dtype)
+    if threads_per_row <= 0 or threads_per_row % 32 or rows_per_cta <= 0 or threads_per_row * rows_per_cta > 1024:
+        raise ValueError(
+            f"a row layout needs a positive multiple of 32 threads per row and at most 1024 threads a CTA, "
+            f"got {threads_per_row} x {rows_per_cta}"
+        )
+    vec = _elems_per_vec(dtype)
+    nvec = hidden // vec
+    if threads_per_row > nvec:
+        raise ValueError(f"{threads_per_row} threads a row leave threads idle: a {hidden}-wide row has {nvec} 16-byte vectors")
+    vpt = -(-nvec // threads_per_row)
+    return RowTiling(hidden=hidden, vec=vec, threads=threads_per_row, vpt=vpt, rows_per_cta=rows_per_cta)
+
+
+#: (threads per row, rows per CTA) of the add + RMSNorm kernel by hidden size (bf16/fp16), where
+#: a sweep on an H200 chose one (`python -m layer_boundary_cutedsl.add_norm_sweep --layouts`);
+#: other widths take `row_tiling`'s one row of 128+ threads a CTA
+ADD_NORM_LAYOUTS: dict = {}
+
+
+def add_norm_layout(hidden: int) -> Optional[tuple]:
+    """The swept (threads per row, rows per CTA) for `hidden`, or None for the default tiling."""
+    return ADD_NORM_LAYOUTS.get(hidden)
+
+
 _DTYPE_NAMES = {torch.bfloat16: "bf16", torch.float16: "fp16"}
 
 
@@ -113,14 +150,21 @@ class AddNormVariant:
     #: launched as a programmatic dependent (PDL): the CTAs start while the previous kernel on
     #: the stream drains, load gamma (a weight, never produced there), then wait for it
     pdl: bool = True
+    #: (threads per row, rows per CTA); None: the swept layout for this width, else `row_tiling`
+    layout: Optional[tuple] = None
 
     def tiling(self) -> RowTiling:
-        return row_tiling(self.hidden, self.dtype, max_vpt=4, min_threads=128)
+        layout = self.layout or add_norm_layout(self.hidden)
+        if layout is None:
+            return row_tiling(self.hidden, self.dtype, max_vpt=4, min_threads=128)
+        return group_tiling(self.hidden, self.dtype, *layout)
 
     @property
     def name(self) -> str:
         g = "_gemma" if self.weight_offset else ""
-        return f"add_rmsnorm_{_DTYPE_NAMES[self.dtype]}_h{self.hidden}{g}{'' if self.pdl else '_nopdl'}"
+        layout = self.layout or add_norm_layout(self.hidden)
+        shape = f"_r{layout[0]}x{layout[1]}" if layout is not None else ""
+        return f"add_rmsnorm_{_DTYPE_NAMES[self.dtype]}_h{self.hidden}{g}{'' if self.pdl else '_nopdl'}{shape}"
 
 
 @dataclass(frozen=True)
@@ -186,8 +230,8 @@ def all_moe_variants(
                             yield MoeVariant(dtype, hidden, top_k, indexed, shared, norm, offset)
 
 
-def default_grid(rows: int, threads: int, num_sms: Optional[int] = None) -> int:
-    """CTAs to launch for `rows` rows: one per row.
+def default_grid(rows: int, rows_per_cta: int = 1, num_sms: Optional[int] = None) -> int:
+    """CTAs to launch for `rows` rows: one per `rows_per_cta` rows.
 
     The hardware then hands rows to SMs as CTAs retire, so the tail is at most one row per SM.
     (A grid capped at "SMs x CTAs per SM" would need the kernel's real occupancy: when fewer
@@ -195,4 +239,4 @@ def default_grid(rows: int, threads: int, num_sms: Optional[int] = None) -> int:
     loop over rows, so any grid >= 1 is correct."""
     if rows <= 0:
         return 0
-    return min(rows, 2**31 - 1)
+    return min(-(-rows // rows_per_cta), 2**31 - 1)
