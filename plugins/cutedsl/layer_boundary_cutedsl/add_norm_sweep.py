@@ -13,7 +13,8 @@ like-for-like comparison with FlashInfer. Every variant's output is checked agai
 default's first (the residual bit for bit, the norm within one rounding).
 
 `--layouts` times the kernel in place with PDL (FlashInfer's mode) for every candidate layout
-of a CTA (threads per row, rows per CTA: `LAYOUTS`) and for the default tiling, against
+of a CTA (threads per row, rows per CTA: `LAYOUTS`) and for the default tiling, some of them
+also with x and the residual staged through shared memory (cp.async, `STAGED`), against
 FlashInfer, and prints per width the layout with the lowest worst ratio over the token counts
 (the entry `tiling.ADD_NORM_LAYOUTS` takes).
 """
@@ -29,7 +30,7 @@ from layer_boundary.cli.args import OneLineParser, positive_int
 
 from .bench import EPS, time_graph, write
 from .kernels import fused_add_rmsnorm
-from .kernels.tiling import group_tiling
+from .kernels.tiling import AddNormVariant, group_tiling
 
 DT = torch.bfloat16
 #: (pdl, in_place) -> column name
@@ -86,21 +87,34 @@ LAYOUTS = ((32, 4), (32, 8), (64, 2), (64, 4), (128, 1), (128, 2), (256, 1))
 MAX_VPT = 16
 
 
+#: layouts also tried with staged loads (cp.async through shared memory, as FlashInfer loads)
+STAGED = (None, (64, 2), (128, 1), (256, 1))
+
+
 def candidate_layouts(hidden: int) -> list:
-    """The default tiling (None) and every layout of `LAYOUTS` that fits a row of `hidden`."""
-    out = [None]
+    """(layout, staged) pairs: the default tiling (layout None) and every layout of `LAYOUTS`
+    that fits a row of `hidden`, with registers loads; `STAGED`'s ones again staged."""
+    fits = [None]
     for layout in LAYOUTS:
         try:
             tiling = group_tiling(hidden, DT, *layout)
         except ValueError:
             continue
         if tiling.vpt <= MAX_VPT:
-            out.append(layout)
+            fits.append(layout)
+    out = [(layout, False) for layout in fits]
+    for layout in fits:
+        if layout in STAGED:
+            try:
+                AddNormVariant(DT, hidden, layout=layout, staged=True)
+            except ValueError:  # more shared memory than a CTA gets
+                continue
+            out.append((layout, True))
     return out
 
 
-def _layout_name(layout) -> str:
-    return "default" if layout is None else f"{layout[0]}x{layout[1]}"
+def _layout_name(layout, staged: bool = False) -> str:
+    return ("default" if layout is None else f"{layout[0]}x{layout[1]}") + ("+s" if staged else "")
 
 
 def _measure_layouts(t: int, hidden: int, fi, iters: int, repeats: int) -> dict:
@@ -108,16 +122,17 @@ def _measure_layouts(t: int, hidden: int, fi, iters: int, repeats: int) -> dict:
     ref_n, ref_r = fused_add_rmsnorm(x, r, gamma, EPS)
     n_iters = iters if t * hidden <= 1024 * 8192 else max(2, iters // 4)
     row = dict(tokens=t, hidden=hidden, us={})
-    for layout in candidate_layouts(hidden):
-        name = _layout_name(layout)
+    for layout, staged in candidate_layouts(hidden):
+        name = _layout_name(layout, staged)
         xx, rr = x.clone(), r.clone()
-        fused_add_rmsnorm(xx, rr, gamma, EPS, out=xx, residual_out=rr, layout=layout)
+        fused_add_rmsnorm(xx, rr, gamma, EPS, out=xx, residual_out=rr, layout=layout, staged=staged)
         torch.cuda.synchronize()
         if not torch.equal(rr, ref_r):
             raise AssertionError(f"layout {name} at T={t} H={hidden}: new residual differs")
         if not torch.allclose(xx.float(), ref_n.float(), rtol=2**-7, atol=2**-7):
             raise AssertionError(f"layout {name} at T={t} H={hidden}: norm differs beyond a rounding")
-        run = lambda xx=xx, rr=rr, layout=layout: fused_add_rmsnorm(xx, rr, gamma, EPS, out=xx, residual_out=rr, layout=layout)  # noqa: E731
+        run = lambda xx=xx, rr=rr, layout=layout, staged=staged: fused_add_rmsnorm(  # noqa: E731
+            xx, rr, gamma, EPS, out=xx, residual_out=rr, layout=layout, staged=staged)
         row["us"][name] = time_graph(run, n_iters, repeats)
     if fi is not None:
         fx, fr = x.clone(), r.clone()

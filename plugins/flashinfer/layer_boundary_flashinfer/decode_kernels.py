@@ -7,7 +7,8 @@ over a float32 table [max_positions, head_dim] built once here: cos of `position
 the first half, sin in the second, the values the core's `RotaryEmbedding` computes.
 
 Decode attention: `BatchDecodeWithPagedKVCacheWrapper` (HND layout, CUDA-graph mode, its decode
-kernel without tensor cores for short caches, with them for long ones: `uses_tensor_cores`) over
+kernel without tensor cores for short caches, with them and without the split for long ones:
+`uses_tensor_cores`, `splits_kv`) over
 the core's `StaticKVCache` as it is: a slot's [kv_heads,
 max_len, head_dim] block is one page of `max_len` tokens, so the page table is the slot of each
 row and the last page's length is the row's position + 1. The plan depends only on the batch
@@ -52,18 +53,30 @@ HEAD_DIMS = (64, 128, 256)
 #: the float workspace FlashInfer's decode splits use (its recommended size)
 WORKSPACE_BYTES = 128 * 2**20
 #: from how many cached tokens a slot FlashInfer's tensor-core decode kernel runs, for one row
-#: and for a batch of `TENSOR_CORE_BATCH` rows or more. On an H200 (32 query / 8 KV heads, D 128,
-#: 8 layers, graph replay; benchmarks/decode_attention_probe.py, session 7) the CUDA-core kernel
-#: won at batch 1 up to 256 tokens (63 against 79 us) and lost from 512 (114 against 93; 385
-#: against 159 at 1032); at batch 32 it won at 40 (66 against 92) and lost from 128 (118 against
-#: 107; 494 against 220 at 1032). The choice depends on the plan's shape only: the same on every rank.
+#: and for a batch of `TENSOR_CORE_BATCH` rows or more, and up to how many it runs without
+#: splitting a row's keys over blocks (no merge launch). On an H200 (32 query / 8 KV heads, D 128,
+#: 8 layers, graph replay; benchmarks/decode_attention_probe.py, us; session 8):
+#:   batch 8:  CUDA cores 48.8 / 82.8 / 200 at 40 / 128 / 512 tokens; tensor cores without the
+#:             split 63.9 / 64.8 / 113; with it 77.9 / 78.8 / 129
+#:   batch 32: CUDA cores 63.5 / 115 / 517 at 40 / 128 / 1032; no split 66.0 / 79.3 / 196
+#:   batch 1:  CUDA cores 44.7 at 40, 111 at 512; no split 63.1 and 76.9
+#: Without the split the tensor-core kernel was faster than with it at every batch (1, 8, 32)
+#: and length (40 to 8200) measured, by 2-25%; beyond 8200 tokens it keeps the split (not
+#: measured). The choice depends on the plan's shape only: the same on every rank.
 TENSOR_CORE_MIN_LEN = 512
-TENSOR_CORE_BATCH, TENSOR_CORE_BATCH_MIN_LEN = 16, 128
+TENSOR_CORE_BATCH, TENSOR_CORE_BATCH_MIN_LEN = 8, 128
+TENSOR_CORE_NO_SPLIT_MAX_LEN = 8200
 
 
 def uses_tensor_cores(batch: int, page_size: int) -> bool:
     """Whether a plan for `batch` rows over slots of `page_size` tokens takes the tensor-core kernel."""
     return page_size >= TENSOR_CORE_MIN_LEN or (batch >= TENSOR_CORE_BATCH and page_size >= TENSOR_CORE_BATCH_MIN_LEN)
+
+
+def splits_kv(batch: int, page_size: int) -> bool:
+    """Whether that plan splits a row's keys over blocks (FlashInfer's CUDA-core decode always
+    does in CUDA-graph mode: it ignores `disable_split_kv`)."""
+    return not uses_tensor_cores(batch, page_size) or page_size > TENSOR_CORE_NO_SPLIT_MAX_LEN
 
 
 def reason(request) -> Optional[str]:
@@ -139,6 +152,7 @@ class _Planned:
             torch.full((batch,), page_size, dtype=torch.int32),
             request.heads, request.kv_heads, request.head_dim, page_size,
             q_data_type=request.dtype, kv_data_type=request.dtype, sm_scale=request.scaling,
+            disable_split_kv=not splits_kv(batch, page_size),
         )
 
     def bind(self, slots, positions) -> torch.Tensor:

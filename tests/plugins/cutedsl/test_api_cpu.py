@@ -88,3 +88,6 @@ def test_multi_row_layouts():
     # an explicit layout is part of the kernel's name (and so of its compile cache key)
     assert AddNormVariant(bf16, 4096, layout=(64, 2)).name == "add_rmsnorm_bf16_h4096_r64x2"
     assert AddNormVariant(bf16, 4096, layout=(64, 2)).tiling() == group_tiling(4096, bf16, 64, 2)
+    assert AddNormVariant(bf16, 4096, staged=True).name == "add_rmsnorm_bf16_h4096_staged"
+    with pytest.raises(ValueError, match="shared memory"):  # two staged 32 KiB rows: over 48 KiB
+        AddNormVariant(bf16, 16384, staged=True)

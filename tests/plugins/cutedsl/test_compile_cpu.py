@@ -57,7 +57,11 @@ LAYOUT_VARIANTS = [
     for hidden in (2880, 4096)
     for layout in ((32, 4), (64, 2), (64, 4), (128, 1), (128, 2), (256, 1))
     for offset in (0.0,)
-] + [AddNormVariant(torch.float16, 8192, 1.0, False, (128, 2))]
+] + [AddNormVariant(torch.float16, 8192, 1.0, False, (128, 2))] + [
+    AddNormVariant(torch.bfloat16, hidden, 0.0, True, layout, staged=True)
+    for hidden in (2880, 4096)
+    for layout in (None, (64, 2))
+]
 
 
 @pytest.mark.parametrize("variant", LAYOUT_VARIANTS, ids=lambda v: v.name)

@@ -67,13 +67,14 @@ def _torch_decode(q, k_cache, v_cache, slots, positions):
     return torch.einsum("thl,thld->thd", torch.softmax(scores, dim=-1), values)
 
 
-@pytest.mark.parametrize("cache_len", [48, 520], ids=["cuda_cores", "tensor_cores"])
+@pytest.mark.parametrize("cache_len", [48, 520, 8208], ids=["cuda_cores", "tensor_cores_no_split", "tensor_cores_split"])
 @pytest.mark.parametrize("slots_given", [False, True], ids=["rows_are_slots", "slots_given"])
 @torch.inference_mode()
 def test_decode_attention_kernel_matches_the_reference(slots_given, cache_len):
     kernel = decode_kernels.decode_attention_factory(_decode_request())
     assert kernel is not None, "flashinfer.decode_attention declined on this GPU"
-    assert decode_kernels.uses_tensor_cores(6, cache_len) == (cache_len == 520)
+    assert decode_kernels.uses_tensor_cores(6, cache_len) == (cache_len >= 520)
+    assert decode_kernels.splits_kv(6, cache_len) == (cache_len != 520)
     gen = torch.Generator(device="cuda").manual_seed(1)
     cache_shape = (6, KV_HEADS, cache_len, D)
     k_cache = torch.randn(cache_shape, device="cuda", generator=gen).bfloat16()

@@ -18,9 +18,9 @@ __all__ = ["fused_add_rmsnorm", "prepare_add_rmsnorm"]
 _entries: dict = {}  # ((variant key), device) -> launcher entry, the per-call lookup
 
 
-def _entry(dtype: torch.dtype, hidden: int, weight_offset: float, device: torch.device, pdl: bool = True, layout=None):
-    key = ("add_rmsnorm", dtype, hidden, weight_offset, pdl, layout)
-    return executor_for(key, device, lambda: AddNormVariant(dtype, hidden, weight_offset, pdl, layout), 5)
+def _entry(dtype: torch.dtype, hidden: int, weight_offset: float, device: torch.device, pdl: bool = True, layout=None, staged=False):
+    key = ("add_rmsnorm", dtype, hidden, weight_offset, pdl, layout, staged)
+    return executor_for(key, device, lambda: AddNormVariant(dtype, hidden, weight_offset, pdl, layout, staged), 5)
 
 
 def prepare_add_rmsnorm(dtype: torch.dtype, hidden: int, *, weight_offset: float = 0.0, device=None) -> None:
@@ -41,6 +41,7 @@ def fused_add_rmsnorm(
     weight_offset: float = 0.0,
     pdl: bool = True,
     layout: Optional[tuple] = None,
+    staged: bool = False,
 ):
     """(normed, new_residual) with new_residual = x + residual and
     normed = new_residual_fp32 * rsqrt(mean(new_residual_fp32^2) + eps) * (gamma + weight_offset).
@@ -51,7 +52,8 @@ def fused_add_rmsnorm(
     `out` / `residual_out` default to new tensors; `residual_out=residual` updates the residual
     in place and `out=x` overwrites x (out and residual_out must not be the same memory).
     `pdl=False` launches the kernel as an ordinary one (benchmarks compare the two);
-    `layout=(threads per row, rows per CTA)` overrides the width's tiling (the layout sweep).
+    `layout=(threads per row, rows per CTA)` overrides the width's tiling and `staged=True` loads
+    through shared memory (cp.async): the layout sweep compares them.
     """
     hidden = x.shape[-1]
     shape, dtype, device = x.shape, x.dtype, x.device
@@ -77,13 +79,13 @@ def fused_add_rmsnorm(
     rows = x.numel() // hidden if hidden else 0
     if rows == 0:
         return out, residual_out
-    key = ("add_rmsnorm", dtype, hidden, weight_offset, pdl, layout)
+    key = ("add_rmsnorm", dtype, hidden, weight_offset, pdl, layout, staged)
     entry = _entries.get((key, device))
     if entry is None:
         check_hidden(hidden, dtype)
         if out.data_ptr() == residual_out.data_ptr():
             raise ValueError("out and residual_out must not be the same memory")
-        entry = _entries[(key, device)] = _entry(dtype, hidden, float(weight_offset), device, bool(pdl), layout)
+        entry = _entries[(key, device)] = _entry(dtype, hidden, float(weight_offset), device, bool(pdl), layout, bool(staged))
     elif out.data_ptr() == residual_out.data_ptr():
         raise ValueError("out and residual_out must not be the same memory")
     launch(entry, rows, [x.data_ptr(), residual.data_ptr(), gamma.data_ptr(), residual_out.data_ptr(), out.data_ptr()], eps, device)

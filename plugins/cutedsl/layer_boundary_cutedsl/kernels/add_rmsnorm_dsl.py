@@ -32,6 +32,7 @@ class AddRMSNormKernel(RowKernel):
         self.variant = variant
         self.weight_offset = float(variant.weight_offset)
         self.pdl = bool(variant.pdl)
+        self.staged = bool(variant.staged)
 
     @cute.jit
     def __call__(
@@ -56,6 +57,9 @@ class AddRMSNormKernel(RowKernel):
         bidx, _, _ = cute.arch.block_idx()
         gdim, _, _ = cute.arch.grid_dim()
         red = self.alloc_reduction()
+        if const_expr(self.staged):
+            sx = self.alloc_staging()
+            sr = self.alloc_staging()
         if const_expr(self.rows_per_cta == 1):
             lane = tidx
             group = Int32(0)
@@ -74,8 +78,16 @@ class AddRMSNormKernel(RowKernel):
                 row_elem = Int64(row) * self.hidden
                 xf = self.new_frag()
                 rf = self.new_frag()
-                self.load_row(x, row_elem, xf, lane)
-                self.load_row(residual, row_elem, rf, lane)
+                if const_expr(self.staged):
+                    self.stage_row(x, row_elem, sx, lane, tidx)
+                    self.stage_row(residual, row_elem, sr, lane, tidx)
+                    cute.arch.cp_async_commit_group()
+                    cute.arch.cp_async_wait_group(0)
+                    self.land_row(sx, xf, lane, tidx)
+                    self.land_row(sr, rf, lane, tidx)
+                else:
+                    self.load_row(x, row_elem, xf, lane)
+                    self.load_row(residual, row_elem, rf, lane)
                 total = xf.load().to(Float32) + rf.load().to(Float32)
                 self.norm_and_store(total, gam, eps, red, parity, residual_out, out, row_elem, lane, tidx)
                 parity = 1 - parity
@@ -89,8 +101,16 @@ class AddRMSNormKernel(RowKernel):
                 xf = self.new_frag()
                 rf = self.new_frag()
                 if live:
-                    self.load_row(x, row_elem, xf, lane)
-                    self.load_row(residual, row_elem, rf, lane)
+                    if const_expr(self.staged):
+                        self.stage_row(x, row_elem, sx, lane, tidx)
+                        self.stage_row(residual, row_elem, sr, lane, tidx)
+                        cute.arch.cp_async_commit_group()
+                        cute.arch.cp_async_wait_group(0)
+                        self.land_row(sx, xf, lane, tidx)
+                        self.land_row(sr, rf, lane, tidx)
+                    else:
+                        self.load_row(x, row_elem, xf, lane)
+                        self.load_row(residual, row_elem, rf, lane)
                 total = xf.load().to(Float32) + rf.load().to(Float32)
                 self.norm_and_store(total, gam, eps, red, parity, residual_out, out, row_elem, lane, tidx, live)
                 parity = 1 - parity

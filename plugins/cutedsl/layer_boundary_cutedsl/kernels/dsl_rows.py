@@ -70,6 +70,34 @@ class RowKernel:
             if const_expr(self.full) or col < self.hidden:
                 cute.copy(self._atom(), frag[None, i], self._vec_tensor(addr, row_elem + col))
 
+    def alloc_staging(self):
+        """Shared memory for one row of a CTA thread's vectors, laid out (vec, thread, slot) so
+        that neighbouring threads' 16-byte vectors are neighbours (no bank conflicts); each
+        thread reads back only what it copied, so no barrier is needed between."""
+        smem = _SmemAllocator()
+        layout = cute.make_layout((self.vec, self.cta_threads, self.vpt), stride=(1, self.vec, self.vec * self.cta_threads))
+        return smem.allocate_tensor(self.dtype, layout, byte_alignment=16)
+
+    @cute.jit
+    def stage_row(self, addr: Int64, row_elem: Int64, stage: cute.Tensor, lane: Int32, tidx: Int32):
+        """Start this thread's vectors of the row on their way to `stage` (cp.async, L2 only:
+        the row is read once, so it need not take L1 space); `land_row` waits for them."""
+        atom = cute.make_copy_atom(
+            cute.nvgpu.cpasync.CopyG2SOp(cute.nvgpu.cpasync.LoadCacheMode.GLOBAL), self.dtype, num_bits_per_copy=128
+        )
+        for i in cutlass.range_constexpr(self.vpt):
+            col = (i * self.threads + lane) * self.vec
+            if const_expr(self.full) or col < self.hidden:
+                cute.copy(atom, self._vec_tensor(addr, row_elem + col), stage[None, tidx, i])
+
+    @cute.jit
+    def land_row(self, stage: cute.Tensor, frag: cute.Tensor, lane: Int32, tidx: Int32):
+        """frag <- this thread's staged vectors (after `cp_async_wait_group`)."""
+        for i in cutlass.range_constexpr(self.vpt):
+            col = (i * self.threads + lane) * self.vec
+            if const_expr(self.full) or col < self.hidden:
+                frag[None, i].store(stage[None, tidx, i].load())
+
     def alloc_reduction(self):
         """Two slots per warp: consecutive rows alternate, so one barrier per row suffices."""
         smem = _SmemAllocator()

@@ -137,6 +137,9 @@ def add_norm_layout(hidden: int) -> Optional[tuple]:
     return ADD_NORM_LAYOUTS.get(hidden)
 
 
+#: shared memory a CTA may take without the opt-in attribute: the staged loads' limit
+STAGING_MAX_BYTES = 48 * 1024
+
 _DTYPE_NAMES = {torch.bfloat16: "bf16", torch.float16: "fp16"}
 
 
@@ -152,6 +155,16 @@ class AddNormVariant:
     pdl: bool = True
     #: (threads per row, rows per CTA); None: the swept layout for this width, else `row_tiling`
     layout: Optional[tuple] = None
+    #: x and the residual come in through shared memory (cp.async, L2 only) instead of straight
+    #: into registers (FlashInfer's norms load so)
+    staged: bool = False
+
+    def __post_init__(self):
+        if self.staged:
+            t = self.tiling()
+            staging = 2 * t.cta_threads * t.vpt * VEC_BYTES
+            if staging > STAGING_MAX_BYTES:
+                raise ValueError(f"staging two rows of {self.hidden} takes {staging} bytes of shared memory (at most {STAGING_MAX_BYTES})")
 
     def tiling(self) -> RowTiling:
         layout = self.layout or add_norm_layout(self.hidden)
@@ -164,7 +177,8 @@ class AddNormVariant:
         g = "_gemma" if self.weight_offset else ""
         layout = self.layout or add_norm_layout(self.hidden)
         shape = f"_r{layout[0]}x{layout[1]}" if layout is not None else ""
-        return f"add_rmsnorm_{_DTYPE_NAMES[self.dtype]}_h{self.hidden}{g}{'' if self.pdl else '_nopdl'}{shape}"
+        staged = "_staged" if self.staged else ""
+        return f"add_rmsnorm_{_DTYPE_NAMES[self.dtype]}_h{self.hidden}{g}{'' if self.pdl else '_nopdl'}{shape}{staged}"
 
 
 @dataclass(frozen=True)
