@@ -88,12 +88,15 @@ MAX_VPT = 16
 
 
 #: layouts also tried with staged loads (cp.async through shared memory, as FlashInfer loads)
-STAGED = (None, (64, 2), (128, 1), (256, 1))
+STAGED = (None, (128, 1), (256, 1))
+#: layouts also tried with the PDL trigger at the end of the kernel (as FlashInfer's norms have it)
+LATE = (None, (256, 1))
 
 
 def candidate_layouts(hidden: int) -> list:
-    """(layout, staged) pairs: the default tiling (layout None) and every layout of `LAYOUTS`
-    that fits a row of `hidden`, with registers loads; `STAGED`'s ones again staged."""
+    """(layout, staged, late trigger): the default tiling (layout None) and every layout of
+    `LAYOUTS` that fits a row of `hidden`, with register loads; `STAGED`'s ones again staged,
+    `LATE`'s ones again with the late PDL trigger."""
     fits = [None]
     for layout in LAYOUTS:
         try:
@@ -102,19 +105,21 @@ def candidate_layouts(hidden: int) -> list:
             continue
         if tiling.vpt <= MAX_VPT:
             fits.append(layout)
-    out = [(layout, False) for layout in fits]
+    out = [(layout, False, False) for layout in fits]
     for layout in fits:
         if layout in STAGED:
             try:
                 AddNormVariant(DT, hidden, layout=layout, staged=True)
             except ValueError:  # more shared memory than a CTA gets
                 continue
-            out.append((layout, True))
+            out.append((layout, True, False))
+    out += [(layout, False, True) for layout in fits if layout in LATE]
     return out
 
 
-def _layout_name(layout, staged: bool = False) -> str:
-    return ("default" if layout is None else f"{layout[0]}x{layout[1]}") + ("+s" if staged else "")
+def _layout_name(layout, staged: bool = False, late: bool = False) -> str:
+    name = "default" if layout is None else f"{layout[0]}x{layout[1]}"
+    return name + ("+s" if staged else "") + ("+late" if late else "")
 
 
 def _measure_layouts(t: int, hidden: int, fi, iters: int, repeats: int) -> dict:
@@ -122,17 +127,17 @@ def _measure_layouts(t: int, hidden: int, fi, iters: int, repeats: int) -> dict:
     ref_n, ref_r = fused_add_rmsnorm(x, r, gamma, EPS)
     n_iters = iters if t * hidden <= 1024 * 8192 else max(2, iters // 4)
     row = dict(tokens=t, hidden=hidden, us={})
-    for layout, staged in candidate_layouts(hidden):
-        name = _layout_name(layout, staged)
+    for layout, staged, late in candidate_layouts(hidden):
+        name = _layout_name(layout, staged, late)
         xx, rr = x.clone(), r.clone()
-        fused_add_rmsnorm(xx, rr, gamma, EPS, out=xx, residual_out=rr, layout=layout, staged=staged)
+        fused_add_rmsnorm(xx, rr, gamma, EPS, out=xx, residual_out=rr, layout=layout, staged=staged, late_trigger=late)
         torch.cuda.synchronize()
         if not torch.equal(rr, ref_r):
             raise AssertionError(f"layout {name} at T={t} H={hidden}: new residual differs")
         if not torch.allclose(xx.float(), ref_n.float(), rtol=2**-7, atol=2**-7):
             raise AssertionError(f"layout {name} at T={t} H={hidden}: norm differs beyond a rounding")
-        run = lambda xx=xx, rr=rr, layout=layout, staged=staged: fused_add_rmsnorm(  # noqa: E731
-            xx, rr, gamma, EPS, out=xx, residual_out=rr, layout=layout, staged=staged)
+        run = lambda xx=xx, rr=rr, layout=layout, staged=staged, late=late: fused_add_rmsnorm(  # noqa: E731
+            xx, rr, gamma, EPS, out=xx, residual_out=rr, layout=layout, staged=staged, late_trigger=late)
         row["us"][name] = time_graph(run, n_iters, repeats)
     if fi is not None:
         fx, fr = x.clone(), r.clone()

@@ -61,7 +61,7 @@ LAYOUT_VARIANTS = [
     AddNormVariant(torch.bfloat16, hidden, 0.0, True, layout, staged=True)
     for hidden in (2880, 4096)
     for layout in (None, (64, 2))
-]
+] + [AddNormVariant(torch.bfloat16, 4096, late_trigger=True), AddNormVariant(torch.bfloat16, 2880, layout=(256, 1), late_trigger=True)]
 
 
 @pytest.mark.parametrize("variant", LAYOUT_VARIANTS, ids=lambda v: v.name)

@@ -117,8 +117,40 @@ def test_row_layouts(hidden, layout, tokens, max_ctas, monkeypatch):
 @pytest.mark.parametrize("tokens", [1, 301])
 @pytest.mark.parametrize("max_ctas", [None, 3])
 def test_staged_loads(hidden, layout, tokens, max_ctas, monkeypatch):
-    """x and the residual through shared memory (cp.async) give the same answer."""
+    """x and the residual through shared memory (cp.async) give the same answer; a row too
+    wide to stage in 48 KiB is refused when the kernel is asked for."""
+    from layer_boundary_cutedsl.kernels.tiling import AddNormVariant
+
+    try:
+        AddNormVariant(torch.bfloat16, hidden, layout=layout, staged=True)
+    except ValueError as exc:
+        assert "shared memory" in str(exc)
+        return
     _check_layout(hidden, layout, True, tokens, max_ctas, monkeypatch)
+
+
+@pytest.mark.parametrize("hidden", [2880, 4096])
+@pytest.mark.parametrize("layout", [None, (256, 1)], ids=lambda lay: "default" if lay is None else f"{lay[0]}x{lay[1]}")
+def test_late_pdl_trigger_in_a_graph_chain(hidden, layout):
+    """The trigger at the end (late) chains the same: 20 dependent calls in one CUDA graph equal
+    20 eager ones of the default launch."""
+    gen = torch.Generator(device="cuda").manual_seed(hidden)
+    x = torch.randn(300, hidden, generator=gen, device="cuda").to(torch.bfloat16)
+    r = torch.randn(300, hidden, generator=gen, device="cuda").to(torch.bfloat16)
+    gamma = _gamma(hidden, 0.0, torch.bfloat16, gen)
+    want_x, want_r = x.clone(), r.clone()
+    for _ in range(20):
+        fused_add_rmsnorm(want_x, want_r, gamma, EPS, out=want_x, residual_out=want_r)
+    got_x, got_r = x.clone(), r.clone()
+    fused_add_rmsnorm(got_x.clone(), got_r.clone(), gamma, EPS, layout=layout, late_trigger=True)  # load before capture
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(20):
+            fused_add_rmsnorm(got_x, got_r, gamma, EPS, out=got_x, residual_out=got_r, layout=layout, late_trigger=True)
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(got_r, want_r) and torch.equal(got_x, want_x)
 
 
 def _check_layout(hidden, layout, staged, tokens, max_ctas, monkeypatch):

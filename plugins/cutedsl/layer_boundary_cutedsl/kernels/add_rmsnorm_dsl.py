@@ -33,6 +33,7 @@ class AddRMSNormKernel(RowKernel):
         self.weight_offset = float(variant.weight_offset)
         self.pdl = bool(variant.pdl)
         self.staged = bool(variant.staged)
+        self.late_trigger = bool(variant.late_trigger)
 
     @cute.jit
     def __call__(
@@ -70,8 +71,11 @@ class AddRMSNormKernel(RowKernel):
         if const_expr(self.pdl):
             # x and the residual may come from the kernel before: wait for it to finish (a no-op
             # when not launched as a dependent), and let the kernel after start its own prologue
+            # (at once; a late trigger lets it in only once this CTA's rows are done, so that its
+            # waiting CTAs take no SM room from this kernel's later CTAs)
             cute.arch.griddepcontrol_wait()
-            cute.arch.griddepcontrol_launch_dependents()
+            if const_expr(not self.late_trigger):
+                cute.arch.griddepcontrol_launch_dependents()
         parity = Int32(0)
         if const_expr(self.rows_per_cta == 1):
             for row in cutlass.range(bidx, rows, gdim):
@@ -114,3 +118,5 @@ class AddRMSNormKernel(RowKernel):
                 total = xf.load().to(Float32) + rf.load().to(Float32)
                 self.norm_and_store(total, gam, eps, red, parity, residual_out, out, row_elem, lane, tidx, live)
                 parity = 1 - parity
+        if const_expr(self.pdl and self.late_trigger):
+            cute.arch.griddepcontrol_launch_dependents()

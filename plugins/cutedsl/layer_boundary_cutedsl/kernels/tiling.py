@@ -158,6 +158,9 @@ class AddNormVariant:
     #: x and the residual come in through shared memory (cp.async, L2 only) instead of straight
     #: into registers (FlashInfer's norms load so)
     staged: bool = False
+    #: with PDL, let the next kernel launch only when this one's CTAs are done with their rows
+    #: (else at once, after the wait)
+    late_trigger: bool = False
 
     def __post_init__(self):
         if self.staged:
@@ -178,7 +181,8 @@ class AddNormVariant:
         layout = self.layout or add_norm_layout(self.hidden)
         shape = f"_r{layout[0]}x{layout[1]}" if layout is not None else ""
         staged = "_staged" if self.staged else ""
-        return f"add_rmsnorm_{_DTYPE_NAMES[self.dtype]}_h{self.hidden}{g}{'' if self.pdl else '_nopdl'}{shape}{staged}"
+        late = "_late" if self.late_trigger and self.pdl else ""
+        return f"add_rmsnorm_{_DTYPE_NAMES[self.dtype]}_h{self.hidden}{g}{'' if self.pdl else '_nopdl'}{late}{shape}{staged}"
 
 
 @dataclass(frozen=True)
