@@ -133,14 +133,15 @@ def test_staged_loads(hidden, layout, tokens, max_ctas, monkeypatch):
 @pytest.mark.parametrize("layout", [None, (256, 1)], ids=lambda lay: "default" if lay is None else f"{lay[0]}x{lay[1]}")
 def test_late_pdl_trigger_in_a_graph_chain(hidden, layout):
     """The trigger at the end (late) chains the same: 20 dependent calls in one CUDA graph equal
-    20 eager ones of the default launch."""
+    20 eager ones of the same layout launched with the trigger at the start (the layouts' sums
+    of squares add in different orders, so each is compared with itself)."""
     gen = torch.Generator(device="cuda").manual_seed(hidden)
     x = torch.randn(300, hidden, generator=gen, device="cuda").to(torch.bfloat16)
     r = torch.randn(300, hidden, generator=gen, device="cuda").to(torch.bfloat16)
     gamma = _gamma(hidden, 0.0, torch.bfloat16, gen)
     want_x, want_r = x.clone(), r.clone()
     for _ in range(20):
-        fused_add_rmsnorm(want_x, want_r, gamma, EPS, out=want_x, residual_out=want_r)
+        fused_add_rmsnorm(want_x, want_r, gamma, EPS, out=want_x, residual_out=want_r, layout=layout, late_trigger=False)
     got_x, got_r = x.clone(), r.clone()
     fused_add_rmsnorm(got_x.clone(), got_r.clone(), gamma, EPS, layout=layout, late_trigger=True)  # load before capture
     torch.cuda.synchronize()
