@@ -52,15 +52,29 @@ class AddRMSNormKernel(RowKernel):
             grid=[grid, 1, 1], block=[self.cta_threads, 1, 1], stream=stream, use_pdl=self.pdl
         )
 
+    @cute.jit
+    def load_inputs(self, x: Int64, residual: Int64, row_elem: Int64, xf: cute.Tensor, rf: cute.Tensor, lane: Int32, tidx: Int32, staging):
+        """xf, rf <- this thread's vectors of the row of x and of the residual: straight into
+        registers, or (staged) through `staging`'s two shared-memory buffers with cp.async."""
+        if const_expr(self.staged):
+            sx, sr = staging
+            self.stage_row(x, row_elem, sx, lane, tidx)
+            self.stage_row(residual, row_elem, sr, lane, tidx)
+            cute.arch.cp_async_commit_group()
+            cute.arch.cp_async_wait_group(0)
+            self.land_row(sx, xf, lane, tidx)
+            self.land_row(sr, rf, lane, tidx)
+        else:
+            self.load_row(x, row_elem, xf, lane)
+            self.load_row(residual, row_elem, rf, lane)
+
     @cute.kernel
     def kernel(self, x: Int64, residual: Int64, gamma: Int64, residual_out: Int64, out: Int64, rows: Int32, eps: Float32):
         tidx, _, _ = cute.arch.thread_idx()
         bidx, _, _ = cute.arch.block_idx()
         gdim, _, _ = cute.arch.grid_dim()
         red = self.alloc_reduction()
-        if const_expr(self.staged):
-            sx = self.alloc_staging()
-            sr = self.alloc_staging()
+        staging = (self.alloc_staging(), self.alloc_staging()) if const_expr(self.staged) else None
         if const_expr(self.rows_per_cta == 1):
             lane = tidx
             group = Int32(0)
@@ -82,16 +96,7 @@ class AddRMSNormKernel(RowKernel):
                 row_elem = Int64(row) * self.hidden
                 xf = self.new_frag()
                 rf = self.new_frag()
-                if const_expr(self.staged):
-                    self.stage_row(x, row_elem, sx, lane, tidx)
-                    self.stage_row(residual, row_elem, sr, lane, tidx)
-                    cute.arch.cp_async_commit_group()
-                    cute.arch.cp_async_wait_group(0)
-                    self.land_row(sx, xf, lane, tidx)
-                    self.land_row(sr, rf, lane, tidx)
-                else:
-                    self.load_row(x, row_elem, xf, lane)
-                    self.load_row(residual, row_elem, rf, lane)
+                self.load_inputs(x, residual, row_elem, xf, rf, lane, tidx, staging)
                 total = xf.load().to(Float32) + rf.load().to(Float32)
                 self.norm_and_store(total, gam, eps, red, parity, residual_out, out, row_elem, lane, tidx)
                 parity = 1 - parity
@@ -105,16 +110,7 @@ class AddRMSNormKernel(RowKernel):
                 xf = self.new_frag()
                 rf = self.new_frag()
                 if live:
-                    if const_expr(self.staged):
-                        self.stage_row(x, row_elem, sx, lane, tidx)
-                        self.stage_row(residual, row_elem, sr, lane, tidx)
-                        cute.arch.cp_async_commit_group()
-                        cute.arch.cp_async_wait_group(0)
-                        self.land_row(sx, xf, lane, tidx)
-                        self.land_row(sr, rf, lane, tidx)
-                    else:
-                        self.load_row(x, row_elem, xf, lane)
-                        self.load_row(residual, row_elem, rf, lane)
+                    self.load_inputs(x, residual, row_elem, xf, rf, lane, tidx, staging)
                 total = xf.load().to(Float32) + rf.load().to(Float32)
                 self.norm_and_store(total, gam, eps, red, parity, residual_out, out, row_elem, lane, tidx, live)
                 parity = 1 - parity
