@@ -23,14 +23,6 @@ def _entry(dtype, hidden, weight_offset, device, pdl=True, layout=None, staged=F
     return executor_for(key, device, lambda: AddNormVariant(dtype, hidden, weight_offset, pdl, layout, staged, late), 5)
 
 
-#: from how many rows a PDL launch lets the next kernel in only at its end (None: never)
-LATE_TRIGGER_MIN_ROWS = None
-
-
-def late_trigger_for(rows: int) -> bool:
-    return LATE_TRIGGER_MIN_ROWS is not None and rows >= LATE_TRIGGER_MIN_ROWS
-
-
 def prepare_add_rmsnorm(dtype: torch.dtype, hidden: int, *, weight_offset: float = 0.0, device=None) -> None:
     """Compile and load the kernel now (before a CUDA graph capture, or at model load)."""
     check_hidden(hidden, dtype)
@@ -50,7 +42,7 @@ def fused_add_rmsnorm(
     pdl: bool = True,
     layout: Optional[tuple] = None,
     staged: bool = False,
-    late_trigger: Optional[bool] = None,
+    late_trigger: bool = False,
 ):
     """(normed, new_residual) with new_residual = x + residual and
     normed = new_residual_fp32 * rsqrt(mean(new_residual_fp32^2) + eps) * (gamma + weight_offset).
@@ -62,8 +54,9 @@ def fused_add_rmsnorm(
     in place and `out=x` overwrites x (out and residual_out must not be the same memory).
     `pdl=False` launches the kernel as an ordinary one (benchmarks compare the two);
     `layout=(threads per row, rows per CTA)` overrides the width's tiling and `staged=True` loads
-    through shared memory (cp.async): the layout sweep compares them. `late_trigger` (PDL): let
-    the next kernel launch at the end instead of at the start; None: `late_trigger_for(rows)`.
+    through shared memory (cp.async): the layout sweep compares them. `late_trigger=True` (PDL)
+    lets the next kernel launch at the end instead of at the start (the sweep found no width or
+    token count where it pays).
     """
     hidden = x.shape[-1]
     shape, dtype, device = x.shape, x.dtype, x.device
@@ -89,17 +82,13 @@ def fused_add_rmsnorm(
     rows = x.numel() // hidden if hidden else 0
     if rows == 0:
         return out, residual_out
-    if late_trigger is None:  # late_trigger_for, inline (the per-call path)
-        late = LATE_TRIGGER_MIN_ROWS is not None and rows >= LATE_TRIGGER_MIN_ROWS
-    else:
-        late = bool(late_trigger)
-    key = ("add_rmsnorm", dtype, hidden, weight_offset, pdl, layout, staged, late)
+    key = ("add_rmsnorm", dtype, hidden, weight_offset, pdl, layout, staged, late_trigger)
     entry = _entries.get((key, device))
     if entry is None:
         check_hidden(hidden, dtype)
         if out.data_ptr() == residual_out.data_ptr():
             raise ValueError("out and residual_out must not be the same memory")
-        entry = _entries[(key, device)] = _entry(dtype, hidden, float(weight_offset), device, bool(pdl), layout, bool(staged), late)
+        entry = _entries[(key, device)] = _entry(dtype, hidden, float(weight_offset), device, bool(pdl), layout, bool(staged), bool(late_trigger))
     elif out.data_ptr() == residual_out.data_ptr():
         raise ValueError("out and residual_out must not be the same memory")
     launch(entry, rows, [x.data_ptr(), residual.data_ptr(), gamma.data_ptr(), residual_out.data_ptr(), out.data_ptr()], eps, device)
