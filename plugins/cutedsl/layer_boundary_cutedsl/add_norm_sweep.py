@@ -56,27 +56,37 @@ def _flashinfer():
         return None, f"{type(exc).__name__}: {exc}"
 
 
-def _measure(t: int, hidden: int, fi, iters: int, repeats: int) -> dict:
-    """Every mode's time at (t, hidden), each checked against the default first."""
+def _measure_variants(t: int, hidden: int, fi, iters: int, repeats: int, variants) -> dict:
+    """The time at (t, hidden) of each (name, in_place, launch options) in `variants`, each
+    checked against the default launch first (the new residual bit for bit, the norm within one
+    rounding), and FlashInfer's (`flashinfer_us`) when it is importable."""
     x, r, gamma = _inputs(t, hidden)
     ref_n, ref_r = fused_add_rmsnorm(x, r, gamma, EPS)
     n_iters = iters if t * hidden <= 1024 * 8192 else max(2, iters // 4)
     row = dict(tokens=t, hidden=hidden, us={})
-    for (pdl, in_place), name in MODES.items():
+    for name, in_place, options in variants:
         xx, rr = x.clone(), r.clone()
         normed, res = (xx, rr) if in_place else (torch.empty_like(x), torch.empty_like(r))
-        fused_add_rmsnorm(xx, rr, gamma, EPS, out=normed, residual_out=res, pdl=pdl)
+        fused_add_rmsnorm(xx, rr, gamma, EPS, out=normed, residual_out=res, **options)
         torch.cuda.synchronize()
         if not torch.equal(res, ref_r):
             raise AssertionError(f"{name} at T={t} H={hidden}: new residual differs")
         if not torch.allclose(normed.float(), ref_n.float(), rtol=2**-7, atol=2**-7):
             raise AssertionError(f"{name} at T={t} H={hidden}: norm differs beyond a rounding")
-        run = lambda xx=xx, rr=rr, normed=normed, res=res, pdl=pdl: fused_add_rmsnorm(  # noqa: E731
-            xx, rr, gamma, EPS, out=normed, residual_out=res, pdl=pdl)
+        run = lambda xx=xx, rr=rr, normed=normed, res=res, options=options: fused_add_rmsnorm(  # noqa: E731
+            xx, rr, gamma, EPS, out=normed, residual_out=res, **options)
         row["us"][name] = time_graph(run, n_iters, repeats)
     if fi is not None:
         fx, fr = x.clone(), r.clone()
         row["flashinfer_us"] = time_graph(lambda: fi(fx, fr, gamma, EPS), n_iters, repeats)
+    return row
+
+
+def _measure(t: int, hidden: int, fi, iters: int, repeats: int) -> dict:
+    """Every launch mode's time at (t, hidden), and the in-place and default ones over FlashInfer's."""
+    modes = [(name, in_place, dict(pdl=pdl)) for (pdl, in_place), name in MODES.items()]
+    row = _measure_variants(t, hidden, fi, iters, repeats, modes)
+    if "flashinfer_us" in row:
         row["inplace_over_flashinfer"] = row["us"]["pdl_inplace"] / row["flashinfer_us"]
         row["default_over_flashinfer"] = row["us"]["pdl"] / row["flashinfer_us"]
     return row
@@ -123,26 +133,9 @@ def _layout_name(layout, staged: bool = False, late: bool = False) -> str:
 
 
 def _measure_layouts(t: int, hidden: int, fi, iters: int, repeats: int) -> dict:
-    x, r, gamma = _inputs(t, hidden)
-    ref_n, ref_r = fused_add_rmsnorm(x, r, gamma, EPS)
-    n_iters = iters if t * hidden <= 1024 * 8192 else max(2, iters // 4)
-    row = dict(tokens=t, hidden=hidden, us={})
-    for layout, staged, late in candidate_layouts(hidden):
-        name = _layout_name(layout, staged, late)
-        xx, rr = x.clone(), r.clone()
-        fused_add_rmsnorm(xx, rr, gamma, EPS, out=xx, residual_out=rr, layout=layout, staged=staged, late_trigger=late)
-        torch.cuda.synchronize()
-        if not torch.equal(rr, ref_r):
-            raise AssertionError(f"layout {name} at T={t} H={hidden}: new residual differs")
-        if not torch.allclose(xx.float(), ref_n.float(), rtol=2**-7, atol=2**-7):
-            raise AssertionError(f"layout {name} at T={t} H={hidden}: norm differs beyond a rounding")
-        run = lambda xx=xx, rr=rr, layout=layout, staged=staged, late=late: fused_add_rmsnorm(  # noqa: E731
-            xx, rr, gamma, EPS, out=xx, residual_out=rr, layout=layout, staged=staged, late_trigger=late)
-        row["us"][name] = time_graph(run, n_iters, repeats)
-    if fi is not None:
-        fx, fr = x.clone(), r.clone()
-        row["flashinfer_us"] = time_graph(lambda: fi(fx, fr, gamma, EPS), n_iters, repeats)
-    return row
+    variants = [(_layout_name(layout, staged, late), True, dict(layout=layout, staged=staged, late_trigger=late))
+                for layout, staged, late in candidate_layouts(hidden)]
+    return _measure_variants(t, hidden, fi, iters, repeats, variants)
 
 
 def sweep_layouts(widths, tokens, iters: int, repeats: int) -> dict:
