@@ -1,11 +1,11 @@
 """Which FlashInfer decode-attention configuration the flashinfer plugin should plan (GPU).
 
-The plugin plans `BatchDecodeWithPagedKVCacheWrapper` without tensor cores; FlashInfer then
-splits each row's keys over several blocks and merges the parts in a second kernel (a merge
-launch per layer), and ignores `disable_split_kv`. This probe times, per batch size and cache
-length, one decode step's attention over 8 layers as CUDA-graph replay (median of many, random
-data), for: no tensor cores (the plugin's choice), tensor cores, tensor cores without the split;
-each checked against a float32 reference first. JSON to --out.
+Without tensor cores, FlashInfer's `BatchDecodeWithPagedKVCacheWrapper` splits each row's keys
+over several blocks and merges the parts in a second kernel (a merge launch per layer), and
+ignores `disable_split_kv`. This probe times, per batch size and cache length, one decode step's
+attention over 8 layers as CUDA-graph replay (median of many, random data), for: no tensor cores,
+tensor cores, tensor cores without the split; each checked against a float32 reference first.
+Its numbers set the plugin's rule (`decode_kernels.uses_tensor_cores`, `splits_kv`). JSON to --out.
 
     python3 benchmarks/decode_attention_probe.py --out decode_attention_probe.json
 """

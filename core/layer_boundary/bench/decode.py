@@ -107,10 +107,11 @@ def hf_profile(hf, batches, prompt: int, vocab: int) -> dict:
     return out
 
 
-def _pipelined_us(fn, calls: int, repeats: int) -> float:
-    """Per call of `calls` back-to-back calls between one pair of CUDA events (median of
-    `repeats`): the steady state of an engine that enqueues the next step without waiting, where
-    a graph's launch latency hides behind the step before."""
+def _events_us(fn, repeats: int, calls: int = 1) -> float:
+    """Microseconds per call between a pair of CUDA events around `calls` back-to-back calls
+    (median of `repeats`). One call: each call waited for; more: the steady state of an engine
+    that enqueues the next step without waiting, where a graph's launch latency hides behind the
+    step before."""
     times = []
     for _ in range(repeats):
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
@@ -120,18 +121,6 @@ def _pipelined_us(fn, calls: int, repeats: int) -> float:
         end.record()
         end.synchronize()
         times.append(start.elapsed_time(end) * 1e3 / calls)
-    return statistics.median(times)
-
-
-def _events_us(fn, repeats: int) -> float:
-    times = []
-    for _ in range(repeats):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) * 1e3)
     return statistics.median(times)
 
 
@@ -177,7 +166,7 @@ def run(batches, layers: int, prompt: int, repeats: int, parallel=None, hf: bool
         equal = bool(torch.equal(eager_out, replay_out))
         eager_us = _events_us(lambda: static_decode_step(model, parallel, cache, ids, slots, pos), repeats)
         graph_us = _events_us(lambda: graph.replay(ids, pos), repeats * 3)
-        graph_pipelined_us = _pipelined_us(lambda: graph.replay(ids, pos), 20, repeats)
+        graph_pipelined_us = _events_us(lambda: graph.replay(ids, pos), repeats, calls=20)
         ours = profile_step(lambda: static_decode_step(model, parallel, cache, ids, slots, pos))
         # the replay's kernels as the profiler sees them inside the graph (their times are what
         # graph replay pays; the eager profile's times are of kernels launched one by one)

@@ -16,7 +16,7 @@ default's first (the residual bit for bit, the norm within one rounding).
 of a CTA (threads per row, rows per CTA: `LAYOUTS`) and for the default tiling, some of them
 also with x and the residual staged through shared memory (cp.async, `STAGED`), against
 FlashInfer, and prints per width the layout with the lowest worst ratio over the token counts
-(the entry `tiling.ADD_NORM_LAYOUTS` takes).
+(what `AddNormVariant.layout` would default to, were any to beat the default tiling).
 """
 
 from __future__ import annotations

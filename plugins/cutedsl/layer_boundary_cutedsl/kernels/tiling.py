@@ -24,8 +24,6 @@ __all__ = [
     "RowTiling",
     "row_tiling",
     "group_tiling",
-    "ADD_NORM_LAYOUTS",
-    "add_norm_layout",
     "AddNormVariant",
     "MoeVariant",
     "check_hidden",
@@ -126,17 +124,6 @@ def group_tiling(hidden: int, dtype: torch.dtype, threads_per_row: int, rows_per
     return RowTiling(hidden=hidden, vec=vec, threads=threads_per_row, vpt=vpt, rows_per_cta=rows_per_cta)
 
 
-#: (threads per row, rows per CTA) of the add + RMSNorm kernel by hidden size (bf16/fp16), where
-#: a sweep on an H200 chose one (`python -m layer_boundary_cutedsl.add_norm_sweep --layouts`);
-#: other widths take `row_tiling`'s one row of 128+ threads a CTA
-ADD_NORM_LAYOUTS: dict = {}
-
-
-def add_norm_layout(hidden: int) -> Optional[tuple]:
-    """The swept (threads per row, rows per CTA) for `hidden`, or None for the default tiling."""
-    return ADD_NORM_LAYOUTS.get(hidden)
-
-
 #: shared memory a CTA may take without the opt-in attribute: the staged loads' limit
 STAGING_MAX_BYTES = 48 * 1024
 
@@ -153,7 +140,8 @@ class AddNormVariant:
     #: launched as a programmatic dependent (PDL): the CTAs start while the previous kernel on
     #: the stream drains, load gamma (a weight, never produced there), then wait for it
     pdl: bool = True
-    #: (threads per row, rows per CTA); None: the swept layout for this width, else `row_tiling`
+    #: (threads per row, rows per CTA); None: `row_tiling`'s one row of 128+ threads a CTA (the
+    #: layout sweep, `add_norm_sweep --layouts`, found no width where another layout pays)
     layout: Optional[tuple] = None
     #: x and the residual come in through shared memory (cp.async, L2 only) instead of straight
     #: into registers (FlashInfer's norms load so)
@@ -170,16 +158,14 @@ class AddNormVariant:
                 raise ValueError(f"staging two rows of {self.hidden} takes {staging} bytes of shared memory (at most {STAGING_MAX_BYTES})")
 
     def tiling(self) -> RowTiling:
-        layout = self.layout or add_norm_layout(self.hidden)
-        if layout is None:
+        if self.layout is None:
             return row_tiling(self.hidden, self.dtype, max_vpt=4, min_threads=128)
-        return group_tiling(self.hidden, self.dtype, *layout)
+        return group_tiling(self.hidden, self.dtype, *self.layout)
 
     @property
     def name(self) -> str:
         g = "_gemma" if self.weight_offset else ""
-        layout = self.layout or add_norm_layout(self.hidden)
-        shape = f"_r{layout[0]}x{layout[1]}" if layout is not None else ""
+        shape = f"_r{self.layout[0]}x{self.layout[1]}" if self.layout is not None else ""
         staged = "_staged" if self.staged else ""
         late = "_late" if self.late_trigger and self.pdl else ""
         return f"add_rmsnorm_{_DTYPE_NAMES[self.dtype]}_h{self.hidden}{g}{'' if self.pdl else '_nopdl'}{late}{shape}{staged}"
