@@ -1,10 +1,12 @@
 """Which FlashInfer decode-attention configuration the flashinfer plugin should plan (GPU).
 
-Without tensor cores, FlashInfer's `BatchDecodeWithPagedKVCacheWrapper` splits each row's keys
-over several blocks and merges the parts in a second kernel (a merge launch per layer), and
-ignores `disable_split_kv`. This probe times, per batch size and cache length, one decode step's
-attention over 8 layers as CUDA-graph replay (median of many, random data), for: no tensor cores,
-tensor cores, tensor cores without the split; each checked against a float32 reference first.
+Without tensor cores, FlashInfer's `BatchDecodeWithPagedKVCacheWrapper` in its CUDA-graph mode
+splits each row's keys and merges the parts in a second kernel (a merge launch per layer), and
+ignores `disable_split_kv`; planned outside that mode over device buffers it does not split (a
+row is one page). This probe times, per batch size and cache length, one decode step's attention
+over 8 layers as CUDA-graph replay (median of many, random data), for: no tensor cores (graph
+mode, split), no tensor cores planned outside graph mode (no split), tensor cores, tensor cores
+without the split; each checked against a float32 reference first.
 Its numbers set the plugin's rule (`decode_kernels.uses_tensor_cores`, `splits_kv`). JSON to --out.
 
     python3 benchmarks/decode_attention_probe.py --out decode_attention_probe.json
@@ -22,6 +24,7 @@ from layer_boundary.bench.decode import _events_us  # CUDA events around each ca
 HEADS, KV_HEADS, D, LAYERS = 32, 8, 128, 8
 VARIANTS = {
     "cuda_cores": dict(use_tensor_cores=False),
+    "cuda_cores_no_split": dict(use_tensor_cores=False, use_cuda_graph=False),
     "tensor_cores": dict(use_tensor_cores=True),
     "tensor_cores_no_split": dict(use_tensor_cores=True, disable_split_kv=True),
 }
@@ -42,17 +45,24 @@ def _wrapper(batch, page_size, variant):
 
     options = dict(VARIANTS[variant])
     disable_split = options.pop("disable_split_kv", False)
+    graph_mode = options.pop("use_cuda_graph", True)
     workspace = torch.zeros(128 * 2**20, dtype=torch.uint8, device="cuda")
     indptr = torch.arange(batch + 1, dtype=torch.int32, device="cuda")
     indices = torch.arange(batch, dtype=torch.int32, device="cuda")
     lengths = torch.full((batch,), page_size, dtype=torch.int32, device="cuda")
+    plan = dict(q_data_type=torch.bfloat16, kv_data_type=torch.bfloat16, sm_scale=D**-0.5)
+    if disable_split:
+        plan["disable_split_kv"] = True
+    if not graph_mode:  # planned over the device buffers, which the wrapper then reads as they are
+        wrapper = flashinfer.BatchDecodeWithPagedKVCacheWrapper(workspace, kv_layout="HND", **options)
+        wrapper.plan(indptr, indices, lengths, HEADS, KV_HEADS, D, page_size, **plan)
+        if wrapper._paged_kv_last_page_len_buf.data_ptr() != lengths.data_ptr():
+            raise RuntimeError("this FlashInfer copied the lengths buffer outside CUDA-graph mode")
+        return wrapper, lengths
     wrapper = flashinfer.BatchDecodeWithPagedKVCacheWrapper(
         workspace, kv_layout="HND", use_cuda_graph=True, paged_kv_indptr_buffer=indptr,
         paged_kv_indices_buffer=indices, paged_kv_last_page_len_buffer=lengths, **options,
     )
-    plan = dict(q_data_type=torch.bfloat16, kv_data_type=torch.bfloat16, sm_scale=D**-0.5)
-    if disable_split:
-        plan["disable_split_kv"] = True
     wrapper.plan(indptr.cpu(), indices.cpu(), lengths.cpu(), HEADS, KV_HEADS, D, page_size, **plan)
     return wrapper, lengths
 

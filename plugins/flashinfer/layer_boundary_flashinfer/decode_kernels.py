@@ -6,15 +6,19 @@ cos_sin_cache, is_neox=True)`, out of place (new query and key; the inputs stay 
 over a float32 table [max_positions, head_dim] built once here: cos of `position * inv_freq` in
 the first half, sin in the second, the values the core's `RotaryEmbedding` computes.
 
-Decode attention: `BatchDecodeWithPagedKVCacheWrapper` (HND layout, CUDA-graph mode, its decode
-kernel without tensor cores for short caches, with them and without the split for long ones:
-`uses_tensor_cores`, `splits_kv`) over
-the core's `StaticKVCache` as it is: a slot's [kv_heads,
+Decode attention: `BatchDecodeWithPagedKVCacheWrapper` (HND layout; its decode kernel without
+tensor cores for short caches, with them and without the split for long ones:
+`uses_tensor_cores`, `splits_kv`) over the core's `StaticKVCache` as it is: a slot's [kv_heads,
 max_len, head_dim] block is one page of `max_len` tokens, so the page table is the slot of each
 row and the last page's length is the row's position + 1. The plan depends only on the batch
 size and the page count (one page per row), not on the lengths, so it is made once per batch
 size and cache shape, at the first (eager) call; every call writes the step's lengths (and
-slots) into the wrapper's buffers and runs. The first call for a batch size must come before
+slots) into the wrapper's buffers and runs. The tensor-core plan is made in FlashInfer's
+CUDA-graph mode over the plan's buffers. The CUDA-core plan is not: in that mode FlashInfer
+always splits a row's keys and merges the parts in a second launch, and with one page a row
+nothing can be split (its split is by pages), so the merge is a copy. Planned outside that mode,
+over our device buffers (which FlashInfer then keeps as they are, `plan_reads_our_buffers`),
+it runs one launch a layer and replays in a graph just the same. The first call for a batch size must come before
 any CUDA-graph capture (a warm-up, as `CapturedStep` does).
 
 The kernel is step-bound (`DecodeAttentionKernel`): `bind_step` writes the lengths (and slots)
@@ -74,9 +78,19 @@ def uses_tensor_cores(batch: int, page_size: int) -> bool:
 
 
 def splits_kv(batch: int, page_size: int) -> bool:
-    """Whether that plan splits a row's keys over blocks (FlashInfer's CUDA-core decode always
-    does in CUDA-graph mode: it ignores `disable_split_kv`)."""
-    return not uses_tensor_cores(batch, page_size) or page_size > TENSOR_CORE_NO_SPLIT_MAX_LEN
+    """Whether that plan splits a row's keys over blocks (and merges them in a second launch):
+    only the tensor-core kernel over a cache longer than `TENSOR_CORE_NO_SPLIT_MAX_LEN`. The
+    CUDA-core kernel splits by pages, and a row is one page."""
+    return uses_tensor_cores(batch, page_size) and page_size > TENSOR_CORE_NO_SPLIT_MAX_LEN
+
+
+def plan_reads_our_buffers(wrapper, indptr, indices, lengths) -> bool:
+    """Whether a wrapper planned outside CUDA-graph mode runs over these very tensors (FlashInfer
+    0.7.2 keeps a device tensor given to `plan` as it is), so that writing the step's lengths and
+    slots into them reaches the kernel. Checked after each such plan; where it fails the plugin
+    plans in CUDA-graph mode instead (correct, one merge launch more a layer)."""
+    kept = [getattr(wrapper, name, None) for name in ("_paged_kv_indptr_buf", "_paged_kv_indices_buf", "_paged_kv_last_page_len_buf")]
+    return all(isinstance(t, torch.Tensor) and t.data_ptr() == ours.data_ptr() for t, ours in zip(kept, (indptr, indices, lengths)))
 
 
 def reason(request) -> Optional[str]:
@@ -142,18 +156,28 @@ class _Planned:
         self.indices = torch.arange(batch, dtype=torch.int32, device=device)
         self.rows = torch.arange(batch, dtype=torch.int32, device=device)  # row i is request i (one page each)
         self.lengths = torch.full((batch,), page_size, dtype=torch.int32, device=device)
-        self.wrapper = flashinfer.BatchDecodeWithPagedKVCacheWrapper(
-            workspace, kv_layout="HND", use_cuda_graph=True, use_tensor_cores=uses_tensor_cores(batch, page_size),
-            paged_kv_indptr_buffer=self.indptr, paged_kv_indices_buffer=self.indices,
-            paged_kv_last_page_len_buffer=self.lengths,
-        )
-        self.wrapper.plan(
-            torch.arange(batch + 1, dtype=torch.int32), torch.arange(batch, dtype=torch.int32),
-            torch.full((batch,), page_size, dtype=torch.int32),
-            request.heads, request.kv_heads, request.head_dim, page_size,
-            q_data_type=request.dtype, kv_data_type=request.dtype, sm_scale=request.scaling,
-            disable_split_kv=not splits_kv(batch, page_size),
-        )
+        tensor_cores = uses_tensor_cores(batch, page_size)
+        geometry = (request.heads, request.kv_heads, request.head_dim, page_size)
+        options = dict(q_data_type=request.dtype, kv_data_type=request.dtype, sm_scale=request.scaling)
+        self.graph_mode = tensor_cores
+        if not tensor_cores:  # one launch a layer: no split, no merge (the module docstring says why)
+            self.wrapper = flashinfer.BatchDecodeWithPagedKVCacheWrapper(workspace, kv_layout="HND", use_tensor_cores=False)
+            self.wrapper.plan(self.indptr, self.indices, self.lengths, *geometry, **options)
+            if not plan_reads_our_buffers(self.wrapper, self.indptr, self.indices, self.lengths):
+                log.warning("flashinfer.decode_attention: this FlashInfer copies the plan's buffers outside CUDA-graph mode; "
+                            "planning in that mode (one merge launch more a layer)")
+                self.graph_mode = True
+        if self.graph_mode:
+            self.wrapper = flashinfer.BatchDecodeWithPagedKVCacheWrapper(
+                workspace, kv_layout="HND", use_cuda_graph=True, use_tensor_cores=tensor_cores,
+                paged_kv_indptr_buffer=self.indptr, paged_kv_indices_buffer=self.indices,
+                paged_kv_last_page_len_buffer=self.lengths,
+            )
+            self.wrapper.plan(
+                torch.arange(batch + 1, dtype=torch.int32), torch.arange(batch, dtype=torch.int32),
+                torch.full((batch,), page_size, dtype=torch.int32), *geometry,
+                disable_split_kv=not splits_kv(batch, page_size), **options,
+            )
 
     def bind(self, slots, positions) -> torch.Tensor:
         """Write the step's lengths (and slots) into the plan's buffers; the int32 positions."""

@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from layer_boundary import Parallel, prepare_model, release_model
+from layer_boundary.bench.profile import profile_step
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
 
@@ -74,7 +75,7 @@ def test_decode_attention_kernel_matches_the_reference(slots_given, cache_len):
     kernel = decode_kernels.decode_attention_factory(_decode_request())
     assert kernel is not None, "flashinfer.decode_attention declined on this GPU"
     assert decode_kernels.uses_tensor_cores(6, cache_len) == (cache_len >= 520)
-    assert decode_kernels.splits_kv(6, cache_len) == (cache_len != 520)
+    assert decode_kernels.splits_kv(6, cache_len) == (cache_len == 8208)
     gen = torch.Generator(device="cuda").manual_seed(1)
     cache_shape = (6, KV_HEADS, cache_len, D)
     k_cache = torch.randn(cache_shape, device="cuda", generator=gen).bfloat16()
@@ -86,6 +87,13 @@ def test_decode_attention_kernel_matches_the_reference(slots_given, cache_len):
     got = kernel(q, k_cache, v_cache, slots, positions)
     assert got.shape == q.shape and got.dtype == q.dtype
     assert _rel(got, _torch_decode(q, k_cache, v_cache, slots, positions)) < 2e-2
+    # the CUDA-core plan is made outside CUDA-graph mode, over the plan's own buffers: one launch,
+    # no merge; the split tensor-core plan merges in a second launch
+    planned = kernel._planned(batch, k_cache, slots_given)
+    assert planned.graph_mode == decode_kernels.uses_tensor_cores(batch, cache_len)
+    launched = profile_step(lambda: kernel(q, k_cache, v_cache, slots, positions), top=50)["by_name"]
+    merges = sum(count for name, count in launched if "Merge" in name)
+    assert merges == (1 if decode_kernels.splits_kv(batch, cache_len) else 0), launched
     # other lengths, same plan: the lengths are read at run time
     later = positions.flip(0)
     assert _rel(kernel(q, k_cache, v_cache, slots, later), _torch_decode(q, k_cache, v_cache, slots, later)) < 2e-2
