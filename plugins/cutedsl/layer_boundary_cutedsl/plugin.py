@@ -8,10 +8,12 @@ installs the model's service (`install_cutedsl_fusion`) and prepares it, and
 
 The local add + RMSNorm kernel ("cutedsl.add_rmsnorm", `local_add_norm.py`) needs no opt-in:
 installed, it runs every plain add + RMSNorm no fusion takes (TP=1, the final norm, ...) on CUDA
-bf16/fp16 rows, and declines everything else.
+bf16/fp16 rows, and declines everything else. So does the q/k norm + rope kernel
+("cutedsl.qk_norm_rope", `qk_norm_rope_kernel.py`): qwen3-style attentions' two per-head norms
+and the rope in one launch on the static-cache path.
 """
 
-from layer_boundary.plugin import AddNormKernel, Benchmark, FusionProvider, Priority, env_flag, hookimpl
+from layer_boundary.plugin import AddNormKernel, Benchmark, FusionProvider, Priority, QKNormRopeKernel, env_flag, hookimpl
 
 ENABLE_ENV = "LAYER_BOUNDARY_CUTEDSL"
 
@@ -48,6 +50,20 @@ def layer_boundary_add_norm_kernels():
         name="cutedsl.add_rmsnorm", factory=_add_norm_factory, priority=Priority.ARCH_SPECIFIC,
         contract_preparation="layer_boundary_cutedsl.local_add_norm:contract_factory",
         description="residual add + RMSNorm (and Gemma's) in one CuTe DSL kernel, out of place; CUDA bf16/fp16 rows",
+    )
+
+
+def _qk_norm_rope_factory(request):
+    from .qk_norm_rope_kernel import factory
+
+    return factory(request)
+
+
+@hookimpl
+def layer_boundary_qk_norm_rope_kernels():
+    yield QKNormRopeKernel(
+        name="cutedsl.qk_norm_rope", factory=_qk_norm_rope_factory, priority=Priority.ARCH_SPECIFIC,
+        description="qwen3's per-head q/k RMSNorms and the rope in one CuTe DSL kernel; CUDA bf16/fp16, head_dim 64/128/256",
     )
 
 

@@ -10,6 +10,7 @@ import importlib.util
 import pytest
 import torch
 
+from layer_boundary_cutedsl.kernels.qk_norm_rope import QKNormRopeVariant
 from layer_boundary_cutedsl.kernels.tiling import (
     TESTED_TOP_K,
     AddNormVariant,
@@ -166,3 +167,20 @@ def test_fast_launch_packs_what_the_dsl_marshals(variant):
     result.value = 700  # an error code from the launch is raised
     with pytest.raises(RuntimeError, match="700"):
         launcher(*probe)
+
+
+QK_NORM_ROPE = [
+    QKNormRopeVariant(dtype, head_dim, heads, kv_heads, pdl)
+    for dtype, head_dim, heads, kv_heads, pdl in (
+        (torch.bfloat16, 128, 32, 8, True),
+        (torch.float16, 64, 4, 1, True),
+        (torch.bfloat16, 256, 8, 2, False),
+    )
+]
+
+
+@pytest.mark.parametrize("variant", QK_NORM_ROPE, ids=lambda v: v.name)
+def test_qk_norm_rope_compiles_with_no_divergent_shuffle(variant, tmp_path):
+    """The head-row groups shuffle with a full mask: every lane must reach every shuffle (a row
+    past the end recomputes the last row instead of branching around them)."""
+    _compile(variant, tmp_path)

@@ -17,7 +17,7 @@ import torch
 
 from .tiling import default_grid
 
-__all__ = ["executor_for", "launch", "check_all", "rows_ok", "explain_rows", "DEBUG", "FastCall", "pack_kinds"]
+__all__ = ["executor_for", "launch", "launch_args", "check_all", "rows_ok", "explain_rows", "DEBUG", "FastCall", "pack_kinds"]
 
 #: host-side checks that need a device sync (indices in range): LAYER_BOUNDARY_DEBUG=1
 DEBUG = os.environ.get("LAYER_BOUNDARY_DEBUG", "").strip().lower() in ("1", "true", "yes", "on")
@@ -135,6 +135,13 @@ except ImportError:  # pragma: no cover
 
 
 def launch(entry, rows: int, addresses: list, eps: float, device: torch.device) -> None:
+    """A row kernel's launch: its addresses, then `rows` and eps (`pack_kinds`)."""
+    launch_args(entry, rows, (*addresses, rows, eps), device)
+
+
+def launch_args(entry, rows: int, args: tuple, device: torch.device) -> None:
+    """Launch `entry` over `rows` work rows (its grid from them) with `args`, then the grid and
+    the current stream of `device`."""
     launcher, rows_per_cta, sms = entry
     grid = default_grid(rows, rows_per_cta, sms)
     if grid == 0:
@@ -143,10 +150,10 @@ def launch(entry, rows: int, addresses: list, eps: float, device: torch.device) 
         grid = min(grid, MAX_CTAS)
     stream = _raw_stream(device.index)
     if torch.cuda.current_device() == device.index:
-        launcher(*addresses, rows, eps, grid, stream)
+        launcher(*args, grid, stream)
     else:
         with torch.cuda.device(device):
-            launcher(*addresses, rows, eps, grid, stream)
+            launcher(*args, grid, stream)
 
 
 def rows_ok(t: torch.Tensor, shape, dtype: torch.dtype, device: torch.device) -> bool:

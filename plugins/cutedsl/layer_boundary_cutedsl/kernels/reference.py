@@ -23,7 +23,7 @@ from typing import Optional
 
 import torch
 
-__all__ = ["add_rmsnorm_reference", "moe_finalize_reference", "moe_finalize_add_rmsnorm_reference", "dense_indices"]
+__all__ = ["add_rmsnorm_reference", "moe_finalize_reference", "moe_finalize_add_rmsnorm_reference", "dense_indices", "qk_norm_rope_reference"]
 
 
 def _rmsnorm64(total: torch.Tensor, gamma: torch.Tensor, eps: float, weight_offset: float) -> torch.Tensor:
@@ -112,3 +112,17 @@ def moe_terms_abs_sum(routed, indices, weights, shared, residual) -> torch.Tenso
     """Per element sum of |terms| of the finalize + residual sum: fp32 accumulation error bound scale."""
     terms = _gather64(routed, indices, weights, shared).abs().sum(dim=1)
     return terms + residual.to(torch.float64).abs()
+
+
+def qk_norm_rope_reference(x: torch.Tensor, positions: torch.Tensor, weight: torch.Tensor, table: torch.Tensor, eps: float) -> torch.Tensor:
+    """The q/k norm + rope kernel's math on one of q or k ([T, heads, D]) in float64: the head's
+    RMSNorm times its weight, rounded to x's dtype (what an unfused norm hands the rope), then the
+    half-split rotation by table[positions] (cos | sin halves), rounded once."""
+    half = x.shape[-1] // 2
+    x64 = x.to(torch.float64)
+    rstd = torch.rsqrt(x64.pow(2).mean(-1, keepdim=True) + eps)
+    normed = (x64 * rstd * weight.to(torch.float64)).to(x.dtype).to(torch.float64)
+    angles = table[positions].to(torch.float64)[:, None, :]  # [T, 1, D]
+    cos, sin = angles[..., :half], angles[..., half:]
+    first, second = normed[..., :half], normed[..., half:]
+    return torch.cat((first * cos - second * sin, second * cos + first * sin), dim=-1).to(x.dtype)
