@@ -170,6 +170,26 @@ def test_the_static_path_runs_the_fused_kernel_once_per_layer_and_stays_equal(
     assert torch.equal(_static_run(model, slots_given)[-1], want[-1]) and stub.calls == []  # released: torch again
 
 
+def test_q_and_k_addends_are_added_before_the_fused_norms(fresh_registry, inline_plugin):
+    """LoRA's q/k deltas (`q_addend`, `k_addend`, added in `_qkv`) reach the fused kernel as they
+    reach the torch norms: the logits stay bit-identical."""
+    config, model = _model()
+    plain = _static_run(model, True)
+    gen = torch.Generator().manual_seed(7)
+    for attention in (m for m in model.modules() if isinstance(m, TPAttention)):
+        for name, width in (("q_addend", attention.q_width), ("k_addend", attention.kv_width)):
+            delta = torch.nn.Linear(config.hidden_size, width, bias=False, dtype=torch.float64)
+            torch.nn.init.normal_(delta.weight, std=0.05, generator=gen)
+            setattr(attention, name, delta)
+    want = _static_run(model, True)
+    assert not torch.allclose(plain[-1], want[-1])  # the deltas matter
+    stub = inline_plugin(StubQKNormRope(), name="stub")
+    prepare_model(model, max_tokens=16)
+    got = _static_run(model, True)
+    assert len(_fused_calls(stub.calls)) == config.num_layers * len(got)
+    assert all(torch.equal(a, b) for a, b in zip(want, got))
+
+
 def test_a_model_without_qk_norms_never_asks_the_record(fresh_registry, inline_plugin):
     stub = inline_plugin(StubQKNormRope(), name="stub")
     others = inline_plugin(StubKernels(), name="others")
