@@ -9,12 +9,16 @@ chooses as every model-wide kernel kind is chosen (`kernel_choice.choose`): the 
 that *every* rank of the tensor-parallel group accepts wins, all kinds agreed in one
 all_reduce, so no two ranks of a model run different kernels. An attention without q/k norms
 (or whose norms are not the plain RMSNorm the fused kernel implements) never asks the fused
-kind: every rank has the same config, so that is rank-uniform. The torch path (`core.torch`) is always last and never declines; it is what runs
-before `prepare_model` and where nothing accepts.
+kind: every rank has the same config, so that is rank-uniform. The torch path (`core.torch`)
+is always last and never declines; it is what runs before `prepare_model` and where nothing
+accepts.
 
 The kernels serve the static-cache path (`new_static_cache`, `static_prefill`,
 `static_decode_step`: the CUDA-graph decode an engine runs); the growing per-request cache and
-context-parallel prefill keep the torch path. `plan` shows the choice (`describe`).
+context-parallel prefill keep the torch path. Where a q/k norm + rope kernel is chosen it runs
+in place of both norms and the rope kernel (`TPAttention._project`); a static cache longer than
+the rope tables (`max_positions`) runs the torch norms and rotation. `plan` shows the choice
+(`describe`).
 """
 
 from __future__ import annotations
