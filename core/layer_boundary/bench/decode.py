@@ -142,7 +142,9 @@ def run(batches, layers: int, prompt: int, repeats: int, parallel=None, hf: bool
     # the engine's life cycle: the norms' and the attention's kernels chosen before any capture
     prepare_model(model, max_tokens=max(batches) * prompt)
     chosen = getattr(model, "attention_kernels", None)
-    attention = {"rope": chosen.rope.name, "decode_attention": chosen.decode_attention.name} if chosen is not None else None
+    attention = None
+    if chosen is not None:
+        attention = {"rope": chosen.rope.name, "decode_attention": chosen.decode_attention.name, "qk_norm_rope": chosen.qk_norm_rope.name}
     # the gated MLPs' act(gate) * up kernel (one per distinct MLP width; qwen3 has one)
     mlp_kernels = getattr(model, "mlp_kernels", None)
     gated = ", ".join(sorted({c.name for c in mlp_kernels.values()})) if mlp_kernels else None

@@ -203,15 +203,29 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
 
 class KernelRope:
     """A plugin's rope kernel bound to a step's positions: what the attention calls on its
-    queries and keys in place of the (cos, sin) rotation (`RopeKernel`)."""
+    queries and keys in place of the (cos, sin) rotation (`RopeKernel`).
 
-    __slots__ = ("kernel", "positions")
+    `fused`, when set, is the model's `QKNormRopeKernel`: an attention with q/k norms calls
+    `fused(q, k, positions, q_weight, k_weight)` in place of both norms and the rotation.
+    `kernel` may then be None (no rope kernel was chosen); calling this object rotates with the
+    (cos, sin) factors of `table` (the static cache's `rope_table`) instead, as the torch path
+    does."""
 
-    def __init__(self, kernel, positions: torch.Tensor):
+    __slots__ = ("kernel", "positions", "fused", "table")
+
+    def __init__(self, kernel, positions: torch.Tensor, fused=None, table: Optional[torch.Tensor] = None):
+        if kernel is None and table is None:
+            raise ValueError("a KernelRope without a rope kernel needs the cache's rope table")
         self.kernel = kernel
         self.positions = positions
+        self.fused = fused
+        self.table = table
 
     def __call__(self, q: torch.Tensor, k: torch.Tensor):
+        if self.kernel is None:
+            both = self.table.index_select(0, self.positions)
+            cos, sin = both[:, 0], both[:, 1]
+            return apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
         return self.kernel(q, k, self.positions)
 
 
@@ -282,6 +296,7 @@ class TPAttention(nn.Module):
         self.rope_kernel = None
         self.rope_positions = 0  # the positions the rope kernel's table covers
         self.decode_attention_kernel = None
+        self.qk_norm_rope_kernel = None  # both q/k norms and the rope in one kernel (`QKNormRopeKernel`)
 
     def kv_rows(self) -> slice:
         """The output rows of the full [kv_heads * D, H] K/V projections this rank holds."""
@@ -348,6 +363,10 @@ class TPAttention(nn.Module):
 
     def _project(self, x, rope):
         q, k, v = self._qkv(x)
+        if self.q_norm is not None and isinstance(rope, KernelRope) and rope.fused is not None:
+            # the plugin's q/k norm + rope kernel: one launch for the two norms and the rotation
+            q, k = rope.fused(q, k, rope.positions, self.q_norm.weight, self.k_norm.weight)
+            return q, k, v
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         if rope is None:

@@ -1,17 +1,24 @@
-"""Which rotary and decode-attention kernels the reference attention runs: chosen once per model.
+"""Which rotary, q/k norm + rotary and decode-attention kernels the reference attention runs:
+chosen once per model.
 
 `prepare_model(model)` (on every rank, before the first forward and any CUDA-graph capture)
-asks the `RopeKernel` and `DecodeAttentionKernel` records, in registry order (-priority, name),
-with a request built from the model's attention geometry (`RopeRequest`,
-`DecodeAttentionRequest`), and chooses as every model-wide kernel kind is chosen
-(`kernel_choice.choose`): the first record that *every* rank of the tensor-parallel group
-accepts wins, both kinds agreed in one all_reduce, so no two ranks of a model run different
-kernels. The torch path (`core.torch`) is always last and never declines; it is what runs
-before `prepare_model` and where nothing accepts.
+asks the `RopeKernel`, `DecodeAttentionKernel` and (for attentions with q/k norms, Qwen3's)
+`QKNormRopeKernel` records, in registry order (-priority, name), with a request built from the
+model's attention geometry (`RopeRequest`, `DecodeAttentionRequest`, `QKNormRopeRequest`), and
+chooses as every model-wide kernel kind is chosen (`kernel_choice.choose`): the first record
+that *every* rank of the tensor-parallel group accepts wins, all kinds agreed in one
+all_reduce, so no two ranks of a model run different kernels. An attention without q/k norms
+(or whose norms are not the plain RMSNorm the fused kernel implements) never asks the fused
+kind: every rank has the same config, so that is rank-uniform. The torch path (`core.torch`)
+is always last and never declines; it is what runs before `prepare_model` and where nothing
+accepts.
 
 The kernels serve the static-cache path (`new_static_cache`, `static_prefill`,
 `static_decode_step`: the CUDA-graph decode an engine runs); the growing per-request cache and
-context-parallel prefill keep the torch path. `plan` shows the choice (`describe`).
+context-parallel prefill keep the torch path. Where a q/k norm + rope kernel is chosen it runs
+in place of both norms and the rope kernel (`TPAttention._project`); a static cache longer than
+the rope tables (`max_positions`) runs the torch norms and rotation. `plan` shows the choice
+(`describe`).
 """
 
 from __future__ import annotations
@@ -22,7 +29,7 @@ import attrs
 import torch
 
 from ..plugin import _manager
-from ..plugin._requests import DecodeAttentionRequest, RopeRequest
+from ..plugin._requests import DecodeAttentionRequest, QKNormRopeRequest, RopeRequest
 from .kernel_choice import TORCH, KernelChoice, chain, choose, group_of, local_choice, named
 
 __all__ = ["TORCH", "KernelChoice", "AttentionKernels", "prepare_attention_kernels", "release_attention_kernels", "describe", "requests_for"]
@@ -33,12 +40,15 @@ DEFAULT_MAX_POSITIONS = 32768
 
 @attrs.frozen
 class AttentionKernels:
-    """What a model's attention runs: `rope` and `decode_attention` choices, and the limit of
-    positions the rope kernel's table covers (a static cache longer than that runs torch rope)."""
+    """What a model's attention runs: `rope`, `decode_attention` and `qk_norm_rope` (the q/k
+    norms and the rope in one kernel; torch, not asked, for attentions without q/k norms)
+    choices, and the limit of positions the rope kernels' tables cover (a static cache longer
+    than that runs the torch norms and rope)."""
 
     rope: KernelChoice
     decode_attention: KernelChoice
     max_positions: int = 0
+    qk_norm_rope: KernelChoice = KernelChoice(TORCH)
 
 
 def _attentions(model) -> list:
@@ -47,8 +57,21 @@ def _attentions(model) -> list:
     return [m for m in model.modules() if isinstance(m, TPAttention)] if isinstance(model, torch.nn.Module) else []
 
 
-def requests_for(model, attention) -> tuple[RopeRequest, DecodeAttentionRequest]:
-    """The requests of `attention` (a `TPAttention` of `model`) for its weights' device and dtype."""
+def fusable_qk_norms(attention) -> bool:
+    """Whether `attention` has q/k norms a `QKNormRopeKernel` computes: both the core's plain
+    `RMSNorm` (weight, no offset, not `kernels=False`, the statistic in fp32), one epsilon."""
+    from .._residual.add_norm import RMSNorm
+
+    q, k = attention.q_norm, attention.k_norm
+    if q is None or k is None:
+        return False
+    plain = all(type(n) is RMSNorm and n.kernels and n.compute_dtype == torch.float32 for n in (q, k))
+    return plain and q.eps == k.eps
+
+
+def requests_for(model, attention) -> tuple[RopeRequest, DecodeAttentionRequest, Optional[QKNormRopeRequest]]:
+    """The requests of `attention` (a `TPAttention` of `model`) for its weights' device and dtype:
+    rope, decode attention, and q/k norm + rope (None when `fusable_qk_norms` is not)."""
     w = attention.o_proj.weight
     config = getattr(model, "config", None)
     hf = getattr(config, "hf", None) or {}
@@ -65,31 +88,53 @@ def requests_for(model, attention) -> tuple[RopeRequest, DecodeAttentionRequest]
         device=w.device, dtype=w.dtype, head_dim=attention.head_dim, heads=attention.heads, kv_heads=attention.kv_heads,
         scaling=float(attention.scaling),
     )
-    return rope, decode
+    qk_norm_rope = None
+    if fusable_qk_norms(attention):
+        qk_norm_rope = QKNormRopeRequest(
+            device=w.device, dtype=w.dtype, head_dim=attention.head_dim, heads=attention.heads, kv_heads=attention.kv_heads,
+            theta=rope.theta, max_positions=rope.max_positions, eps=attention.q_norm.eps,
+        )
+    return rope, decode, qk_norm_rope
+
+
+def _kinds(registry, requests) -> dict:
+    """Plan label -> (records, request) of the kinds an attention asks (q/k norm + rope only
+    when it has fusable q/k norms), in the order they are chosen."""
+    rope, decode, qk_norm_rope = requests
+    kinds = {"rope": (registry.rope_kernels, rope), "decode attention": (registry.decode_attention_kernels, decode)}
+    if qk_norm_rope is not None:
+        kinds["qk norm + rope"] = (registry.qk_norm_rope_kernels, qk_norm_rope)
+    return kinds
 
 
 def prepare_attention_kernels(model: Any) -> Optional[AttentionKernels]:
-    """Choose (rank-agreed) the rope and decode-attention kernels of every reference attention
-    of `model`, install them, and keep the choice on the model (`model.attention_kernels`).
-    Collective over the TP group when any record is registered: call on every rank."""
+    """Choose (rank-agreed) the rope, decode-attention and q/k norm + rope kernels of every
+    reference attention of `model`, install them, and keep the choice on the model
+    (`model.attention_kernels`). Collective over the TP group when any record is registered:
+    call on every rank."""
     attentions = _attentions(model)
     if not attentions:
         return None
     registry = _manager.get_registry()
-    rope_records, decode_records = registry.rope_kernels, registry.decode_attention_kernels
     first = attentions[0]
     if first.o_proj.weight.device.type == "meta":
         return None
-    rope_request, decode_request = requests_for(model, first)
+    requests = requests_for(model, first)
     for other in attentions[1:]:
-        if requests_for(model, other) != (rope_request, decode_request):
+        if requests_for(model, other) != requests:
             raise ValueError("the reference attentions of one model differ in geometry; kernels are chosen once per model")
-    rope, decode = choose([(rope_records, rope_request), (decode_records, decode_request)], group_of(model, first), first.o_proj.weight.device)
-    choices = AttentionKernels(rope=rope, decode_attention=decode, max_positions=rope_request.max_positions)
+    # every kind in one choose: one all_reduce of acceptance flags for all of them
+    asked = _kinds(registry, requests)
+    chosen = dict(zip(asked, choose(list(asked.values()), group_of(model, first), first.o_proj.weight.device)))
+    choices = AttentionKernels(
+        rope=chosen["rope"], decode_attention=chosen["decode attention"], max_positions=requests[0].max_positions,
+        qk_norm_rope=chosen.get("qk norm + rope", KernelChoice(TORCH)),
+    )
     for attention in attentions:
         attention.rope_kernel = choices.rope.kernel
         attention.rope_positions = choices.max_positions
         attention.decode_attention_kernel = choices.decode_attention.kernel
+        attention.qk_norm_rope_kernel = choices.qk_norm_rope.kernel
     model.__dict__["attention_kernels"] = choices
     return choices
 
@@ -97,28 +142,29 @@ def prepare_attention_kernels(model: Any) -> Optional[AttentionKernels]:
 def release_attention_kernels(model: Any) -> None:
     """Back to the torch path (`release_model`: the kernels' buffers go with the plugins')."""
     for attention in _attentions(model):
-        attention.rope_kernel = attention.decode_attention_kernel = None
+        attention.rope_kernel = attention.decode_attention_kernel = attention.qk_norm_rope_kernel = None
     if isinstance(model, torch.nn.Module):
         model.__dict__.pop("attention_kernels", None)
 
 
 def describe(model) -> Optional[str]:
-    """One line for plans: what the model's attention runs (or would run) for rope and decode."""
+    """One line for plans: what the model's attention runs (or would run) for rope and decode,
+    and for the q/k norms + rope where the attention has q/k norms."""
     attentions = _attentions(model)
     if not attentions:
         return None
     registry = _manager.get_registry()
-    kinds = {"rope": registry.rope_kernels, "decode attention": registry.decode_attention_kernels}
+    kinds = _kinds(registry, requests_for(model, attentions[0]))
     chosen = model.__dict__.get("attention_kernels") if isinstance(model, torch.nn.Module) else None
     if chosen is not None:
-        names = {"rope": named(chosen.rope), "decode attention": named(chosen.decode_attention)}
+        choices = {"rope": chosen.rope, "decode attention": chosen.decode_attention, "qk norm + rope": chosen.qk_norm_rope}
+        names = {kind: named(choices[kind]) for kind in kinds}
         where = "agreed across the TP group"
     elif attentions[0].o_proj.weight.device.type == "meta":
-        parts = "; ".join(f"{kind}: chain {chain(records)}" for kind, records in kinds.items())
+        parts = "; ".join(f"{kind}: chain {chain(records)}" for kind, (records, _) in kinds.items())
         return f"attention kernels (static cache): chosen on the device at prepare_model; {parts}"
     else:  # this rank's own answer, no agreement (plans do not communicate)
-        requests = dict(zip(kinds, requests_for(model, attentions[0])))
-        names = {kind: named(local_choice(records, requests[kind])) for kind, records in kinds.items()}
+        names = {kind: named(local_choice(records, request)) for kind, (records, request) in kinds.items()}
         where = "this rank's answer; prepare_model agrees across the TP group"
-    parts = "; ".join(f"{kind}: {names[kind]} (chain {chain(records)})" for kind, records in kinds.items())
+    parts = "; ".join(f"{kind}: {names[kind]} (chain {chain(records)})" for kind, (records, _) in kinds.items())
     return f"attention kernels (static cache, {where}): {parts}"

@@ -154,8 +154,10 @@ class CausalLM(nn.Module):
             attn = self.layers[0].self_attn
             if isinstance(step, DecodeLayout):
                 step = cache.bind(step, attn.decode_attention_kernel)
-            if attn.rope_kernel is not None and cache.max_len <= attn.rope_positions:
-                rope = KernelRope(attn.rope_kernel, step.positions)
+            fused = attn.qk_norm_rope_kernel  # q/k norms and rope in one kernel (replaces both)
+            if (attn.rope_kernel is not None or fused is not None) and cache.max_len <= attn.rope_positions:
+                table = cache.rope_table if attn.rope_kernel is None else None  # torch rotation if ever called
+                rope = KernelRope(attn.rope_kernel, step.positions, fused=fused, table=table)
             else:
                 rope = cache.rope(step.positions)
         else:

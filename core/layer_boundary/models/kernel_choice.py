@@ -1,9 +1,9 @@
 """Choosing the reference models' plugin kernels once per model, agreed across the TP group.
 
-Every model-wide kernel kind (`RopeKernel`, `DecodeAttentionKernel`, `GatedActivationKernel`)
-is chosen the same way at `prepare_model`: each rank asks the kind's records, in registry order
-(-priority, name), with the kind's typed request; the first record that *every* rank of the
-group accepts wins, so no two ranks of a model run different kernels. One all_reduce carries
+Every model-wide kernel kind (`RopeKernel`, `QKNormRopeKernel`, `DecodeAttentionKernel`,
+`GatedActivationKernel`) is chosen the same way at `prepare_model`: each rank asks the kind's
+records, in registry order (-priority, name), with the kind's typed request; the first record
+that *every* rank of the group accepts wins, so no two ranks of a model run different kernels. One all_reduce carries
 the acceptance flags of every kind asked together (none when no record is registered, which is
 the same on every rank), plus one flag saying this rank's factories all answered: a factory
 that raised on one rank makes every rank raise, instead of leaving its peers in the collective.

@@ -15,6 +15,7 @@ Registration (one hook per extension point; `docs/plugins.md` walks through them
 | `layer_boundary_row_publishers` | `RowPublisher` | `RowPublisherRequest` | a `PublishesRows` |
 | `layer_boundary_add_norm_kernels` | `AddNormKernel` | `AddNormRequest` | `kernel(contribution, residual, weight) -> (normed, new_residual)` |
 | `layer_boundary_rope_kernels` | `RopeKernel` | `RopeRequest` | `kernel(q, k, positions) -> (q, k)` |
+| `layer_boundary_qk_norm_rope_kernels` | `QKNormRopeKernel` | `QKNormRopeRequest` | `kernel(q, k, positions, q_weight, k_weight) -> (q, k)` |
 | `layer_boundary_decode_attention_kernels` | `DecodeAttentionKernel` | `DecodeAttentionRequest` | `kernel(q, k_cache, v_cache, slots, positions) -> out` |
 | `layer_boundary_gated_activation_kernels` | `GatedActivationKernel` | `GatedActivationRequest` | `kernel(gate_up) -> act(gate) * up` |
 | `layer_boundary_benchmarks` | `Benchmark` | the option strings of `layer-boundary bench` | (runs it) |
@@ -70,6 +71,7 @@ from ._records import (
     GatedActivationKernel,
     OverlapProvider,
     Priority,
+    QKNormRopeKernel,
     Registered,
     ResidualKind,
     RopeKernel,
@@ -93,6 +95,7 @@ from ._requests import (
     OverlapRequest,
     PrepareRequest,
     PublishesRows,
+    QKNormRopeRequest,
     ReleaseRequest,
     RopeRequest,
     RowPublisherRequest,
@@ -115,6 +118,7 @@ __all__ = [
     "RowPublisher",
     "AddNormKernel",
     "RopeKernel",
+    "QKNormRopeKernel",
     "DecodeAttentionKernel",
     "GatedActivationKernel",
     "Benchmark",
@@ -128,6 +132,7 @@ __all__ = [
     "RowPublisherRequest",
     "AddNormRequest",
     "RopeRequest",
+    "QKNormRopeRequest",
     "DecodeAttentionRequest",
     "GatedActivationRequest",
     "GATED_ACTIVATIONS",

@@ -115,6 +115,14 @@ class LayerBoundarySpecs:
         yield from ()
 
     @hookspec
+    def layer_boundary_qk_norm_rope_kernels(self) -> "Iterable[records.QKNormRopeKernel]":
+        """Yield `QKNormRopeKernel` records: the q/k norms and the rotation of the reference
+        attention (static-cache path) in one kernel. `factory(request)` (a `QKNormRopeRequest`)
+        runs once per model with q/k norms at `prepare_model`; chosen like rope kernels
+        (rank-agreed, torch last)."""
+        yield from ()
+
+    @hookspec
     def layer_boundary_decode_attention_kernels(self) -> "Iterable[records.DecodeAttentionKernel]":
         """Yield `DecodeAttentionKernel` records: decode attention over the reference models'
         static KV cache. `factory(request)` (a `DecodeAttentionRequest`) runs once per model at

@@ -51,6 +51,7 @@ HOOKS = {
     "row_publishers": ("layer_boundary_row_publishers", rec.RowPublisher),
     "add_norm_kernels": ("layer_boundary_add_norm_kernels", rec.AddNormKernel),
     "rope_kernels": ("layer_boundary_rope_kernels", rec.RopeKernel),
+    "qk_norm_rope_kernels": ("layer_boundary_qk_norm_rope_kernels", rec.QKNormRopeKernel),
     "decode_attention_kernels": ("layer_boundary_decode_attention_kernels", rec.DecodeAttentionKernel),
     "gated_activation_kernels": ("layer_boundary_gated_activation_kernels", rec.GatedActivationKernel),
     "benchmarks": ("layer_boundary_benchmarks", rec.Benchmark),
@@ -97,6 +98,7 @@ class Registry:
     row_publishers: tuple[Registered, ...]
     add_norm_kernels: tuple[Registered, ...]
     rope_kernels: tuple[Registered, ...]
+    qk_norm_rope_kernels: tuple[Registered, ...]
     decode_attention_kernels: tuple[Registered, ...]
     gated_activation_kernels: tuple[Registered, ...]
     benchmarks: tuple[Registered, ...]

@@ -169,6 +169,25 @@ class RopeKernel(_Record):
 
 
 @attrs.frozen(kw_only=True)
+class QKNormRopeKernel(_Record):
+    """Hook `layer_boundary_qk_norm_rope_kernels`: the per-head RMSNorm of queries and keys (Qwen3's
+    q_norm and k_norm) and the rotary embedding in one kernel, for the reference attention's
+    static-cache path, where the core runs three launches (two norms, then the rope).
+
+    `factory(request: QKNormRopeRequest)` runs once per model at `prepare_model` and returns
+    `kernel(q, k, positions, q_weight, k_weight) -> (q, k)`: queries [tokens, heads, D] and keys
+    [tokens, kv_heads, D], which may be strided views (rows strided by the fused q/k/v
+    projection's width, the last dim contiguous); int64 positions [tokens]; the norms' weights
+    [D]. It returns new contiguous tensors of the same shapes (the inputs unwritten), or the
+    factory returns None to decline (another device, dtype, head_dim, a missing library). Asked
+    only for attentions with q/k norms, together with the `RopeKernel` and
+    `DecodeAttentionKernel` records and chosen like them (rank-agreed in the same all_reduce,
+    torch last). Where it is chosen it replaces both norms and the rope kernel. Build tables and
+    compile in the factory: the kernel may be called inside a CUDA-graph capture and must be
+    traceable by torch.compile (a `torch.library.custom_op` with a fake implementation)."""
+
+
+@attrs.frozen(kw_only=True)
 class DecodeAttentionKernel(_Record):
     """Hook `layer_boundary_decode_attention_kernels`: the attention of one decode token per row
     against the reference models' static KV cache.

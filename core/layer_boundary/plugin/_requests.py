@@ -108,6 +108,32 @@ class RopeRequest:
 
 
 @attrs.frozen
+class QKNormRopeRequest:
+    """What a fused q/k norm + rotary kernel is asked to run (Qwen3's `q_norm` / `k_norm`, then the
+    rope), on `device` in `dtype`, for every head row of queries [tokens, heads, head_dim] and keys
+    [tokens, kv_heads, head_dim]:
+
+    1. RMSNorm over head_dim with the row's own weight (`q_weight` for queries, `k_weight` for
+       keys): `weight * (x * rsqrt(mean(x^2) + eps))`, the statistic in fp32 and the normalized
+       row rounded to `dtype` before it is multiplied by the plain weight (the core's `RMSNorm`;
+       no `1 + weight` offset);
+    2. the half-split ("neox") rotation of the normalized row by the angles
+       `position * theta ** (-2i / head_dim)`, as `RopeRequest` describes, for positions below
+       `max_positions`.
+
+    Asked once per model (`prepare_model`), only for attentions that have q/k norms."""
+
+    device: "torch.device"
+    dtype: "torch.dtype"
+    head_dim: int
+    heads: int
+    kv_heads: int
+    theta: float
+    max_positions: int
+    eps: float
+
+
+@attrs.frozen
 class DecodeAttentionRequest:
     """What a decode-attention kernel is asked to run: one query token per row, [tokens, heads,
     head_dim], against a static cache [slots, kv_heads, max_len, head_dim] per layer (keys and
