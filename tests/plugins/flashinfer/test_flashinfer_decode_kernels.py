@@ -74,6 +74,6 @@ def test_the_tensor_core_kernel_is_planned_for_long_caches_and_large_batches():
     assert not decode_kernels.uses_tensor_cores(4, 128) and decode_kernels.uses_tensor_cores(8, 128)
     # the tensor-core kernel runs without the split up to the longest cache measured
     assert not decode_kernels.splits_kv(1, 40) and not decode_kernels.splits_kv(32, 40)  # CUDA cores: a row is one page
-    assert not decode_kernels.splits_kv(1, 511) and not decode_kernels.splits_kv(4, 8300)
+    assert not decode_kernels.splits_kv(1, 511) and not decode_kernels.splits_kv(4, 300)
     assert not decode_kernels.splits_kv(1, 512) and not decode_kernels.splits_kv(32, 8200)
     assert decode_kernels.splits_kv(1, 8201) and decode_kernels.splits_kv(32, 32768)
