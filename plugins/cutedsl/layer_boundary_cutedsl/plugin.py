@@ -10,10 +10,20 @@ The local add + RMSNorm kernel ("cutedsl.add_rmsnorm", `local_add_norm.py`) need
 installed, it runs every plain add + RMSNorm no fusion takes (TP=1, the final norm, ...) on CUDA
 bf16/fp16 rows, and declines everything else. So does the q/k norm + rope kernel
 ("cutedsl.qk_norm_rope", `qk_norm_rope_kernel.py`): qwen3-style attentions' two per-head norms
-and the rope in one launch on the static-cache path.
+and the rope in one launch on the static-cache path; and the gated activation
+("cutedsl.gated_activation", `gated_activation_kernel.py`): the gated MLP's act(gate) * up.
 """
 
-from layer_boundary.plugin import AddNormKernel, Benchmark, FusionProvider, Priority, QKNormRopeKernel, env_flag, hookimpl
+from layer_boundary.plugin import (
+    AddNormKernel,
+    Benchmark,
+    FusionProvider,
+    GatedActivationKernel,
+    Priority,
+    QKNormRopeKernel,
+    env_flag,
+    hookimpl,
+)
 
 ENABLE_ENV = "LAYER_BOUNDARY_CUTEDSL"
 
@@ -64,6 +74,20 @@ def layer_boundary_qk_norm_rope_kernels():
     yield QKNormRopeKernel(
         name="cutedsl.qk_norm_rope", factory=_qk_norm_rope_factory, priority=Priority.ARCH_SPECIFIC,
         description="qwen3's per-head q/k RMSNorms and the rope in one CuTe DSL kernel; CUDA bf16/fp16, head_dim 64/128/256",
+    )
+
+
+def _gated_activation_factory(request):
+    from .gated_activation_kernel import factory
+
+    return factory(request)
+
+
+@hookimpl
+def layer_boundary_gated_activation_kernels():
+    yield GatedActivationKernel(
+        name="cutedsl.gated_activation", factory=_gated_activation_factory, priority=Priority.ARCH_SPECIFIC,
+        description="act(gate) * up (silu, gelu_tanh, gelu) in one CuTe DSL kernel, a token's row over many CTAs; CUDA bf16/fp16",
     )
 
 

@@ -10,6 +10,7 @@ import importlib.util
 import pytest
 import torch
 
+from layer_boundary_cutedsl.kernels.gated_activation import GatedActivationVariant
 from layer_boundary_cutedsl.kernels.qk_norm_rope import QKNormRopeVariant
 from layer_boundary_cutedsl.kernels.tiling import (
     TESTED_TOP_K,
@@ -183,4 +184,13 @@ QK_NORM_ROPE = [
 def test_qk_norm_rope_compiles_with_no_divergent_shuffle(variant, tmp_path):
     """The head-row groups shuffle with a full mask: every lane must reach every shuffle (a row
     past the end recomputes the last row instead of branching around them)."""
+    _compile(variant, tmp_path)
+
+
+GATED = [GatedActivationVariant(dtype, act, d, pdl) for dtype, act, d, pdl in (
+    (torch.bfloat16, "silu", 12288, True), (torch.float16, "gelu_tanh", 1408, True), (torch.bfloat16, "gelu", 8, False))]
+
+
+@pytest.mark.parametrize("variant", GATED, ids=lambda v: v.name)
+def test_gated_activation_compiles(variant, tmp_path):
     _compile(variant, tmp_path)

@@ -142,7 +142,8 @@ def test_qwen3_static_decode_runs_the_kernel_and_matches_the_torch_path():
     want = run_all(model.new_static_cache(len(prompts), 32))
     prepare_model(model, max_tokens=64)
     (request, choice), = model.mlp_kernels.items()
-    assert choice.name == "flashinfer.gated_activation" and request.intermediate == 1536
+    # the first accepting record in registry order: the cutedsl plugin's ranks above where it is installed
+    assert choice.name in ("flashinfer.gated_activation", "cutedsl.gated_activation") and request.intermediate == 1536
     cache = model.new_static_cache(len(prompts), 32)
     got = run_all(cache)
     worst = max(_rel(g, w) for g, w in zip(got, want))
@@ -157,7 +158,7 @@ def test_qwen3_static_decode_runs_the_kernel_and_matches_the_torch_path():
     for m in mlps:
         m.gated_activation_kernel = choice.kernel
     print(f"decode step kernels: torch activation {unfused['kernels']} ({unfused['kernel_us']:.1f} us) -> "
-          f"flashinfer.gated_activation {fused['kernels']} ({fused['kernel_us']:.1f} us)")
+          f"{choice.name} {fused['kernels']} ({fused['kernel_us']:.1f} us)")
     assert unfused["kernels"] - fused["kernels"] == config.num_layers, (unfused, fused)
 
     graph = CapturedStep(lambda i, p: static_decode_step(model, parallel, cache, i, None, p), (ids.clone(), base.clone()))
