@@ -19,7 +19,7 @@ from typing import Optional
 
 import torch
 
-from .kernel_set import kernels_available
+from .kernel_set import model_kernel_reason
 
 __all__ = ["CuteGatedActivation", "factory", "reason"]
 
@@ -30,17 +30,13 @@ def reason(request) -> Optional[str]:
     """Why the kernel cannot run `request` (None: it can, once compiled)."""
     from .kernels.gated_activation import ACTIVATIONS, DTYPES
 
-    if request.device.type != "cuda":
-        return f"a {request.device.type} device"
-    if request.dtype not in DTYPES:
-        return f"{request.dtype}"
     if request.activation not in ACTIVATIONS:
-        return f"activation {request.activation!r}"
-    if request.intermediate <= 0 or request.intermediate % 8:
-        return f"width {request.intermediate}"
-    if not kernels_available():
-        return "nvidia-cutlass-dsl or CUDA missing"
-    return None
+        shape = f"activation {request.activation!r}"
+    elif request.intermediate <= 0 or request.intermediate % 8:
+        shape = f"width {request.intermediate}"
+    else:
+        shape = None
+    return model_kernel_reason(request, DTYPES, shape)
 
 
 class CuteGatedActivation:

@@ -24,7 +24,7 @@ from .kernels import fused_add_rmsnorm, moe_finalize, moe_finalize_add_rmsnorm, 
 from .kernels.tiling import MAX_HIDDEN, SUPPORTED_DTYPES
 from .oneshot import CUDA_ONESHOT, OneShotKernels
 
-__all__ = ["KernelSet", "CUTEDSL_KERNELS", "kernels_available", "MoeShape"]
+__all__ = ["KernelSet", "CUTEDSL_KERNELS", "kernels_available", "model_kernel_reason", "MoeShape"]
 
 
 @dataclass(frozen=True)
@@ -77,6 +77,21 @@ class KernelSet:
 def kernels_available() -> bool:
     """nvidia-cutlass-dsl importable and a CUDA device visible."""
     return importlib.util.find_spec("cutlass") is not None and torch.cuda.is_available()
+
+
+def model_kernel_reason(request, dtypes, shape_reason=None):
+    """Why a model-wide kernel (rope-like records: a request with `device` and `dtype`) cannot
+    run: the first of a device other than CUDA, a dtype outside `dtypes`, `shape_reason` (the
+    kernel's own), nvidia-cutlass-dsl or CUDA missing; None when it can."""
+    if request.device.type != "cuda":
+        return f"a {request.device.type} device"
+    if request.dtype not in dtypes:
+        return f"{request.dtype}"
+    if shape_reason is not None:
+        return shape_reason
+    if not kernels_available():
+        return "nvidia-cutlass-dsl or CUDA missing"
+    return None
 
 
 def _prepare_cutedsl(dtype, hidden, device, add_norm_offsets, moe_shapes) -> None:

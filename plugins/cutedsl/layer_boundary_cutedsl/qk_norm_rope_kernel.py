@@ -20,7 +20,7 @@ from typing import Optional
 
 import torch
 
-from .kernel_set import kernels_available
+from .kernel_set import model_kernel_reason
 
 __all__ = ["CuteQKNormRope", "factory", "reason"]
 
@@ -31,15 +31,7 @@ def reason(request) -> Optional[str]:
     """Why the kernel cannot run `request` (None: it can, once compiled)."""
     from .kernels.qk_norm_rope import DTYPES, HEAD_DIMS
 
-    if request.device.type != "cuda":
-        return f"a {request.device.type} device"
-    if request.dtype not in DTYPES:
-        return f"{request.dtype}"
-    if request.head_dim not in HEAD_DIMS:
-        return f"head_dim {request.head_dim}"
-    if not kernels_available():
-        return "nvidia-cutlass-dsl or CUDA missing"
-    return None
+    return model_kernel_reason(request, DTYPES, None if request.head_dim in HEAD_DIMS else f"head_dim {request.head_dim}")
 
 
 class CuteQKNormRope:

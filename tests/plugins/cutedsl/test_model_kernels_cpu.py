@@ -1,0 +1,40 @@
+"""The cutedsl plugin's model-wide kernel records (q/k norm + rope, gated activation) on a CPU
+machine: registered as public hooks, and their factories decline with the reason, first the
+device, then the dtype, then the kernel's own shape limits."""
+
+import torch
+
+from layer_boundary.plugin import GatedActivationRequest, QKNormRopeRequest
+from layer_boundary_cutedsl import gated_activation_kernel, plugin, qk_norm_rope_kernel
+
+
+def _qk(**kw):
+    fields = dict(device=torch.device("cuda"), dtype=torch.bfloat16, head_dim=128, heads=32, kv_heads=8, theta=1e6,
+                  max_positions=4096, eps=1e-6)
+    fields.update(kw)
+    return QKNormRopeRequest(**fields)
+
+
+def _gated(**kw):
+    fields = dict(device=torch.device("cuda"), dtype=torch.bfloat16, activation="silu", intermediate=1536)
+    fields.update(kw)
+    return GatedActivationRequest(**fields)
+
+
+def test_the_records_are_the_plugins_hooks():
+    (qk,) = plugin.layer_boundary_qk_norm_rope_kernels()
+    (gated,) = plugin.layer_boundary_gated_activation_kernels()
+    assert (qk.name, gated.name) == ("cutedsl.qk_norm_rope", "cutedsl.gated_activation")
+    assert qk.factory(_qk(device=torch.device("cpu"))) is None and gated.factory(_gated(device=torch.device("cpu"))) is None
+
+
+def test_the_reasons_name_what_the_kernel_cannot_run():
+    assert qk_norm_rope_kernel.reason(_qk(device=torch.device("cpu"))) == "a cpu device"
+    assert qk_norm_rope_kernel.reason(_qk(dtype=torch.float32)) == "torch.float32"
+    assert qk_norm_rope_kernel.reason(_qk(head_dim=96)) == "head_dim 96"
+    assert gated_activation_kernel.reason(_gated(activation="relu2")) == "activation 'relu2'"
+    assert gated_activation_kernel.reason(_gated(intermediate=12)) == "width 12"
+    assert gated_activation_kernel.reason(_gated(device=torch.device("meta"))) == "a meta device"
+    if not torch.cuda.is_available():  # everything else fits: only the missing GPU is left
+        assert qk_norm_rope_kernel.reason(_qk()) == "nvidia-cutlass-dsl or CUDA missing"
+        assert gated_activation_kernel.reason(_gated()) == "nvidia-cutlass-dsl or CUDA missing"
