@@ -38,3 +38,21 @@ def test_the_reasons_name_what_the_kernel_cannot_run():
     if not torch.cuda.is_available():  # everything else fits: only the missing GPU is left
         assert qk_norm_rope_kernel.reason(_qk()) == "nvidia-cutlass-dsl or CUDA missing"
         assert gated_activation_kernel.reason(_gated()) == "nvidia-cutlass-dsl or CUDA missing"
+
+
+def test_debug_mode_refuses_positions_past_the_rope_table_before_any_launch(monkeypatch):
+    """The kernel reads table[position] unchecked; LAYER_BOUNDARY_DEBUG checks on the host first
+    (here on CPU tensors: the error comes before any compile or launch)."""
+    import pytest
+
+    from layer_boundary_cutedsl.kernels import _launch
+    from layer_boundary_cutedsl.kernels.qk_norm_rope import fused_qk_norm_rope, rope_table
+
+    monkeypatch.setattr(_launch, "DEBUG", True)
+    q, k = torch.zeros(2, 4, 64, dtype=torch.bfloat16), torch.zeros(2, 1, 64, dtype=torch.bfloat16)
+    w = torch.ones(64, dtype=torch.bfloat16)
+    table = rope_table(64, 1e4, 16, "cpu")
+    with pytest.raises(ValueError, match=r"positions span 3\.\.16 but the table covers 0\.\.15"):
+        fused_qk_norm_rope(q, k, torch.tensor([3, 16]), w, w, table, 1e-6)
+    with pytest.raises(ValueError, match="positions span -1"):
+        fused_qk_norm_rope(q, k, torch.tensor([-1, 2]), w, w, table, 1e-6)

@@ -8,6 +8,7 @@ from types import SimpleNamespace
 
 import torch
 
+from . import _launch
 from ._launch import executor_for, launch_args
 
 __all__ = ["QKNormRopeVariant", "fused_qk_norm_rope", "prepare_qk_norm_rope", "rope_table", "check_geometry"]
@@ -101,8 +102,9 @@ def fused_qk_norm_rope(q, k, positions, q_weight, k_weight, table, eps: float, *
     """(q_out, k_out): every head row of q [T, heads, D] and k [T, kv_heads, D] normalized over D
     (fp32, times its weight, rounded once), then rotated by `table[positions]` (neox halves; fp32,
     rounded once). q and k may be row-strided views (a fused projection's output); the outputs
-    are new contiguous tensors. positions: int64 [T], each below table.shape[0] (not checked on
-    the device: the caller's cache is no longer than the table)."""
+    are new contiguous tensors. positions: int64 [T], each below table.shape[0]: the kernel does
+    not check (the core's static cache is never longer than the table); LAYER_BOUNDARY_DEBUG=1
+    checks on the host (a device sync) and raises."""
     dtype, device, D = q.dtype, q.device, q.shape[-1]
     T = q.shape[0]
     if not (_heads_ok(q, dtype, device, D) and _heads_ok(k, dtype, device, D) and k.shape[0] == T):
@@ -113,6 +115,11 @@ def fused_qk_norm_rope(q, k, positions, q_weight, k_weight, table, eps: float, *
         raise ValueError(f"q has {T} tokens, k {k.shape[0]}")
     if not (positions.dtype == torch.int64 and positions.shape == (T,) and positions.is_contiguous()):
         raise ValueError(f"positions must be int64 [{T}] contiguous, got {positions.dtype} {tuple(positions.shape)}")
+    if _launch.DEBUG and T and not 0 <= int(positions.min()) <= int(positions.max()) < table.shape[0]:
+        raise ValueError(
+            f"positions span {int(positions.min())}..{int(positions.max())} but the table covers 0..{table.shape[0] - 1}: "
+            "build rope_table for more positions (the kernel reads table[position] unchecked)"
+        )
     for name, w in (("q_weight", q_weight), ("k_weight", k_weight)):
         if not (w.dtype == dtype and w.shape == (D,) and w.is_contiguous() and w.data_ptr() % 16 == 0):
             raise ValueError(f"{name} must be a contiguous, 16-byte aligned [{D}] {dtype} tensor, got {w.dtype} {tuple(w.shape)}")
