@@ -348,3 +348,15 @@ def test_the_fused_kernel_traces_whole_under_torch_compile(fresh_registry, inlin
     assert graph_breaks() == 0 and len(graphs) == 1
     ops = [n for n in graphs[0].graph.nodes if n.op == "call_function" and "layer_boundary_tests.qk_norm_rope" in str(n.target)]
     assert len(ops) == config.num_layers  # once per layer, in place of both norms and the rope
+
+
+def test_norm_weights_of_another_dtype_never_ask_the_record(fresh_registry, inline_plugin):
+    """The request carries one dtype (the attention's): q/k norm weights kept in another (fp32
+    norms in a float64 model here) keep the torch norms instead of failing at the first forward."""
+    stub = inline_plugin(StubQKNormRope(), name="stub")
+    _, model = _model()
+    for attention in (m for m in model.modules() if isinstance(m, TPAttention)):
+        attention.q_norm.weight.data = attention.q_norm.weight.data.float()
+        attention.k_norm.weight.data = attention.k_norm.weight.data.float()
+    prepare_model(model, max_tokens=16)
+    assert stub.requests == [] and model.attention_kernels.qk_norm_rope == kernel_choice.KernelChoice(TORCH)

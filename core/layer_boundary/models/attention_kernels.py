@@ -59,13 +59,15 @@ def _attentions(model) -> list:
 
 def fusable_qk_norms(attention) -> bool:
     """Whether `attention` has q/k norms a `QKNormRopeKernel` computes: both the core's plain
-    `RMSNorm` (weight, no offset, not `kernels=False`, the statistic in fp32), one epsilon."""
+    `RMSNorm` (weight, no offset, not `kernels=False`, the statistic in fp32, weights in the
+    attention's dtype), one epsilon."""
     from .._residual.add_norm import RMSNorm
 
     q, k = attention.q_norm, attention.k_norm
     if q is None or k is None:
         return False
-    plain = all(type(n) is RMSNorm and n.kernels and n.compute_dtype == torch.float32 for n in (q, k))
+    dtype = attention.o_proj.weight.dtype  # the request's: weights of another dtype keep the torch norms
+    plain = all(type(n) is RMSNorm and n.kernels and n.compute_dtype == torch.float32 and n.weight.dtype == dtype for n in (q, k))
     return plain and q.eps == k.eps
 
 

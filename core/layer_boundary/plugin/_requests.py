@@ -114,9 +114,11 @@ class QKNormRopeRequest:
     [tokens, kv_heads, head_dim]:
 
     1. RMSNorm over head_dim with the row's own weight (`q_weight` for queries, `k_weight` for
-       keys): `weight * (x * rsqrt(mean(x^2) + eps))`, the statistic in fp32 and the normalized
-       row rounded to `dtype` before it is multiplied by the plain weight (the core's `RMSNorm`;
-       no `1 + weight` offset);
+       keys): `weight * (x * rsqrt(mean(x^2) + eps))`, the statistic in fp32 and the plain
+       weight (no `1 + weight` offset). The core's `RMSNorm` rounds the normalized row to `dtype`
+       before the weight multiplies it; a kernel may instead round once after it, as FlashInfer's
+       `rmsnorm` (the unfused path where the flashinfer plugin is installed) does: the two differ
+       by a unit in the last place;
     2. the half-split ("neox") rotation of the normalized row by the angles
        `position * theta ** (-2i / head_dim)`, as `RopeRequest` describes, for positions below
        `max_positions`.

@@ -56,3 +56,26 @@ def test_debug_mode_refuses_positions_past_the_rope_table_before_any_launch(monk
         fused_qk_norm_rope(q, k, torch.tensor([3, 16]), w, w, table, 1e-6)
     with pytest.raises(ValueError, match="positions span -1"):
         fused_qk_norm_rope(q, k, torch.tensor([-1, 2]), w, w, table, 1e-6)
+
+
+def test_inputs_on_another_device_and_odd_widths_are_refused_with_the_fix():
+    """A weight, table or positions tensor on another device than q would be dereferenced as a
+    device address: refused first. A gate_up width that is not 2 x whole vectors is refused on
+    every call (a cached entry of the width below would read misaligned rows)."""
+    import pytest
+
+    from layer_boundary_cutedsl.kernels.gated_activation import gated_activation
+    from layer_boundary_cutedsl.kernels.qk_norm_rope import fused_qk_norm_rope, rope_table
+
+    q, k = torch.zeros(2, 4, 64, dtype=torch.bfloat16), torch.zeros(2, 1, 64, dtype=torch.bfloat16)
+    w = torch.ones(64, dtype=torch.bfloat16)
+    table = rope_table(64, 1e4, 16, "cpu")
+    positions = torch.tensor([0, 1])
+    with pytest.raises(ValueError, match="q_weight must be .* on cpu, got .* on meta"):
+        fused_qk_norm_rope(q, k, positions, w.to("meta"), w, table, 1e-6)
+    with pytest.raises(ValueError, match="table must be .* on cpu"):
+        fused_qk_norm_rope(q, k, positions, w, w, table.to("meta"), 1e-6)
+    with pytest.raises(ValueError, match="positions must be int64 .* on cpu"):
+        fused_qk_norm_rope(q, k, positions.to("meta"), w, w, table, 1e-6)
+    with pytest.raises(ValueError, match="multiple of 8"):
+        gated_activation(torch.zeros(3, 2 * 16 + 2, dtype=torch.bfloat16))

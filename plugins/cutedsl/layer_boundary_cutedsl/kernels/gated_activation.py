@@ -78,6 +78,8 @@ def gated_activation(gate_up: torch.Tensor, activation: str = "silu", *, pdl: bo
     gate_up: contiguous, 16-byte aligned; a strided one is copied first."""
     if not (gate_up.is_contiguous() and gate_up.data_ptr() % 16 == 0):
         gate_up = gate_up.clone(memory_format=torch.contiguous_format)  # a new allocation is aligned
+    if gate_up.shape[-1] % 16:  # checked on every call: an odd width would share the entry of width - 1
+        raise ValueError(f"gate_up's last dim must be 2 * d with d a multiple of 8 (whole 16-byte vectors), got {gate_up.shape[-1]}")
     d = gate_up.shape[-1] // 2
     out = gate_up.new_empty(gate_up.shape[:-1] + (d,))
     vectors = out.numel() // 8
@@ -88,8 +90,6 @@ def gated_activation(gate_up: torch.Tensor, activation: str = "silu", *, pdl: bo
     entry = _entries.get((key, device))
     if entry is None:
         check_width(gate_up.dtype, activation, d)
-        if gate_up.shape[-1] != 2 * d:
-            raise ValueError(f"gate_up's last dim must be 2 * d, got {gate_up.shape[-1]}")
         entry = _entries[(key, device)] = _entry(gate_up.dtype, activation, d, device, bool(pdl))
     launch_args(entry, vectors, (gate_up.data_ptr(), out.data_ptr(), vectors), device)
     return out

@@ -98,6 +98,12 @@ def _explain(name: str, t: torch.Tensor, dtype, device, head_dim: int) -> None:
 _entries: dict = {}  # (variant key, device) -> launcher entry
 
 
+def _capturing(device: torch.device) -> bool:
+    """Whether a CUDA graph is being captured on `device`'s stream (a debug check's host sync
+    would break the capture, so it is skipped there)."""
+    return device.type == "cuda" and torch.cuda.is_current_stream_capturing()
+
+
 def fused_qk_norm_rope(q, k, positions, q_weight, k_weight, table, eps: float, *, pdl: bool = True):
     """(q_out, k_out): every head row of q [T, heads, D] and k [T, kv_heads, D] normalized over D
     (fp32, times its weight, rounded once), then rotated by `table[positions]` (neox halves; fp32,
@@ -113,18 +119,20 @@ def fused_qk_norm_rope(q, k, positions, q_weight, k_weight, table, eps: float, *
             if not _heads_ok(t, dtype, device, D):
                 _explain(name, t, dtype, device, D)
         raise ValueError(f"q has {T} tokens, k {k.shape[0]}")
-    if not (positions.dtype == torch.int64 and positions.shape == (T,) and positions.is_contiguous()):
-        raise ValueError(f"positions must be int64 [{T}] contiguous, got {positions.dtype} {tuple(positions.shape)}")
-    if _launch.DEBUG and T and not 0 <= int(positions.min()) <= int(positions.max()) < table.shape[0]:
+    if not (positions.dtype == torch.int64 and positions.shape == (T,) and positions.is_contiguous() and positions.device == device):
+        raise ValueError(f"positions must be int64 [{T}] contiguous on {device}, got {positions.dtype} {tuple(positions.shape)} on {positions.device}")
+    if _launch.DEBUG and T and not _capturing(device) and not 0 <= int(positions.min()) <= int(positions.max()) < table.shape[0]:
         raise ValueError(
             f"positions span {int(positions.min())}..{int(positions.max())} but the table covers 0..{table.shape[0] - 1}: "
             "build rope_table for more positions (the kernel reads table[position] unchecked)"
         )
     for name, w in (("q_weight", q_weight), ("k_weight", k_weight)):
-        if not (w.dtype == dtype and w.shape == (D,) and w.is_contiguous() and w.data_ptr() % 16 == 0):
-            raise ValueError(f"{name} must be a contiguous, 16-byte aligned [{D}] {dtype} tensor, got {w.dtype} {tuple(w.shape)}")
-    if not (table.dtype == torch.float32 and table.dim() == 2 and table.shape[1] == D and table.is_contiguous()):
-        raise ValueError(f"table must be float32 [max_positions, {D}] contiguous (rope_table), got {table.dtype} {tuple(table.shape)}")
+        if not (w.dtype == dtype and w.shape == (D,) and w.is_contiguous() and w.data_ptr() % 16 == 0 and w.device == device):
+            raise ValueError(f"{name} must be a contiguous, 16-byte aligned [{D}] {dtype} tensor on {device}, "
+                             f"got {w.dtype} {tuple(w.shape)} on {w.device}")
+    if not (table.dtype == torch.float32 and table.dim() == 2 and table.shape[1] == D and table.is_contiguous() and table.device == device):
+        raise ValueError(f"table must be float32 [max_positions, {D}] contiguous on {device} (rope_table), "
+                         f"got {table.dtype} {tuple(table.shape)} on {table.device}")
     heads, kv_heads = q.shape[1], k.shape[1]
     q_out = torch.empty((T, heads, D), dtype=dtype, device=device)
     k_out = torch.empty((T, kv_heads, D), dtype=dtype, device=device)

@@ -4,8 +4,9 @@
 qwen3-style attention normalizes every head of q and k over head_dim, each with its own
 weight, and then rotates them: three launches unfused (q norm, k norm, rope). Here one group of
 head_dim / 8 threads holds one head row (8 elements, one 16-byte vector a thread): the sum of
-squares is a butterfly over the group, the normalized value is rounded once to the model dtype
-(what the unfused norm leaves for the rope), and the half-split ("neox") rotation takes its
+squares is a butterfly over the group, the normalized value times the weight is rounded once
+to the model dtype (as FlashInfer's rmsnorm, the unfused path with the flashinfer plugin, hands
+it to the rope; the core's torch RMSNorm rounds before the weight multiply), and the half-split ("neox") rotation takes its
 partner element from the thread head_dim / 16 lanes away (one shuffle). cos and sin come from a
 float32 table [max_positions, head_dim] (cos in the first half, sin in the second), rounded
 once at the end, as FlashInfer's rope computes.

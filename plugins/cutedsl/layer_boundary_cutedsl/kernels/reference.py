@@ -116,7 +116,7 @@ def moe_terms_abs_sum(routed, indices, weights, shared, residual) -> torch.Tenso
 
 def qk_norm_rope_reference(x: torch.Tensor, positions: torch.Tensor, weight: torch.Tensor, table: torch.Tensor, eps: float) -> torch.Tensor:
     """The q/k norm + rope kernel's math on one of q or k ([T, heads, D]) in float64: the head's
-    RMSNorm times its weight, rounded to x's dtype (what an unfused norm hands the rope), then the
+    RMSNorm times its weight, rounded to x's dtype (as FlashInfer's rmsnorm hands it to the rope), then the
     half-split rotation by table[positions] (cos | sin halves), rounded once."""
     half = x.shape[-1] // 2
     x64 = x.to(torch.float64)
