@@ -189,6 +189,15 @@ class RotaryEmbedding(nn.Module):
         return torch.stack((cos, sin), dim=1)
 
 
+def rope_cos_sin_table(head_dim: int, theta: float, max_positions: int, device) -> torch.Tensor:
+    """[max_positions, head_dim] float32: cos(p * inv_freq) in the first half, sin in the second
+    (the angles `RotaryEmbedding` uses, computed on `device`): the table plugin rope kernels
+    read, FlashInfer's cos_sin_cache layout."""
+    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float, device=device) / head_dim))
+    freqs = torch.arange(max_positions, device=device).float()[:, None] * inv_freq[None, :]
+    return torch.cat((freqs.cos(), freqs.sin()), dim=-1).contiguous()
+
+
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """x: [tokens, heads, head_dim]; cos/sin: [tokens, head_dim]. `x * cos + rotate_half(x) *
     sin` written into one new tensor: the rotated half is read from slices of `x` (no cat, no

@@ -43,6 +43,7 @@ from .._paths import EntryMode, EntryPath, ExitPath, ExitRole, Owed, ReduceScatt
 from .._planning import Stage, StagePlan
 from .._residual.add_norm import add_rms_norm, is_rms_norm
 from .._residual.quant import FP8_DTYPE, Fp8Input, fp8_residual, norm_fp32, quantize_fp8
+from ..models.attention import rope_cos_sin_table
 from ._hookspecs import PROJECT, hookimpl, hookspec
 from ._manager import (
     DISABLE_ENV,
@@ -168,6 +169,7 @@ __all__ = [
     "gather_slices",
     "add_rms_norm",
     "is_rms_norm",
+    "rope_cos_sin_table",
     # quantized reads (what a quantizing candidate returns)
     "Fp8Input",
     "FP8_DTYPE",

@@ -20,6 +20,7 @@ from typing import Optional
 import torch
 
 from .kernel_set import model_kernel_reason
+from .kernels.gated_activation import ACTIVATIONS, gated_activation, prepare_gated_activation
 
 __all__ = ["CuteGatedActivation", "factory", "reason"]
 
@@ -28,15 +29,13 @@ log = logging.getLogger("layer_boundary.cutedsl")
 
 def reason(request) -> Optional[str]:
     """Why the kernel cannot run `request` (None: it can, once compiled)."""
-    from .kernels.gated_activation import ACTIVATIONS, DTYPES
-
     if request.activation not in ACTIVATIONS:
         shape = f"activation {request.activation!r}"
     elif request.intermediate <= 0 or request.intermediate % 8:
         shape = f"width {request.intermediate}"
     else:
         shape = None
-    return model_kernel_reason(request, DTYPES, shape)
+    return model_kernel_reason(request, shape)
 
 
 class CuteGatedActivation:
@@ -48,8 +47,6 @@ class CuteGatedActivation:
     def __call__(self, gate_up: torch.Tensor) -> torch.Tensor:
         if torch.compiler.is_compiling():
             return torch.ops.layer_boundary_cutedsl.gated_activation(gate_up, self.activation)
-        from .kernels.gated_activation import gated_activation
-
         return gated_activation(gate_up, self.activation)
 
     def __repr__(self) -> str:
@@ -62,8 +59,6 @@ def factory(request) -> Optional[CuteGatedActivation]:
     if why is not None:
         log.debug("cutedsl.gated_activation declines: %s", why)
         return None
-    from .kernels.gated_activation import prepare_gated_activation
-
     try:
         prepare_gated_activation(request.dtype, request.activation, request.intermediate, request.device)
         kernel = CuteGatedActivation(request.activation)
@@ -83,8 +78,6 @@ def factory(request) -> Optional[CuteGatedActivation]:
 
 @torch.library.custom_op("layer_boundary_cutedsl::gated_activation", mutates_args=())
 def _gated_activation(gate_up: torch.Tensor, activation: str) -> torch.Tensor:
-    from .kernels.gated_activation import gated_activation
-
     return gated_activation(gate_up, activation)
 
 

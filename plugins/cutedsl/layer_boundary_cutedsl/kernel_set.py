@@ -79,13 +79,14 @@ def kernels_available() -> bool:
     return importlib.util.find_spec("cutlass") is not None and torch.cuda.is_available()
 
 
-def model_kernel_reason(request, dtypes, shape_reason=None):
+def model_kernel_reason(request, shape_reason=None):
     """Why a model-wide kernel (rope-like records: a request with `device` and `dtype`) cannot
-    run: the first of a device other than CUDA, a dtype outside `dtypes`, `shape_reason` (the
-    kernel's own), nvidia-cutlass-dsl or CUDA missing; None when it can."""
+    run: the first of a device other than CUDA, a dtype the kernels do not run
+    (`SUPPORTED_DTYPES`), `shape_reason` (the kernel's own), nvidia-cutlass-dsl or CUDA missing;
+    None when it can."""
     if request.device.type != "cuda":
         return f"a {request.device.type} device"
-    if request.dtype not in dtypes:
+    if request.dtype not in SUPPORTED_DTYPES:
         return f"{request.dtype}"
     if shape_reason is not None:
         return shape_reason

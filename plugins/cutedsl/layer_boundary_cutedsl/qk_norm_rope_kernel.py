@@ -20,7 +20,10 @@ from typing import Optional
 
 import torch
 
+from layer_boundary.plugin import rope_cos_sin_table
+
 from .kernel_set import model_kernel_reason
+from .kernels.qk_norm_rope import HEAD_DIMS, fused_qk_norm_rope, prepare_qk_norm_rope
 
 __all__ = ["CuteQKNormRope", "factory", "reason"]
 
@@ -29,9 +32,7 @@ log = logging.getLogger("layer_boundary.cutedsl")
 
 def reason(request) -> Optional[str]:
     """Why the kernel cannot run `request` (None: it can, once compiled)."""
-    from .kernels.qk_norm_rope import DTYPES, HEAD_DIMS
-
-    return model_kernel_reason(request, DTYPES, None if request.head_dim in HEAD_DIMS else f"head_dim {request.head_dim}")
+    return model_kernel_reason(request, None if request.head_dim in HEAD_DIMS else f"head_dim {request.head_dim}")
 
 
 class CuteQKNormRope:
@@ -45,8 +46,6 @@ class CuteQKNormRope:
     def __call__(self, q, k, positions, q_weight, k_weight):
         if torch.compiler.is_compiling():
             return torch.ops.layer_boundary_cutedsl.qk_norm_rope(q, k, positions, q_weight, k_weight, self.table, self.eps)
-        from .kernels.qk_norm_rope import fused_qk_norm_rope
-
         return fused_qk_norm_rope(q, k, positions, q_weight, k_weight, self.table, self.eps)
 
     def __repr__(self) -> str:
@@ -59,11 +58,9 @@ def factory(request) -> Optional[CuteQKNormRope]:
     if why is not None:
         log.debug("cutedsl.qk_norm_rope declines: %s", why)
         return None
-    from .kernels.qk_norm_rope import prepare_qk_norm_rope, rope_table
-
     try:
         prepare_qk_norm_rope(request.dtype, request.head_dim, request.heads, request.kv_heads, request.device)
-        kernel = CuteQKNormRope(rope_table(request.head_dim, request.theta, request.max_positions, request.device), request.eps)
+        kernel = CuteQKNormRope(rope_cos_sin_table(request.head_dim, request.theta, request.max_positions, request.device), request.eps)
         D = request.head_dim
         q = torch.ones(1, request.heads, D, dtype=request.dtype, device=request.device)
         k = torch.ones(1, request.kv_heads, D, dtype=request.dtype, device=request.device)
@@ -84,8 +81,6 @@ def _qk_norm_rope(
     q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, q_weight: torch.Tensor, k_weight: torch.Tensor,
     table: torch.Tensor, eps: float,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    from .kernels.qk_norm_rope import fused_qk_norm_rope
-
     return fused_qk_norm_rope(q, k, positions, q_weight, k_weight, table, eps)
 
 

@@ -3,8 +3,8 @@
 
 Rope: FlashInfer 0.7.2's `apply_rope_with_cos_sin_cache(positions, query, key, head_size,
 cos_sin_cache, is_neox=True)`, out of place (new query and key; the inputs stay as they are),
-over a float32 table [max_positions, head_dim] built once here: cos of `position * inv_freq` in
-the first half, sin in the second, the values the core's `RotaryEmbedding` computes.
+over a float32 table [max_positions, head_dim] built once here (the core's `rope_cos_sin_table`:
+cos of `position * inv_freq` in the first half, sin in the second).
 
 Decode attention: `BatchDecodeWithPagedKVCacheWrapper` (HND layout; its decode kernel without
 tensor cores for short caches, with them and without the split for long ones:
@@ -44,11 +44,11 @@ from typing import Optional
 
 import torch
 
-from layer_boundary.plugin import graph_key, graph_object, register_graph_object
+from layer_boundary.plugin import graph_key, graph_object, register_graph_object, rope_cos_sin_table
 
 from .eligibility import model_kernel_reason
 
-__all__ = ["FlashInferRope", "FlashInferDecodeAttention", "rope_factory", "decode_attention_factory", "rope_table", "reason"]
+__all__ = ["FlashInferRope", "FlashInferDecodeAttention", "rope_factory", "decode_attention_factory", "reason"]
 
 log = logging.getLogger("layer_boundary.flashinfer")
 
@@ -99,13 +99,6 @@ def reason(request) -> Optional[str]:
     return model_kernel_reason(request, DTYPES, None if request.head_dim in HEAD_DIMS else f"head_dim {request.head_dim}")
 
 
-def rope_table(head_dim: int, theta: float, max_positions: int, device) -> torch.Tensor:
-    """[max_positions, head_dim] float32: cos(p * inv_freq) then sin(p * inv_freq) (half each)."""
-    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float, device=device) / head_dim))
-    freqs = torch.arange(max_positions, device=device).float()[:, None] * inv_freq[None, :]
-    return torch.cat((freqs.cos(), freqs.sin()), dim=-1).contiguous()
-
-
 def _rope(q, k, positions, table):
     import flashinfer
 
@@ -134,7 +127,7 @@ def rope_factory(request) -> Optional[FlashInferRope]:
     if reason(request) is not None:
         return None
     try:
-        table = rope_table(request.head_dim, request.theta, request.max_positions, request.device)
+        table = rope_cos_sin_table(request.head_dim, request.theta, request.max_positions, request.device)
         kernel = FlashInferRope(table)
         q = torch.zeros(1, request.heads, request.head_dim, dtype=request.dtype, device=request.device)
         k = torch.zeros(1, request.kv_heads, request.head_dim, dtype=request.dtype, device=request.device)

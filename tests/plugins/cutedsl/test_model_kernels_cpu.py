@@ -46,12 +46,13 @@ def test_debug_mode_refuses_positions_past_the_rope_table_before_any_launch(monk
     import pytest
 
     from layer_boundary_cutedsl.kernels import _launch
-    from layer_boundary_cutedsl.kernels.qk_norm_rope import fused_qk_norm_rope, rope_table
+    from layer_boundary.plugin import rope_cos_sin_table
+    from layer_boundary_cutedsl.kernels.qk_norm_rope import fused_qk_norm_rope
 
     monkeypatch.setattr(_launch, "DEBUG", True)
     q, k = torch.zeros(2, 4, 64, dtype=torch.bfloat16), torch.zeros(2, 1, 64, dtype=torch.bfloat16)
     w = torch.ones(64, dtype=torch.bfloat16)
-    table = rope_table(64, 1e4, 16, "cpu")
+    table = rope_cos_sin_table(64, 1e4, 16, "cpu")
     with pytest.raises(ValueError, match=r"positions span 3\.\.16 but the table covers 0\.\.15"):
         fused_qk_norm_rope(q, k, torch.tensor([3, 16]), w, w, table, 1e-6)
     with pytest.raises(ValueError, match="positions span -1"):
@@ -65,11 +66,12 @@ def test_inputs_on_another_device_and_odd_widths_are_refused_with_the_fix():
     import pytest
 
     from layer_boundary_cutedsl.kernels.gated_activation import gated_activation
-    from layer_boundary_cutedsl.kernels.qk_norm_rope import fused_qk_norm_rope, rope_table
+    from layer_boundary.plugin import rope_cos_sin_table
+    from layer_boundary_cutedsl.kernels.qk_norm_rope import fused_qk_norm_rope
 
     q, k = torch.zeros(2, 4, 64, dtype=torch.bfloat16), torch.zeros(2, 1, 64, dtype=torch.bfloat16)
     w = torch.ones(64, dtype=torch.bfloat16)
-    table = rope_table(64, 1e4, 16, "cpu")
+    table = rope_cos_sin_table(64, 1e4, 16, "cpu")
     positions = torch.tensor([0, 1])
     with pytest.raises(ValueError, match="q_weight must be .* on cpu, got .* on meta"):
         fused_qk_norm_rope(q, k, positions, w.to("meta"), w, table, 1e-6)

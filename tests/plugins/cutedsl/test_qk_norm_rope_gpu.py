@@ -14,8 +14,9 @@ import importlib.util
 import pytest
 import torch
 
+from layer_boundary.plugin import rope_cos_sin_table
 from layer_boundary_cutedsl.kernels import _launch
-from layer_boundary_cutedsl.kernels.qk_norm_rope import fused_qk_norm_rope, rope_table
+from layer_boundary_cutedsl.kernels.qk_norm_rope import fused_qk_norm_rope
 from layer_boundary_cutedsl.kernels.reference import qk_norm_rope_reference
 
 pytestmark = [
@@ -69,7 +70,7 @@ def test_the_kernel_matches_the_reference_on_strided_views(tokens, heads, kv_hea
     monkeypatch.setattr(_launch, "MAX_CTAS", max_ctas)
     fused, q, k, q_w, k_w, positions = _inputs(tokens, heads, kv_heads, head_dim, dtype)
     before = fused.clone()
-    table = rope_table(head_dim, 1e6, MAX_POSITIONS, "cuda")
+    table = rope_cos_sin_table(head_dim, 1e6, MAX_POSITIONS, "cuda")
     q_out, k_out = fused_qk_norm_rope(q, k, positions, q_w, k_w, table, EPS)
     assert q_out.shape == q.shape and k_out.shape == k.shape and q_out.is_contiguous() and k_out.is_contiguous()
     assert torch.equal(fused, before), "the inputs were written"
@@ -91,7 +92,7 @@ def test_the_kernel_matches_the_core_torch_path():
     k_norm.weight.copy_(k_w)
     cos, sin = RotaryEmbedding(D, 1e6)(positions, torch.bfloat16)
     want_q, want_k = apply_rotary(q_norm(q), cos, sin), apply_rotary(k_norm(k), cos, sin)
-    got_q, got_k = fused_qk_norm_rope(q, k, positions, q_w, k_w, rope_table(D, 1e6, MAX_POSITIONS, "cuda"), EPS)
+    got_q, got_k = fused_qk_norm_rope(q, k, positions, q_w, k_w, rope_cos_sin_table(D, 1e6, MAX_POSITIONS, "cuda"), EPS)
     for got, want in ((got_q, want_q), (got_k, want_k)):
         rel = ((got.float() - want.float()).abs().max() / want.float().abs().max()).item()
         assert rel < 2e-2, rel
@@ -101,7 +102,7 @@ def test_the_kernel_matches_the_core_torch_path():
 def test_a_cuda_graph_replays_the_kernel_for_new_positions():
     heads, kv_heads, D, tokens = 32, 8, 128, 32
     fused, q, k, q_w, k_w, positions = _inputs(tokens, heads, kv_heads, D, torch.bfloat16, seed=5)
-    table = rope_table(D, 1e6, MAX_POSITIONS, "cuda")
+    table = rope_cos_sin_table(D, 1e6, MAX_POSITIONS, "cuda")
     static = positions.clone()
     fused_qk_norm_rope(q, k, static, q_w, k_w, table, EPS)  # loaded before the capture
     graph = torch.cuda.CUDAGraph()
@@ -119,7 +120,7 @@ def test_a_cuda_graph_replays_the_kernel_for_new_positions():
 def test_bad_inputs_are_refused_with_the_fix():
     heads, kv_heads, D = 4, 1, 128
     fused, q, k, q_w, k_w, positions = _inputs(3, heads, kv_heads, D, torch.bfloat16)
-    table = rope_table(D, 1e6, 64, "cuda")
+    table = rope_cos_sin_table(D, 1e6, 64, "cuda")
     with pytest.raises(ValueError, match="heads back to back"):
         fused_qk_norm_rope(torch.empty(3, D, heads, dtype=q.dtype, device="cuda").transpose(1, 2), k, positions, q_w, k_w, table, EPS)
     with pytest.raises(ValueError, match="int64"):
@@ -150,7 +151,7 @@ def test_the_factory_accepts_what_the_kernel_runs_and_declines_the_rest():
     assert kernel is not None
     fused, q, k, q_w, k_w, positions = _inputs(4, 32, 8, 128, torch.bfloat16, seed=9)
     got = kernel(q, k, positions, q_w, k_w)
-    want = fused_qk_norm_rope(q, k, positions, q_w, k_w, rope_table(128, 1e6, MAX_POSITIONS, "cuda"), EPS)
+    want = fused_qk_norm_rope(q, k, positions, q_w, k_w, rope_cos_sin_table(128, 1e6, MAX_POSITIONS, "cuda"), EPS)
     assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
 
 

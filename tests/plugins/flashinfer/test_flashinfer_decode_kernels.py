@@ -47,8 +47,9 @@ def test_reasons_name_dtype_and_head_dim():
 
 def test_rope_table_is_the_cores_rotary_values():
     from layer_boundary.models.attention import RotaryEmbedding
+    from layer_boundary.plugin import rope_cos_sin_table
 
-    table = decode_kernels.rope_table(128, 1e6, 64, "cpu")
+    table = rope_cos_sin_table(128, 1e6, 64, "cpu")
     core = RotaryEmbedding(128, 1e6).table(64, torch.float32)  # [64, 2, 128]: cos, sin (each half repeated)
     assert table.shape == (64, 128) and table.dtype == torch.float32
     assert torch.allclose(table[:, :64], core[:, 0, :64], rtol=0, atol=1e-6)

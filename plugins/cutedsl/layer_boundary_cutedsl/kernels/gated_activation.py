@@ -9,10 +9,10 @@ from types import SimpleNamespace
 import torch
 
 from ._launch import executor_for, launch_args
+from .tiling import SUPPORTED_DTYPES
 
-__all__ = ["GatedActivationVariant", "gated_activation", "prepare_gated_activation", "check_width", "ACTIVATIONS", "DTYPES"]
+__all__ = ["GatedActivationVariant", "gated_activation", "prepare_gated_activation", "check_width", "ACTIVATIONS"]
 
-DTYPES = (torch.bfloat16, torch.float16)
 ACTIVATIONS = ("silu", "gelu_tanh", "gelu")
 CTA_THREADS = 128
 #: the argument types of the kernel's entry: gate_up, out, vector count, grid, stream
@@ -50,7 +50,7 @@ class GatedActivationVariant:
 
 
 def check_width(dtype: torch.dtype, activation: str, intermediate: int) -> None:
-    if dtype not in DTYPES:
+    if dtype not in SUPPORTED_DTYPES:
         raise TypeError(f"gated_activation runs bf16/fp16, not {dtype}")
     if activation not in ACTIVATIONS:
         raise ValueError(f"gated_activation runs {ACTIVATIONS}, not {activation!r}")

@@ -10,10 +10,10 @@ import torch
 
 from . import _launch
 from ._launch import executor_for, launch_args
+from .tiling import SUPPORTED_DTYPES
 
-__all__ = ["QKNormRopeVariant", "fused_qk_norm_rope", "prepare_qk_norm_rope", "rope_table", "check_geometry"]
+__all__ = ["QKNormRopeVariant", "fused_qk_norm_rope", "prepare_qk_norm_rope", "check_geometry"]
 
-DTYPES = (torch.bfloat16, torch.float16)
 HEAD_DIMS = (64, 128, 256)
 #: the argument types of the kernel's entry: 8 addresses, tokens, two row strides, eps, grid, stream
 KINDS = ("i64",) * 8 + ("i32", "i32", "i32", "f32", "i32", "stream")
@@ -50,15 +50,8 @@ class QKNormRopeVariant:
         return f"qk_norm_rope_{str(self.dtype).split('.')[-1]}_d{self.head_dim}_h{self.heads}_kv{self.kv_heads}{'' if self.pdl else '_nopdl'}"
 
 
-def rope_table(head_dim: int, theta: float, max_positions: int, device) -> torch.Tensor:
-    """[max_positions, head_dim] float32: cos(p * inv_freq) in the first half, sin in the second."""
-    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float, device=device) / head_dim))
-    freqs = torch.arange(max_positions, device=device).float()[:, None] * inv_freq[None, :]
-    return torch.cat((freqs.cos(), freqs.sin()), dim=-1).contiguous()
-
-
 def check_geometry(dtype: torch.dtype, head_dim: int) -> None:
-    if dtype not in DTYPES:
+    if dtype not in SUPPORTED_DTYPES:
         raise TypeError(f"fused_qk_norm_rope runs bf16/fp16, not {dtype}")
     if head_dim not in HEAD_DIMS:
         raise ValueError(f"fused_qk_norm_rope runs head_dim {HEAD_DIMS}, not {head_dim}")
@@ -124,14 +117,14 @@ def fused_qk_norm_rope(q, k, positions, q_weight, k_weight, table, eps: float, *
     if _launch.DEBUG and T and not _capturing(device) and not 0 <= int(positions.min()) <= int(positions.max()) < table.shape[0]:
         raise ValueError(
             f"positions span {int(positions.min())}..{int(positions.max())} but the table covers 0..{table.shape[0] - 1}: "
-            "build rope_table for more positions (the kernel reads table[position] unchecked)"
+            "build rope_cos_sin_table for more positions (the kernel reads table[position] unchecked)"
         )
     for name, w in (("q_weight", q_weight), ("k_weight", k_weight)):
         if not (w.dtype == dtype and w.shape == (D,) and w.is_contiguous() and w.data_ptr() % 16 == 0 and w.device == device):
             raise ValueError(f"{name} must be a contiguous, 16-byte aligned [{D}] {dtype} tensor on {device}, "
                              f"got {w.dtype} {tuple(w.shape)} on {w.device}")
     if not (table.dtype == torch.float32 and table.dim() == 2 and table.shape[1] == D and table.is_contiguous() and table.device == device):
-        raise ValueError(f"table must be float32 [max_positions, {D}] contiguous on {device} (rope_table), "
+        raise ValueError(f"table must be float32 [max_positions, {D}] contiguous on {device} (rope_cos_sin_table), "
                          f"got {table.dtype} {tuple(table.shape)} on {table.device}")
     heads, kv_heads = q.shape[1], k.shape[1]
     q_out = torch.empty((T, heads, D), dtype=dtype, device=device)
