@@ -29,6 +29,9 @@
 #               activation modules (not in fijit.tgz)
 #   bench-decode   `layer-boundary bench decode` (batch 1, 32: graph replay, kernels vs HF, floor)
 #   probe-attention FlashInfer's decode attention planned with and without tensor cores / split-kv
+#   probe-replay where a captured decode step's time beyond its kernels goes, per batch (synced, in place,
+#               back to back, the host launch, idle time by kernel pair, the graph's nodes), with the
+#               cutedsl kernels launched with and without PDL
 #   qk-norm-rope the CuTe DSL q/k norm + rope kernel's GPU tests alone (also in `cutedsl`)
 #   probe-qk-norm-rope one layer's q_norm + k_norm + rope (the model's chosen kernels) against the one
 #               fused q/k norm + rope launch (cutedsl.qk_norm_rope), graph replay
@@ -214,6 +217,7 @@ group() {
     bench-decode) run_bench bench_decode 290 python3 -m layer_boundary bench decode -- --out "$OUT/decode.json" ;;
     probe-attention) run_bench probe_attention 290 python3 benchmarks/decode_attention_probe.py --out "$OUT/decode_attention_probe.json" ;;
     qk-norm-rope) run_pytest qk_norm_rope 300 tests/plugins/cutedsl/test_qk_norm_rope_gpu.py ;;
+    probe-replay) run_bench probe_replay 300 python3 benchmarks/replay_probe.py --batches 1 8 16 32 --no-pdl --out "$OUT/replay_probe.json" ;;
     probe-qk-norm-rope) run_bench probe_qk_norm_rope 200 python3 benchmarks/qk_norm_rope_probe.py --out "$OUT/qk_norm_rope_probe.json" ;;
     sweep-cutedsl) run_bench sweep_cutedsl 400 python3 -m layer_boundary_cutedsl.add_norm_sweep --out "$OUT/add_norm_sweep.json" ;;
     sweep-layouts) run_bench sweep_layouts 400 python3 -m layer_boundary_cutedsl.add_norm_sweep --layouts --out "$OUT/add_norm_layouts.json" ;;
@@ -225,7 +229,7 @@ group() {
       run_check soak_kill 150 $soak --only kill --out "$OUT/soak_kill.json" || rc=1
       return $rc ;;
     contract) run_pytest contract 560 tests/plugins/test_contract_plugins.py tests/plugins/test_contract_suite.py tests/test_example_provider.py ;;
-    *) log "unknown group $1 (core cutedsl flashinfer flashinfer4 contract soak compile compile-cpu compile-ops addnorm cutedsl-kernels decode-kernels shadow probe probe-moe final smoke-cutedsl bench-decode probe-attention qk-norm-rope probe-qk-norm-rope bench-cutedsl sweep-cutedsl sweep-layouts)"; return 2 ;;
+    *) log "unknown group $1 (core cutedsl flashinfer flashinfer4 contract soak compile compile-cpu compile-ops addnorm cutedsl-kernels decode-kernels shadow probe probe-moe final smoke-cutedsl bench-decode probe-attention probe-replay qk-norm-rope probe-qk-norm-rope bench-cutedsl sweep-cutedsl sweep-layouts)"; return 2 ;;
   esac
 }
 

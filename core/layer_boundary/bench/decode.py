@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import json
 import statistics
+import time
 from pathlib import Path
 
 import torch
@@ -124,6 +125,19 @@ def _events_us(fn, repeats: int, calls: int = 1) -> float:
     return statistics.median(times)
 
 
+def host_launch_us(graph, repeats: int) -> float:
+    """Host microseconds of one `graph.replay()` call with the GPU idle (median of `repeats`):
+    what a synced replay waits before its first kernel can start."""
+    times = []
+    for _ in range(repeats):
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        graph.replay()
+        times.append((time.perf_counter() - t0) * 1e6)
+    torch.cuda.synchronize()
+    return statistics.median(times)
+
+
 @torch.inference_mode()
 def run(batches, layers: int, prompt: int, repeats: int, parallel=None, hf: bool = True) -> dict:
     from .._cuda_graphs import CapturedStep
@@ -149,35 +163,35 @@ def run(batches, layers: int, prompt: int, repeats: int, parallel=None, hf: bool
     mlp_kernels = getattr(model, "mlp_kernels", None)
     gated = ", ".join(sorted({c.name for c in mlp_kernels.values()})) if mlp_kernels else None
     weight_bytes, floor_us = weight_floor(model)
-    rows = []
+    # every timing first, every profile after: once torch.profiler has run in a process, CUPTI
+    # stays attached and each later graph launch costs the host ~50 us more (measured on the
+    # H200: 12 us before, 62-83 us after), which a synced replay pays in full
+    steps, rows = [], []
     for batch in batches:
-        torch.cuda.empty_cache()
-        torch.cuda.reset_peak_memory_stats()
         cache = model.new_static_cache(batch, prompt + 8)
         gen = torch.Generator().manual_seed(batch)
         prompts = [torch.randint(0, config.vocab_size, (prompt,), generator=gen) for _ in range(batch)]
         slots = None  # row i is cache slot i: the cache is read in place (an engine with a slot table passes it)
         ids = torch.randint(0, config.vocab_size, (batch,), generator=gen).cuda()
         pos = torch.full((batch,), prompt, dtype=torch.long, device="cuda")
-        graph = CapturedStep(lambda i, p: static_decode_step(model, parallel, cache, i, slots, p), (ids.clone(), pos.clone()))
+        torch.cuda.reset_peak_memory_stats()
+        graph = CapturedStep(lambda i, p, c=cache: static_decode_step(model, parallel, c, i, slots, p), (ids.clone(), pos.clone()))
         static_prefill(model, parallel, cache, prompts, "cuda")
         snap = cache.snapshot()
         eager_out = static_decode_step(model, parallel, cache, ids, slots, pos).clone()
         cache.restore(snap)
         replay_out = graph.replay(ids, pos).clone()
         equal = bool(torch.equal(eager_out, replay_out))
-        eager_us = _events_us(lambda: static_decode_step(model, parallel, cache, ids, slots, pos), repeats)
-        graph_us = _events_us(lambda: graph.replay(ids, pos), repeats * 3)
-        graph_pipelined_us = _events_us(lambda: graph.replay(ids, pos), repeats, calls=20)
+        eager_us = _events_us(lambda c=cache, i=ids, p=pos: static_decode_step(model, parallel, c, i, slots, p), repeats)
+        graph_us = _events_us(lambda g=graph, i=ids, p=pos: g.replay(i, p), repeats * 3)
+        graph_pipelined_us = _events_us(lambda g=graph, i=ids, p=pos: g.replay(i, p), repeats, calls=20)
         # an engine whose sampler writes the next ids (and positions) into the graph's own input
         # buffers: the replay copies nothing first
         for static, given in zip(graph.static_inputs, (ids, pos)):
             static.copy_(given)
-        graph_in_place_us = _events_us(lambda: graph.replay(*graph.static_inputs), repeats * 3)
-        ours = profile_step(lambda: static_decode_step(model, parallel, cache, ids, slots, pos))
-        # the replay's kernels as the profiler sees them inside the graph (their times are what
-        # graph replay pays; the eager profile's times are of kernels launched one by one)
-        replayed = profile_step(lambda: graph.replay(ids, pos))
+        graph_in_place_us = _events_us(lambda g=graph: g.replay(*g.static_inputs), repeats * 3)
+        launch_us = host_launch_us(graph.graph, repeats * 3)
+        steps.append((cache, graph, ids, pos))
         rows.append(
             {
                 "batch": batch,
@@ -192,18 +206,26 @@ def run(batches, layers: int, prompt: int, repeats: int, parallel=None, hf: bool
                 "graph_in_place_us": graph_in_place_us,
                 "graph_in_place_over_floor": graph_in_place_us / floor_us,
                 "graph_pipelined_over_floor": graph_pipelined_us / floor_us,
-                "kernels": ours["kernels"],
-                "kernel_us": ours["kernel_us"],
-                "copies": ours["copies"],
-                "by_name": ours["by_name"],
-                "by_time": ours["by_time"],
-                "graph_kernels": replayed["kernels"],
-                "graph_kernel_us": replayed["kernel_us"],
-                "graph_by_time": replayed["by_time"],
-                "graph_timeline": replayed["timeline"],
+                "graph_launch_host_us": launch_us,
             }
         )
-        del graph, cache
+    for row, (cache, graph, ids, pos) in zip(rows, steps):
+        ours = profile_step(lambda c=cache, i=ids, p=pos: static_decode_step(model, parallel, c, i, slots, p))
+        # the replay's kernels as the profiler sees them inside the graph (their times are what
+        # graph replay pays; the eager profile's times are of kernels launched one by one)
+        replayed = profile_step(lambda g=graph, i=ids, p=pos: g.replay(i, p))
+        row.update(
+            kernels=ours["kernels"],
+            kernel_us=ours["kernel_us"],
+            copies=ours["copies"],
+            by_name=ours["by_name"],
+            by_time=ours["by_time"],
+            graph_kernels=replayed["kernels"],
+            graph_kernel_us=replayed["kernel_us"],
+            graph_by_time=replayed["by_time"],
+            graph_timeline=replayed["timeline"],
+        )
+    del steps
     add_norm = _add_norm_kernels(model)
     if hf and parallel.topology.tp == 1:
         del model
@@ -253,7 +275,8 @@ def main(argv=None) -> dict:
         t = r["graph_timeline"]
         print(f"  on the device: span {t['span_us']:.1f} us, busy {t['busy_us']:.1f}, idle {t['idle_us']:.1f}; "
               f"20 replays back to back: {r['graph_pipelined_us']:.1f} us a step ({r['graph_pipelined_over_floor']:.2f}x the floor); "
-              f"one replay with its inputs already in place: {r['graph_in_place_us']:.1f} us ({r['graph_in_place_over_floor']:.2f}x)")
+              f"one replay with its inputs already in place: {r['graph_in_place_us']:.1f} us ({r['graph_in_place_over_floor']:.2f}x); "
+              f"the host's graph launch call {r['graph_launch_host_us']:.1f} us")
         for before, after, us in t["gaps"]:
             print(f"  gap {us:>7.2f} us  {before} -> {after}")
     from .plot import line_plot
