@@ -39,6 +39,9 @@
 #   sweep-cutedsl  the CuTe DSL add + RMSNorm with and without PDL, new buffers or in place, against FlashInfer
 #   sweep-layouts  the CuTe DSL add + RMSNorm's CTA row layouts (threads per row x rows per CTA), in place,
 #               against FlashInfer: the layout each width should take
+#   sweep-reread   the same at H=4096 for the kernels that re-read the staged row from shared memory (more
+#               rows an SM); sweep-reread-widths: the other widths
+#   reread      the GPU tests of those kernels alone (also in `cutedsl` and `cutedsl-kernels`)
 #
 # The archives do not fit one command (64 MiB a command), so a fresh machine is staged in three
 # commands sent back to back (the machine keeps /tmp while it stays warm), then the groups:
@@ -76,18 +79,27 @@ stage() {
     mkdir -p "$FLASHINFER_WORKSPACE_BASE" && tar xzf .gpu/fijit.tgz -C "$FLASHINFER_WORKSPACE_BASE" && log "FlashInfer JIT cache restored"
     touch /tmp/gpu_tests_fijit_restored
   fi
-  if [ -f .gpu/cutedsl.part1 ] && [ ! -d /tmp/cute/cutlass ]; then
+  if [ -f .gpu/cutedsl.part1 ] && [ ! -d /tmp/cute/nvidia_cutlass_dsl ]; then
     mkdir -p /tmp/stage && cp .gpu/cutedsl.part1 /tmp/stage/ && log "cutedsl part 1 kept in /tmp/stage"
   fi
-  if [ -f .gpu/cutedsl.part2 ] && [ -f /tmp/stage/cutedsl.part1 ] && [ ! -d /tmp/cute/cutlass ]; then
-    mkdir -p /tmp/cute && cat /tmp/stage/cutedsl.part1 .gpu/cutedsl.part2 | xz -d | tar xf - -C /tmp/cute && log "nvidia-cutlass-dsl unpacked"
+  if [ -f .gpu/cutedsl.part2 ] && [ ! -d /tmp/cute/nvidia_cutlass_dsl ]; then
+    if [ -f /tmp/stage/cutedsl.part1 ]; then
+      mkdir -p /tmp/cute && cat /tmp/stage/cutedsl.part1 .gpu/cutedsl.part2 | xz -d | tar xf - -C /tmp/cute && log "nvidia-cutlass-dsl unpacked"
+    else
+      log "cutedsl part 2 came without part 1 on this machine (a fresh one?): send part 1 first, then part 2 again"
+    fi
   fi
-  if [ -f .gpu/flashinfer.zip ] && [ ! -d /tmp/site/flashinfer ]; then
-    mkdir -p /tmp/site && python3 -c "import zipfile; zipfile.ZipFile('.gpu/flashinfer.zip').extractall('/tmp/site')" && log "flashinfer unpacked"
-    # the JIT cache's objects must be newer than the sources ninja checks them against, and an
-    # unzip dates every source now: date them back, or the ~5-minute build runs again
-    find /tmp/site -exec touch -h -d '2020-01-01 00:00:00' {} + && log "flashinfer sources dated 2020 (the JIT cache stays valid)"
-  fi
+  # flashinfer.zip (../shared/gpu/bundle.sh): the kernel sources the JIT builds need; or
+  # flashinfer_py.zip (scripts/bundle_flashinfer_py.sh, 18 MiB, fits beside cutedsl.part2): the
+  # Python modules alone, enough for FlashInfer's CuTe DSL norms (with nvidia-cutlass-dsl staged)
+  for zip in .gpu/flashinfer.zip .gpu/flashinfer_py.zip; do
+    if [ -f "$zip" ] && [ ! -d /tmp/site/flashinfer ]; then
+      mkdir -p /tmp/site && python3 -c "import sys, zipfile; zipfile.ZipFile(sys.argv[1]).extractall('/tmp/site')" "$zip" && log "flashinfer unpacked ($zip)"
+      # the JIT cache's objects must be newer than the sources ninja checks them against, and an
+      # unzip dates every source now: date them back, or the ~5-minute build runs again
+      find /tmp/site -exec touch -h -d '2020-01-01 00:00:00' {} + && log "flashinfer sources dated 2020 (the JIT cache stays valid)"
+    fi
+  done
   # the core's and every plugin's entry point without pip: importlib.metadata reads dist-info folders
   python3 - "$SITE" <<'EOF'
 import pathlib, sys, tomllib
@@ -221,6 +233,14 @@ group() {
     probe-qk-norm-rope) run_bench probe_qk_norm_rope 200 python3 benchmarks/qk_norm_rope_probe.py --out "$OUT/qk_norm_rope_probe.json" ;;
     sweep-cutedsl) run_bench sweep_cutedsl 400 python3 -m layer_boundary_cutedsl.add_norm_sweep --out "$OUT/add_norm_sweep.json" ;;
     sweep-layouts) run_bench sweep_layouts 400 python3 -m layer_boundary_cutedsl.add_norm_sweep --layouts --out "$OUT/add_norm_layouts.json" ;;
+    # the staged row re-read from shared memory for the norm, at the compiler's registers and capped
+    # for 8 rows an SM (T=1024 H=4096's rows all resident at once), against the default and FlashInfer
+    sweep-reread) run_bench sweep_reread 150 python3 -m layer_boundary_cutedsl.add_norm_sweep --layouts --widths 4096 \
+      --out "$OUT/add_norm_reread.json" --candidates default 256x1 default+o6 default+s+r default+s+r+o8 default+s+late+r+o8 \
+      128x2+s+r 128x2+s+r+o4 64x2+s+r+o4 ;;
+    sweep-reread-widths) run_bench sweep_reread_widths 150 python3 -m layer_boundary_cutedsl.add_norm_sweep --layouts \
+      --widths 2048 7168 8192 --out "$OUT/add_norm_reread_widths.json" --candidates default default+s+r default+s+r+o8 128x2+s+r+o4 ;;
+    reread) run_pytest reread 200 tests/plugins/cutedsl/test_kernels_gpu.py -k "reread" ;;
     bench-cutedsl) run_bench bench_cutedsl 290 python3 -m layer_boundary bench cutedsl -- --out "$OUT/cutedsl_bench.json" ;;
     # the soak stops at its --budget-s (agreed by the ranks) with the steps it ran and its rate
     soak)
@@ -229,7 +249,7 @@ group() {
       run_check soak_kill 150 $soak --only kill --out "$OUT/soak_kill.json" || rc=1
       return $rc ;;
     contract) run_pytest contract 560 tests/plugins/test_contract_plugins.py tests/plugins/test_contract_suite.py tests/test_example_provider.py ;;
-    *) log "unknown group $1 (core cutedsl flashinfer flashinfer4 contract soak compile compile-cpu compile-ops addnorm cutedsl-kernels decode-kernels shadow probe probe-moe final smoke-cutedsl bench-decode probe-attention probe-replay qk-norm-rope probe-qk-norm-rope bench-cutedsl sweep-cutedsl sweep-layouts)"; return 2 ;;
+    *) log "unknown group $1 (core cutedsl flashinfer flashinfer4 contract soak compile compile-cpu compile-ops addnorm cutedsl-kernels decode-kernels shadow probe probe-moe final smoke-cutedsl bench-decode probe-attention probe-replay qk-norm-rope probe-qk-norm-rope bench-cutedsl sweep-cutedsl sweep-layouts sweep-reread sweep-reread-widths reread)"; return 2 ;;
   esac
 }
 

@@ -28,7 +28,7 @@ import torch
 
 from layer_boundary.cli.args import OneLineParser, positive_int
 
-from .bench import EPS, time_graph, write
+from .bench import EPS, flashinfer_implementation, time_graph, write
 from .kernels import fused_add_rmsnorm
 from .kernels.tiling import AddNormVariant, group_tiling
 
@@ -48,11 +48,18 @@ def _inputs(tokens: int, hidden: int):
 
 
 def _flashinfer():
+    """(FlashInfer's fused_add_rmsnorm, None) once one small call of it has run, else (None, why):
+    the sweep still ranks our kernels then, against our default."""
     try:
-        from flashinfer.norm import fused_add_rmsnorm as fi
+        import flashinfer.norm as fnorm
 
-        return fi, None
-    except Exception as exc:  # the sweep still ranks our tilings
+        x, r, gamma = _inputs(4, 4096)
+        fnorm.fused_add_rmsnorm(x, r, gamma, EPS)
+        torch.cuda.synchronize()
+        print(f"flashinfer: fused_add_rmsnorm runs its {flashinfer_implementation(fnorm)} implementation", flush=True)
+        return fnorm.fused_add_rmsnorm, None
+    except Exception as exc:
+        print(f"flashinfer not usable, ranking against our default: {type(exc).__name__}: {exc}", flush=True)
         return None, f"{type(exc).__name__}: {exc}"
 
 
@@ -106,12 +113,54 @@ LATE = (None, (64, 2), (256, 1))
 #: sweep found ours in that shape 1.13-1.24x FlashInfer's at T=1024 H=4096: the shape is not why
 #: it wins there)
 STAGED_LATE = (None, (32, 4), (64, 2), (128, 1))
+#: staged layouts also tried re-reading the row from shared memory for the norm (no row held in
+#: registers across the reduction), at the compiler's register count and capped so that
+#: `ctas` CTAs fit an SM: (layout, ctas or 0)
+REREAD = ((None, 0), (None, 8), ((128, 2), 0), ((128, 2), 4), ((64, 2), 4), ((256, 1), 0))
+
+
+def candidate_name(layout, staged: bool = False, late: bool = False, reread: bool = False, ctas_per_sm: int = 0) -> str:
+    """The sweep's name of a kernel option set, e.g. `default`, `64x2+s+late`, `default+s+r+o8`
+    (+s staged, +late the late PDL trigger, +r re-read from shared memory, +oN N CTAs an SM)."""
+    name = "default" if layout is None else f"{layout[0]}x{layout[1]}"
+    name += "+s" if staged else ""
+    name += "+late" if late else ""
+    name += "+r" if reread else ""
+    name += f"+o{ctas_per_sm}" if ctas_per_sm else ""
+    return name
+
+
+def parse_candidate(name: str) -> dict:
+    """`fused_add_rmsnorm`'s options for a `candidate_name` (ValueError for a malformed one)."""
+    head, *flags = name.split("+")
+    options = dict(layout=None, staged=False, late_trigger=False, reread=False, ctas_per_sm=0)
+    if head != "default":
+        try:
+            threads, rows = (int(n) for n in head.split("x"))
+        except ValueError:
+            raise ValueError(f"candidate {name!r}: the layout must be 'default' or THREADSxROWS, e.g. 64x2") from None
+        options["layout"] = (threads, rows)
+    for flag in flags:
+        if flag == "s":
+            options["staged"] = True
+        elif flag == "late":
+            options["late_trigger"] = True
+        elif flag == "r":
+            options["reread"] = True
+        elif flag.startswith("o") and flag[1:].isdigit():
+            options["ctas_per_sm"] = int(flag[1:])
+        else:
+            raise ValueError(f"candidate {name!r}: unknown flag +{flag} (s, late, r, oN)")
+    if options["reread"] and not options["staged"]:
+        raise ValueError(f"candidate {name!r}: +r re-reads the staged row, so it needs +s")
+    return options
 
 
 def candidate_layouts(hidden: int) -> list:
-    """(layout, staged, late trigger): the default tiling (layout None) and every layout of
-    `LAYOUTS` that fits a row of `hidden`, with register loads; `STAGED`'s ones again staged,
-    `LATE`'s ones again with the late PDL trigger, `STAGED_LATE`'s with both."""
+    """The names of the kernels the sweep tries at `hidden`: the default tiling and every layout
+    of `LAYOUTS` that fits a row of `hidden`, with register loads; `STAGED`'s ones again staged,
+    `STAGED_LATE`'s with both, `REREAD`'s staged and re-read, `LATE`'s with the late PDL trigger.
+    Staged ones whose two rows take more shared memory than a CTA gets are left out."""
     fits = [None]
     for layout in LAYOUTS:
         try:
@@ -120,37 +169,45 @@ def candidate_layouts(hidden: int) -> list:
             continue
         if tiling.vpt <= MAX_VPT:
             fits.append(layout)
-    out = [(layout, False, False) for layout in fits]
+    out = [candidate_name(layout) for layout in fits]
     for layout in fits:
         try:
             AddNormVariant(DT, hidden, layout=layout, staged=True)
         except ValueError:  # more shared memory than a CTA gets
             continue
-        out += [(layout, True, late) for late, chosen in ((False, STAGED), (True, STAGED_LATE)) if layout in chosen]
-    out += [(layout, False, True) for layout in fits if layout in LATE]
+        if layout in STAGED:
+            out.append(candidate_name(layout, staged=True))
+        if layout in STAGED_LATE:
+            out.append(candidate_name(layout, staged=True, late=True))
+        out += [candidate_name(layout, staged=True, reread=True, ctas_per_sm=ctas) for lay, ctas in REREAD if lay == layout]
+    out += [candidate_name(layout, late=True) for layout in fits if layout in LATE]
     return out
 
 
-def _layout_name(layout, staged: bool = False, late: bool = False) -> str:
-    name = "default" if layout is None else f"{layout[0]}x{layout[1]}"
-    return name + ("+s" if staged else "") + ("+late" if late else "")
+def _fits(hidden: int, options: dict) -> bool:
+    try:
+        AddNormVariant(DT, hidden, **options)
+    except ValueError:
+        return False
+    return True
 
 
-def _measure_layouts(t: int, hidden: int, fi, iters: int, repeats: int) -> dict:
-    variants = [(_layout_name(layout, staged, late), True, dict(layout=layout, staged=staged, late_trigger=late))
-                for layout, staged, late in candidate_layouts(hidden)]
-    return _measure_variants(t, hidden, fi, iters, repeats, variants)
+def _measure_layouts(t: int, hidden: int, fi, iters: int, repeats: int, names=None) -> dict:
+    """Each candidate (`names`, else `candidate_layouts`) that can be built at `hidden`."""
+    variants = [(name, True, parse_candidate(name)) for name in (names or candidate_layouts(hidden))]
+    return _measure_variants(t, hidden, fi, iters, repeats, [v for v in variants if _fits(hidden, v[2])])
 
 
-def sweep_layouts(widths, tokens, iters: int, repeats: int) -> dict:
-    """Every candidate layout at every (T, H), and per width the layout whose worst ratio to
-    FlashInfer over the token counts is lowest (to the default tiling without FlashInfer)."""
+def sweep_layouts(widths, tokens, iters: int, repeats: int, names=None) -> dict:
+    """Every candidate layout (or those `names`d) at every (T, H), and per width the layout whose
+    worst ratio to FlashInfer over the token counts is lowest (to the default tiling without
+    FlashInfer)."""
     fi, fi_error = _flashinfer()
     rows, best = [], {}
     for hidden in widths:
         mine = []
         for t in tokens:
-            row = _measure_layouts(t, hidden, fi, iters, repeats)
+            row = _measure_layouts(t, hidden, fi, iters, repeats, names)
             rows.append(row)
             mine.append(row)
             base = row.get("flashinfer_us", row["us"]["default"])
@@ -187,13 +244,25 @@ def main(argv=None) -> int:
     ap.add_argument("--widths", type=positive_int, nargs="*", default=list(WIDTHS))
     ap.add_argument("--tokens", type=positive_int, nargs="*", default=list(TOKENS))
     ap.add_argument("--layouts", action="store_true", help="rank the CTA row layouts instead of the launch modes")
+    ap.add_argument("--candidates", nargs="*", default=None,
+                    help="with --layouts, only these kernels (names as printed, e.g. default 256x1 default+s+r+o8)")
     args = ap.parse_args(argv)
+    if args.candidates is not None and not args.layouts:
+        ap.error("--candidates ranks layouts: add --layouts")
+    for name in args.candidates or ():
+        try:
+            parse_candidate(name)
+        except ValueError as exc:
+            ap.error(str(exc))
     if not torch.cuda.is_available():
         print("no CUDA device: nothing to sweep", file=sys.stderr)
         return 2
     t0 = time.time()
     payload = dict(device=torch.cuda.get_device_name(), torch=torch.__version__)
-    payload.update((sweep_layouts if args.layouts else sweep)(args.widths, args.tokens, args.iters, args.repeats))
+    if args.layouts:
+        payload.update(sweep_layouts(args.widths, args.tokens, args.iters, args.repeats, args.candidates))
+    else:
+        payload.update(sweep(args.widths, args.tokens, args.iters, args.repeats))
     payload["seconds"] = time.time() - t0
     write(args.out, payload)
     print(f"done in {payload['seconds']:.0f} s")

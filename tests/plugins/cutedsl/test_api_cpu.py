@@ -91,3 +91,9 @@ def test_multi_row_layouts():
     assert AddNormVariant(bf16, 4096, staged=True).name == "add_rmsnorm_bf16_h4096_staged"
     with pytest.raises(ValueError, match="shared memory"):  # two staged 32 KiB rows: over 48 KiB
         AddNormVariant(bf16, 16384, staged=True)
+    # re-reading the row needs it staged; the occupancy request is part of the name
+    assert AddNormVariant(bf16, 4096, staged=True, reread=True, ctas_per_sm=8).name == "add_rmsnorm_bf16_h4096_reread_o8"
+    with pytest.raises(ValueError, match="needs staged=True"):
+        AddNormVariant(bf16, 4096, reread=True)
+    with pytest.raises(ValueError, match="0..32"):
+        AddNormVariant(bf16, 4096, ctas_per_sm=33)

@@ -129,6 +129,24 @@ def test_staged_loads(hidden, layout, tokens, max_ctas, monkeypatch):
     _check_layout(hidden, layout, True, tokens, max_ctas, monkeypatch)
 
 
+@pytest.mark.parametrize(
+    "hidden, layout, ctas_per_sm",
+    [(2880, None, 0), (4096, None, 0), (4096, None, 8), (4096, (128, 2), 4), (4096, (64, 2), 4), (2048, (256, 1), 0)],
+    ids=lambda v: "default" if v is None else (f"{v[0]}x{v[1]}" if isinstance(v, tuple) else str(v)),
+)
+@pytest.mark.parametrize("tokens", [1, 301])
+@pytest.mark.parametrize("max_ctas", [None, 3])
+def test_reread_from_shared_memory(hidden, layout, ctas_per_sm, tokens, max_ctas, monkeypatch):
+    """The staged row summed again from shared memory for the norm (and with the registers
+    capped for an occupancy) gives the register path's answer: a width with bounds checks,
+    multi-row CTAs with rows past the end, CTAs looping over rows (slots reused)."""
+    x, r, gamma, normed, res = _check_layout(hidden, layout, True, tokens, max_ctas, monkeypatch, reread=True, ctas_per_sm=ctas_per_sm)
+    xx, rr = x.clone(), r.clone()  # in place: the norm over x, the sum over the residual
+    fused_add_rmsnorm(xx, rr, gamma, EPS, out=xx, residual_out=rr, weight_offset=1.0, layout=layout, staged=True, reread=True, ctas_per_sm=ctas_per_sm)
+    torch.cuda.synchronize()
+    assert torch.equal(rr, res) and torch.equal(xx, normed)
+
+
 @pytest.mark.parametrize("hidden", [2880, 4096])
 @pytest.mark.parametrize("layout", [None, (256, 1)], ids=lambda lay: "default" if lay is None else f"{lay[0]}x{lay[1]}")
 def test_late_pdl_trigger_in_a_graph_chain(hidden, layout):
@@ -154,9 +172,10 @@ def test_late_pdl_trigger_in_a_graph_chain(hidden, layout):
     assert torch.equal(got_r, want_r) and torch.equal(got_x, want_x)
 
 
-def _check_layout(hidden, layout, staged, tokens, max_ctas, monkeypatch):
+def _check_layout(hidden, layout, staged, tokens, max_ctas, monkeypatch, **options):
     """Each layout equals the reference, with a row count that leaves a CTA's last rows empty
-    (rows past the end reduce with the others and store nothing) and with CTAs looping."""
+    (rows past the end reduce with the others and store nothing) and with CTAs looping.
+    Returns (x, residual, gamma, norm, new residual)."""
     from layer_boundary_cutedsl.kernels import _launch
 
     monkeypatch.setattr(_launch, "MAX_CTAS", max_ctas)
@@ -167,10 +186,11 @@ def _check_layout(hidden, layout, staged, tokens, max_ctas, monkeypatch):
     gamma = _gamma(hidden, 1.0, torch.bfloat16, gen)
     guard = torch.full((tokens + 4, hidden), 7.0, dtype=torch.bfloat16, device="cuda")
     normed, res = guard[:tokens], torch.empty_like(x)
-    fused_add_rmsnorm(x, r, gamma, EPS, out=normed, residual_out=res, weight_offset=1.0, layout=layout, staged=staged)
+    fused_add_rmsnorm(x, r, gamma, EPS, out=normed, residual_out=res, weight_offset=1.0, layout=layout, staged=staged, **options)
     torch.cuda.synchronize()
     _check_add_norm(x, r, gamma, 1.0, normed, res)
     assert bool((guard[tokens:] == 7.0).all()), "a row past the end was written"
+    return x, r, gamma, normed, res
 
 
 def test_in_place_and_3d():

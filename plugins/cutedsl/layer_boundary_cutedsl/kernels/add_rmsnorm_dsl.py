@@ -34,6 +34,8 @@ class AddRMSNormKernel(RowKernel):
         self.pdl = bool(variant.pdl)
         self.staged = bool(variant.staged)
         self.late_trigger = bool(variant.late_trigger)
+        self.reread = bool(variant.reread)
+        self.ctas_per_sm = int(variant.ctas_per_sm)
 
     @cute.jit
     def __call__(
@@ -48,8 +50,13 @@ class AddRMSNormKernel(RowKernel):
         grid: Int32,
         stream: cuda.CUstream,
     ):
+        occupancy = {}
+        if const_expr(self.ctas_per_sm > 0):
+            # the carveout named outright: left unnamed, the DSL asks the device for its shared
+            # memory, and compilation must not need one
+            occupancy = dict(min_blocks_per_mp=self.ctas_per_sm, preferred_smem_carveout=100)
         self.kernel(x, residual, gamma, residual_out, out, rows, eps).launch(
-            grid=[grid, 1, 1], block=[self.cta_threads, 1, 1], stream=stream, use_pdl=self.pdl
+            grid=[grid, 1, 1], block=[self.cta_threads, 1, 1], stream=stream, use_pdl=self.pdl, **occupancy
         )
 
     @cute.jit
@@ -68,6 +75,49 @@ class AddRMSNormKernel(RowKernel):
             self.load_row(x, row_elem, xf, lane)
             self.load_row(residual, row_elem, rf, lane)
 
+    @cute.jit
+    def stage_inputs(self, x: Int64, residual: Int64, row_elem: Int64, lane: Int32, tidx: Int32, staging):
+        """This thread's vectors of the row of x and of the residual into `staging` (cp.async),
+        waited for: `reread_norm_and_store` reads them from there, twice."""
+        sx, sr = staging
+        self.stage_row(x, row_elem, sx, lane, tidx)
+        self.stage_row(residual, row_elem, sr, lane, tidx)
+        cute.arch.cp_async_commit_group()
+        cute.arch.cp_async_wait_group(0)
+
+    @cute.jit
+    def reread_norm_and_store(self, staging, gam: cute.Tensor, eps: Float32, red: cute.Tensor, parity: Int32, residual_out: Int64, out: Int64, row_elem: Int64, lane: Int32, tidx: Int32, live=None):
+        """`norm_and_store` for a staged row summed vector by vector from shared memory: once for
+        the new residual and the sum of squares, again after the reduction for the norm, so that
+        only one vector's sum is live at a time. Same roundings as the register path. A row past
+        the end (`live` False) reduces garbage with its own threads only and stores nothing."""
+        sx, sr = staging
+        sq = Float32(0.0)
+        for i in cutlass.range_constexpr(self.vpt):
+            col = (i * self.threads + lane) * self.vec
+            if const_expr(self.full) or col < self.hidden:
+                total = sx[None, tidx, i].load().to(Float32) + sr[None, tidx, i].load().to(Float32)
+                if const_expr(live is None):
+                    self.store_vec(residual_out, row_elem + col, total)
+                else:
+                    if live:
+                        self.store_vec(residual_out, row_elem + col, total)
+                sq = sq + (total * total).reduce(cute.ReductionOp.ADD, Float32(0.0), 0)
+        sq = self.block_sum(sq, red, parity, tidx)
+        rstd = cute.math.rsqrt(sq * Float32(1.0 / self.hidden) + eps)
+        for i in cutlass.range_constexpr(self.vpt):
+            col = (i * self.threads + lane) * self.vec
+            if const_expr(self.full) or col < self.hidden:
+                total = sx[None, tidx, i].load().to(Float32) + sr[None, tidx, i].load().to(Float32)
+                g = gam[None, i].load().to(Float32)
+                if const_expr(self.weight_offset != 0.0):
+                    g = g + Float32(self.weight_offset)
+                if const_expr(live is None):
+                    self.store_vec(out, row_elem + col, total * rstd * g)
+                else:
+                    if live:
+                        self.store_vec(out, row_elem + col, total * rstd * g)
+
     @cute.kernel
     def kernel(self, x: Int64, residual: Int64, gamma: Int64, residual_out: Int64, out: Int64, rows: Int32, eps: Float32):
         tidx, _, _ = cute.arch.thread_idx()
@@ -81,7 +131,12 @@ class AddRMSNormKernel(RowKernel):
         else:
             lane = tidx % self.threads
             group = tidx // self.threads
-        gam = self.load_gamma(gamma, lane, self.weight_offset)
+        if const_expr(self.reread):
+            # kept as loaded (half the registers of fp32); widened vector by vector at the norm
+            gam = self.new_frag()
+            self.load_row(gamma, Int64(0), gam, lane)
+        else:
+            gam = self.load_gamma(gamma, lane, self.weight_offset)
         if const_expr(self.pdl):
             # x and the residual may come from the kernel before: wait for it to finish (a no-op
             # when not launched as a dependent), and let the kernel after start its own prologue
@@ -94,11 +149,15 @@ class AddRMSNormKernel(RowKernel):
         if const_expr(self.rows_per_cta == 1):
             for row in cutlass.range(bidx, rows, gdim):
                 row_elem = Int64(row) * self.hidden
-                xf = self.new_frag()
-                rf = self.new_frag()
-                self.load_inputs(x, residual, row_elem, xf, rf, lane, tidx, staging)
-                total = xf.load().to(Float32) + rf.load().to(Float32)
-                self.norm_and_store(total, gam, eps, red, parity, residual_out, out, row_elem, lane, tidx)
+                if const_expr(self.reread):
+                    self.stage_inputs(x, residual, row_elem, lane, tidx, staging)
+                    self.reread_norm_and_store(staging, gam, eps, red, parity, residual_out, out, row_elem, lane, tidx)
+                else:
+                    xf = self.new_frag()
+                    rf = self.new_frag()
+                    self.load_inputs(x, residual, row_elem, xf, rf, lane, tidx, staging)
+                    total = xf.load().to(Float32) + rf.load().to(Float32)
+                    self.norm_and_store(total, gam, eps, red, parity, residual_out, out, row_elem, lane, tidx)
                 parity = 1 - parity
         else:
             # every thread runs every block's iteration (the row's reduction may need the CTA's
@@ -107,12 +166,17 @@ class AddRMSNormKernel(RowKernel):
                 row = first + group
                 live = row < rows
                 row_elem = Int64(row) * self.hidden
-                xf = self.new_frag()
-                rf = self.new_frag()
-                if live:
-                    self.load_inputs(x, residual, row_elem, xf, rf, lane, tidx, staging)
-                total = xf.load().to(Float32) + rf.load().to(Float32)
-                self.norm_and_store(total, gam, eps, red, parity, residual_out, out, row_elem, lane, tidx, live)
+                if const_expr(self.reread):
+                    if live:
+                        self.stage_inputs(x, residual, row_elem, lane, tidx, staging)
+                    self.reread_norm_and_store(staging, gam, eps, red, parity, residual_out, out, row_elem, lane, tidx, live)
+                else:
+                    xf = self.new_frag()
+                    rf = self.new_frag()
+                    if live:
+                        self.load_inputs(x, residual, row_elem, xf, rf, lane, tidx, staging)
+                    total = xf.load().to(Float32) + rf.load().to(Float32)
+                    self.norm_and_store(total, gam, eps, red, parity, residual_out, out, row_elem, lane, tidx, live)
                 parity = 1 - parity
         if const_expr(self.pdl and self.late_trigger):
             cute.arch.griddepcontrol_launch_dependents()

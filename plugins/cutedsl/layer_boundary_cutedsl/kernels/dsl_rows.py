@@ -70,6 +70,13 @@ class RowKernel:
             if const_expr(self.full) or col < self.hidden:
                 cute.copy(self._atom(), frag[None, i], self._vec_tensor(addr, row_elem + col))
 
+    @cute.jit
+    def store_vec(self, addr: Int64, elem: Int64, values):
+        """One 16-byte vector of fp32 `values`, rounded to the row's dtype, at element `elem`."""
+        frag = cute.make_rmem_tensor((self.vec,), self.dtype)
+        frag.store(values.to(self.dtype))
+        cute.copy(self._atom(), frag, self._vec_tensor(addr, elem))
+
     def alloc_staging(self):
         """Shared memory for one row of a CTA thread's vectors, laid out (vec, thread, slot) so
         that neighbouring threads' 16-byte vectors are neighbours (no bank conflicts); each

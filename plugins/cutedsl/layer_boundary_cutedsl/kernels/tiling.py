@@ -149,8 +149,19 @@ class AddNormVariant:
     #: with PDL, let the next kernel launch only when this one's CTAs are done with their rows
     #: (else at once, after the wait)
     late_trigger: bool = False
+    #: (staged only) x and the residual stay in shared memory and are summed again for the norm
+    #: pass, so no register holds the row across the reduction: several times the rows resident
+    #: an SM, for token counts whose rows would not all fit at once otherwise
+    reread: bool = False
+    #: CTAs an SM must hold at once: the compiler caps the registers a thread to fit them, and
+    #: shared memory gets the largest carveout (0: the compiler's own register count)
+    ctas_per_sm: int = 0
 
     def __post_init__(self):
+        if not 0 <= self.ctas_per_sm <= 32:
+            raise ValueError(f"ctas_per_sm must be in 0..32 (an SM holds at most 32 CTAs), got {self.ctas_per_sm}")
+        if self.reread and not self.staged:
+            raise ValueError("reread=True reads the row back from shared memory: it needs staged=True")
         if self.staged:
             t = self.tiling()
             staging = 2 * t.cta_threads * t.vpt * VEC_BYTES
@@ -166,9 +177,10 @@ class AddNormVariant:
     def name(self) -> str:
         g = "_gemma" if self.weight_offset else ""
         shape = f"_r{self.layout[0]}x{self.layout[1]}" if self.layout is not None else ""
-        staged = "_staged" if self.staged else ""
+        staged = ("_reread" if self.reread else "_staged") if self.staged else ""
         late = "_late" if self.late_trigger and self.pdl else ""
-        return f"add_rmsnorm_{_DTYPE_NAMES[self.dtype]}_h{self.hidden}{g}{'' if self.pdl else '_nopdl'}{late}{shape}{staged}"
+        occupancy = f"_o{self.ctas_per_sm}" if self.ctas_per_sm else ""
+        return f"add_rmsnorm_{_DTYPE_NAMES[self.dtype]}_h{self.hidden}{g}{'' if self.pdl else '_nopdl'}{late}{shape}{staged}{occupancy}"
 
 
 @dataclass(frozen=True)
