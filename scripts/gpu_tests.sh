@@ -51,6 +51,10 @@
 #   4. ...                                       bash scripts/gpu_tests.sh run flashinfer
 # (.gpu/flashinfer.zip and the cutedsl parts: ../shared/gpu/bundle.sh; fijit.tgz: FlashInfer's
 # trtllm_comm JIT cache for the machine, which saves its ~5-minute build.)
+# For the CuTe DSL add + RMSNorm alone (its tests, its sweeps against FlashInfer's CuTe DSL norm),
+# two commands do: FlashInfer's Python modules (scripts/bundle_flashinfer_py.sh) travel with part 2:
+#   1. carry .gpu/cutedsl.part1                            bash scripts/gpu_tests.sh stage
+#   2. carry .gpu/cutedsl.part2 .gpu/flashinfer_py.zip     bash scripts/gpu_tests.sh stage run sweep-reread reread
 #
 # A group fails on a failed test or check, and on a skip no one expects (a missing package is a
 # failure here, not a skip). The summary table is printed last. Logs, junit XML and the checks'
@@ -239,7 +243,7 @@ group() {
       --out "$OUT/add_norm_reread.json" --candidates default 256x1 default+o6 default+s+r default+s+r+o8 default+s+late+r+o8 \
       128x2+s+r 128x2+s+r+o4 64x2+s+r+o4 ;;
     sweep-reread-widths) run_bench sweep_reread_widths 150 python3 -m layer_boundary_cutedsl.add_norm_sweep --layouts \
-      --widths 2048 7168 8192 --out "$OUT/add_norm_reread_widths.json" --candidates default default+s+r default+s+r+o8 128x2+s+r+o4 ;;
+      --widths 2048 7168 8192 --out "$OUT/add_norm_reread_widths.json" --candidates default default+s+r default+s+r+o4 128x2+s+r+o4 ;;
     reread) run_pytest reread 200 tests/plugins/cutedsl/test_kernels_gpu.py -k "reread" ;;
     bench-cutedsl) run_bench bench_cutedsl 290 python3 -m layer_boundary bench cutedsl -- --out "$OUT/cutedsl_bench.json" ;;
     # the soak stops at its --budget-s (agreed by the ranks) with the steps it ran and its rate
