@@ -3,6 +3,7 @@ cubin on any machine (no GPU): the registers ptxas gave a thread, the CTA's thre
 memory, hence CTAs an SM, rows an SM and the waves a token count takes.
 
     python -m layer_boundary_cutedsl.occupancy --widths 4096 --candidates default default+s+r+o8
+    python -m layer_boundary_cutedsl.occupancy --join add_norm_layouts.json --tokens 512 1024 2048
 
 Why it matters: at T=1024 H=4096 a replayed call's 16 MiB stay in L2, so the time is set by
 how much each SM keeps in flight and by how many waves of CTAs run one after the other. The
@@ -159,13 +160,48 @@ def add_norm_occupancy(name: str, hidden: int, dtype: torch.dtype = torch.bfloat
 DEFAULT_CANDIDATES = ("default", "256x1", "default+s+r", "default+s+r+o8", "128x2+s+r+o4", "64x2+s+r+o4")
 
 
+def join_sweep(path: str, tokens) -> list:
+    """[(hidden, name, occupancy, {T: ours / FlashInfer})] for every kernel of a layout sweep's
+    JSON (`add_norm_sweep --layouts --out`) that this version can still build, sorted by width
+    and rows an SM: whether the measured ratios follow the residency."""
+    import json
+
+    from .add_norm_sweep import parse_candidate
+
+    rows = json.loads(pathlib.Path(path).read_text())["rows"]
+    by_width: dict = {}
+    for row in rows:
+        if "flashinfer_us" in row:
+            by_width.setdefault(row["hidden"], {})[row["tokens"]] = row
+    joined = []
+    for hidden, at in sorted(by_width.items()):
+        names = next(iter(at.values()))["us"]
+        for name in names:
+            try:
+                parse_candidate(name)
+            except ValueError:  # an option this version no longer has
+                continue
+            occ = add_norm_occupancy(name, hidden)
+            ratios = {t: at[t]["us"][name] / at[t]["flashinfer_us"] for t in tokens if t in at and name in at[t]["us"]}
+            joined.append((hidden, name, occ, ratios))
+    return sorted(joined, key=lambda j: (j[0], j[2].rows_per_sm, j[2].registers))
+
+
 def main(argv=None) -> int:
     ap = OneLineParser(prog="python -m layer_boundary_cutedsl.occupancy", description=__doc__.split("\n\n")[0])
     ap.add_argument("--widths", type=positive_int, nargs="*", default=[2048, 4096, 7168, 8192])
     ap.add_argument("--candidates", nargs="*", default=list(DEFAULT_CANDIDATES), help="the sweep's kernel names")
     ap.add_argument("--tokens", type=positive_int, nargs="*", default=[512, 1024, 2048])
+    ap.add_argument("--join", default="", help="a layout sweep's JSON: print its measured ratios beside each kernel's occupancy")
     args = ap.parse_args(argv)
     from .add_norm_sweep import parse_candidate
+
+    if args.join:
+        for hidden, name, occ, ratios in join_sweep(args.join, args.tokens):
+            cells = " ".join(f"T{t}:{v:.2f}" for t, v in ratios.items())
+            print(f"H={hidden} {name:20s} regs {occ.registers:3d} local {occ.local_bytes:3d} rows/SM {occ.rows_per_sm:2d} "
+                  f"waves@1024 {occ.waves(1024):4.2f} | ours/FlashInfer {cells}", flush=True)
+        return 0
 
     for name in args.candidates:
         try:
