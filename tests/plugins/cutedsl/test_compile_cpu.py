@@ -216,3 +216,19 @@ GATED = [GatedActivationVariant(dtype, act, d, pdl) for dtype, act, d, pdl in (
 @pytest.mark.parametrize("variant", GATED, ids=lambda v: v.name)
 def test_gated_activation_compiles(variant, tmp_path):
     _compile(variant, tmp_path)
+
+
+def test_occupancy_joins_a_sweeps_ratios(tmp_path):
+    """`occupancy --join`: each kernel of a sweep's JSON this version can build, with its measured
+    ratios to FlashInfer, sorted by rows an SM; options this version lacks are left out."""
+    import json
+
+    from layer_boundary_cutedsl.occupancy import join_sweep
+
+    rows = [dict(tokens=t, hidden=4096, flashinfer_us=2.0, us={"default": 2.2, "default+s+r+o8": 1.8, "default+s+w2": 2.0}) for t in (512, 1024)]
+    sweep = tmp_path / "sweep.json"
+    sweep.write_text(json.dumps(dict(rows=rows)))
+    joined = join_sweep(str(sweep), [1024, 4096])
+    assert [(h, name) for h, name, _, _ in joined] == [(4096, "default"), (4096, "default+s+r+o8")]
+    assert [occ.rows_per_sm for _, _, occ, _ in joined] == [4, 8]
+    assert joined[0][3] == {1024: 2.2 / 2.0} and joined[1][3] == {1024: 1.8 / 2.0}
