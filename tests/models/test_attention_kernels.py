@@ -15,6 +15,8 @@ from layer_boundary.models.weights import StateDictSource
 from layer_boundary.plugin import DecodeAttentionKernel, DecodeAttentionRequest, RopeKernel, RopeRequest, get_registry, hookimpl
 from layer_boundary.testing.threaded import run_threaded
 
+from compiled_decode import call_nodes, compiled_decode_graph, reset_compiler
+
 
 def stub_rope(calls, request):
     """The rotation as Hugging Face writes it (cat of the negated half), cos/sin computed here."""
@@ -287,37 +289,12 @@ def test_plan_names_the_chain_and_the_choice(fresh_registry, inline_plugin, caps
 @pytest.mark.parametrize("step_bound", [False, True], ids=["attention_only", "step_bound"])
 @torch.inference_mode()
 def test_the_kernels_trace_whole_under_torch_compile(fresh_registry, inline_plugin, step_bound):
-    from layer_boundary import Forward, ForwardMode
-    from layer_boundary.compiling import graph_breaks, reset_graph_breaks
-    from layer_boundary.models.attention import DecodeLayout
-
-    torch._dynamo.reset()
-    reset_graph_breaks()
+    reset_compiler()
     inline_plugin(StubKernels(record=False, step_bound=step_bound), name="stub")
     config, model = _model()
-    prepare_model(model, max_tokens=16)
-    parallel = Parallel.single()
-    prompts, decode = make_requests(config.vocab_size, 2, 5, 2, seed=4)
-    cache = model.new_static_cache(len(prompts), 16)
-    static_prefill(model, parallel, cache, prompts, "cpu")
-    graphs = []
-
-    def backend(gm, example_inputs):
-        graphs.append(gm)
-        return gm.forward
-
-    run = torch.compile(model, backend=backend, fullgraph=True)
-    base = torch.tensor([len(p) for p in prompts])
-    for s, tokens in enumerate(decode):
-        ids = torch.tensor(tokens)
-        snap = cache.snapshot()
-        eager = static_decode_step(model, parallel, cache, ids, None, base + s).clone()
-        cache.restore(snap)
-        compiled = run(ids, Forward(parallel, len(tokens), mode=ForwardMode.DECODE), DecodeLayout(None, base + s), cache)
-        assert torch.equal(compiled, eager)
-    assert graph_breaks() == 0 and len(graphs) == 1
+    graph = compiled_decode_graph(model, config)
     # the graph holds the stub's attention (einsum; the torch path has none), once per layer
-    einsums = [n for n in graphs[0].graph.nodes if n.op == "call_function" and n.target is torch.einsum]
+    einsums = call_nodes(graph, lambda target: target is torch.einsum)
     assert len(einsums) == 2 * config.num_layers
 
 

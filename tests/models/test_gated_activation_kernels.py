@@ -18,6 +18,8 @@ from layer_boundary.models.weights import StateDictSource
 from layer_boundary.plugin import GATED_ACTIVATIONS, GatedActivationKernel, GatedActivationRequest, get_registry, hookimpl
 from layer_boundary.testing.threaded import run_threaded
 
+from compiled_decode import call_nodes, compiled_decode_graph, reset_compiler
+
 
 def same_ops(gate_up, d):
     """What the torch path computes, on the same two halves: a stub equal to it bit for bit."""
@@ -258,35 +260,10 @@ def test_plan_names_the_chain_and_the_choice(fresh_registry, inline_plugin, caps
 
 @torch.inference_mode()
 def test_the_kernel_traces_whole_under_torch_compile(fresh_registry, inline_plugin):
-    from layer_boundary import Forward, ForwardMode
-    from layer_boundary.compiling import graph_breaks, reset_graph_breaks
-    from layer_boundary.models.attention import DecodeLayout
-
-    torch._dynamo.reset()
-    reset_graph_breaks()
+    reset_compiler()
     inline_plugin(StubActivation(compute=via_sigmoid, record=False), name="stub")
     config, model = _model()
-    prepare_model(model, max_tokens=16)
-    parallel = Parallel.single()
-    prompts, decode = make_requests(config.vocab_size, 2, 5, 2, seed=4)
-    cache = model.new_static_cache(len(prompts), 16)
-    static_prefill(model, parallel, cache, prompts, "cpu")
-    graphs = []
-
-    def backend(gm, example_inputs):
-        graphs.append(gm)
-        return gm.forward
-
-    run = torch.compile(model, backend=backend, fullgraph=True)
-    base = torch.tensor([len(p) for p in prompts])
-    for s, tokens in enumerate(decode):
-        ids = torch.tensor(tokens)
-        snap = cache.snapshot()
-        eager = static_decode_step(model, parallel, cache, ids, None, base + s).clone()
-        cache.restore(snap)
-        compiled = run(ids, Forward(parallel, len(tokens), mode=ForwardMode.DECODE), DecodeLayout(None, base + s), cache)
-        assert torch.equal(compiled, eager)
-    assert graph_breaks() == 0 and len(graphs) == 1
+    graph = compiled_decode_graph(model, config)
     # the graph holds the stub's activation (sigmoid; the torch path's silu has none), once per layer
-    sigmoids = [n for n in graphs[0].graph.nodes if n.op == "call_function" and n.target is torch.sigmoid]
+    sigmoids = call_nodes(graph, lambda target: target is torch.sigmoid)
     assert len(sigmoids) == config.num_layers

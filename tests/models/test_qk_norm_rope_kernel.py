@@ -15,11 +15,12 @@ from layer_boundary.models import build_model, family, model_config
 from layer_boundary.models import kernel_choice
 from layer_boundary.models.attention import KernelRope, RotaryEmbedding, TPAttention, apply_rotary
 from layer_boundary.models.attention_kernels import TORCH, describe
-from layer_boundary.models.decode import static_decode_step, static_prefill
-from layer_boundary.models.runner import make_requests
+from layer_boundary.models.decode import static_prefill
 from layer_boundary.models.weights import StateDictSource
 from layer_boundary.plugin import QKNormRopeKernel, QKNormRopeRequest, get_registry, hookimpl
 from layer_boundary.testing.threaded import run_threaded
+
+from compiled_decode import call_nodes, compiled_decode_graph, reset_compiler
 
 from test_attention_kernels import StubKernels, _Discard, _model, _static_run
 
@@ -317,36 +318,11 @@ def custom_op_qk_norm_rope(calls, request, skew=0.0):
 
 @torch.inference_mode()
 def test_the_fused_kernel_traces_whole_under_torch_compile(fresh_registry, inline_plugin):
-    from layer_boundary import Forward, ForwardMode
-    from layer_boundary.compiling import graph_breaks, reset_graph_breaks
-    from layer_boundary.models.attention import DecodeLayout
-
-    torch._dynamo.reset()
-    reset_graph_breaks()
+    reset_compiler()
     inline_plugin(StubQKNormRope(record=False, kernel=custom_op_qk_norm_rope), name="stub")
     config, model = _model()
-    prepare_model(model, max_tokens=16)
-    parallel = Parallel.single()
-    prompts, decode = make_requests(config.vocab_size, 2, 5, 2, seed=4)
-    cache = model.new_static_cache(len(prompts), 16)
-    static_prefill(model, parallel, cache, prompts, "cpu")
-    graphs = []
-
-    def backend(gm, example_inputs):
-        graphs.append(gm)
-        return gm.forward
-
-    run = torch.compile(model, backend=backend, fullgraph=True)
-    base = torch.tensor([len(p) for p in prompts])
-    for s, tokens in enumerate(decode):
-        ids = torch.tensor(tokens)
-        snap = cache.snapshot()
-        eager = static_decode_step(model, parallel, cache, ids, None, base + s).clone()
-        cache.restore(snap)
-        compiled = run(ids, Forward(parallel, len(tokens), mode=ForwardMode.DECODE), DecodeLayout(None, base + s), cache)
-        assert torch.equal(compiled, eager)
-    assert graph_breaks() == 0 and len(graphs) == 1
-    ops = [n for n in graphs[0].graph.nodes if n.op == "call_function" and "layer_boundary_tests.qk_norm_rope" in str(n.target)]
+    graph = compiled_decode_graph(model, config)
+    ops = call_nodes(graph, lambda target: "layer_boundary_tests.qk_norm_rope" in str(target))
     assert len(ops) == config.num_layers  # once per layer, in place of both norms and the rope
 
 
