@@ -104,7 +104,10 @@ def check_add_norm(x, r, gamma, normed, res) -> float:
     return err
 
 
-def bench_add_norm(cases, iters, repeats, copy_gbs, results):
+def bench_add_norm(cases, iters, repeats, copy_gbs, results, options=None):
+    """Our add + RMSNorm at each (T, H): new buffers, in place, the torch baseline. `options`:
+    `fused_add_rmsnorm`'s kernel options (`--kernel`), else the default kernel."""
+    options = options or {}
     l2 = torch.cuda.get_device_properties(torch.cuda.current_device()).L2_cache_size
     for tokens, hidden in cases:
         gen = torch.Generator(device="cuda").manual_seed(tokens + hidden)
@@ -112,14 +115,14 @@ def bench_add_norm(cases, iters, repeats, copy_gbs, results):
         r = torch.randn(tokens, hidden, generator=gen, device="cuda").to(DT)
         gamma = (1 + 0.1 * torch.randn(hidden, generator=gen, device="cuda")).to(DT)
         normed, res = torch.empty_like(x), torch.empty_like(r)
-        fused_add_rmsnorm(x, r, gamma, EPS, out=normed, residual_out=res)
+        fused_add_rmsnorm(x, r, gamma, EPS, out=normed, residual_out=res, **options)
         torch.cuda.synchronize()
         err = check_add_norm(x, r, gamma, normed, res)
         nbytes = 4 * tokens * hidden * 2
-        ours = time_graph(lambda: fused_add_rmsnorm(x, r, gamma, EPS, out=normed, residual_out=res), iters, repeats)
+        ours = time_graph(lambda: fused_add_rmsnorm(x, r, gamma, EPS, out=normed, residual_out=res, **options), iters, repeats)
         # in place (norm over x, sum over the residual), as FlashInfer's runs: two live buffers, not four
         xi, ri = x.clone(), r.clone()
-        in_place = time_graph(lambda: fused_add_rmsnorm(xi, ri, gamma, EPS, out=xi, residual_out=ri), iters, repeats)
+        in_place = time_graph(lambda: fused_add_rmsnorm(xi, ri, gamma, EPS, out=xi, residual_out=ri, **options), iters, repeats)
         # the torch baseline allocates fp32 temporaries per call: fewer calls per graph
         unfused = time_graph(lambda: torch_add_rmsnorm(x, r, gamma), max(2, iters // 4), repeats)
         gbs = nbytes / (ours * 1e-6) / 1e9
@@ -314,8 +317,16 @@ def main(argv=None):
     ap.add_argument("--iters", type=positive_int, default=20, help="calls per captured graph")
     ap.add_argument("--repeats", type=positive_int, default=50, help="graph replays timed (median taken)")
     ap.add_argument("--budget-s", type=positive_float, default=270, help="wall-clock budget; flashinfer gets what is left")
+    ap.add_argument("--kernel", default="default",
+                    help="the add + RMSNorm kernel timed, by the layout sweep's name (default, 256x1, default+s+r+o8, ...)")
     ap.add_argument("--flashinfer-child", nargs=2, metavar=("IN", "OUT"), help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
+    from .add_norm_sweep import parse_candidate  # imports this module: not at the top
+
+    try:
+        kernel_options = parse_candidate(args.kernel)
+    except ValueError as exc:
+        ap.error(str(exc))
     if args.flashinfer_child:
         with open(args.flashinfer_child[0]) as f:
             job = json.load(f)
@@ -331,7 +342,7 @@ def main(argv=None):
     dev = torch.cuda.get_device_properties(0)
     meta = dict(
         device=dev.name, sms=dev.multi_processor_count, torch=torch.__version__, cuda=torch.version.cuda,
-        python=platform.python_version(), iters=iters, repeats=repeats,
+        python=platform.python_version(), iters=iters, repeats=repeats, add_norm_kernel=args.kernel,
     )
     try:
         import cutlass
@@ -357,7 +368,7 @@ def main(argv=None):
     results = []
     payload = dict(meta=meta, results=results)
     try:
-        bench_add_norm(add_cases, iters, repeats, copy_gbs, results)
+        bench_add_norm(add_cases, iters, repeats, copy_gbs, results, kernel_options)
         write(args.out, payload)
         bench_moe(moe_cases, 8, iters, repeats, results)
     except Exception:

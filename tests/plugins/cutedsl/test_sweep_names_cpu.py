@@ -43,3 +43,11 @@ def test_candidates_need_layouts_and_good_names(capsys):
     with pytest.raises(SystemExit):
         main(["--layouts", "--candidates", "default+r"])
     assert "needs +s" in capsys.readouterr().err
+
+
+def test_bench_cutedsl_refuses_a_bad_kernel_name_before_any_gpu_work(capsys):
+    from layer_boundary_cutedsl.bench import main as bench_main
+
+    with pytest.raises(SystemExit):
+        bench_main(["--kernel", "64x2+r"])
+    assert "needs +s" in capsys.readouterr().err
