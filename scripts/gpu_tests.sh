@@ -245,7 +245,9 @@ group() {
     sweep-reread-widths) run_bench sweep_reread_widths 150 python3 -m layer_boundary_cutedsl.add_norm_sweep --layouts \
       --widths 2048 7168 8192 --out "$OUT/add_norm_reread_widths.json" --candidates default default+s+r default+s+r+o4 128x2+s+r+o4 ;;
     reread) run_pytest reread 200 tests/plugins/cutedsl/test_kernels_gpu.py -k "reread" ;;
-    bench-cutedsl) run_bench bench_cutedsl 290 python3 -m layer_boundary bench cutedsl -- --out "$OUT/cutedsl_bench.json" ;;
+    # CUTEDSL_KERNEL: the add + RMSNorm kernel timed, by the layout sweep's name (default: the default)
+    bench-cutedsl) run_bench bench_cutedsl 290 python3 -m layer_boundary bench cutedsl -- --kernel "${CUTEDSL_KERNEL:-default}" \
+      --out "$OUT/cutedsl_bench.json" ;;
     # the soak stops at its --budget-s (agreed by the ranks) with the steps it ran and its rate
     soak)
       local soak="python3 benchmarks/gpu_soak.py --device cuda --tp 2" rc=0
