@@ -156,6 +156,28 @@ def parse_candidate(name: str) -> dict:
     return options
 
 
+def check_candidates(parser, names) -> list:
+    """Each of `names` parsed (`parse_candidate`), or the command line refused with the reason:
+    before any GPU work."""
+    options = []
+    for name in names:
+        try:
+            options.append(parse_candidate(name))
+        except ValueError as exc:
+            parser.error(str(exc))
+    return options
+
+
+def _fits(hidden: int, options: dict) -> bool:
+    """Whether the kernel with `options` can be built at `hidden` (its layout fits the row, its
+    staged rows fit a CTA's shared memory)."""
+    try:
+        AddNormVariant(DT, hidden, **options)
+    except ValueError:
+        return False
+    return True
+
+
 def candidate_layouts(hidden: int) -> list:
     """The names of the kernels the sweep tries at `hidden`: the default tiling and every layout
     of `LAYOUTS` that fits a row of `hidden`, with register loads; `STAGED`'s ones again staged,
@@ -171,9 +193,7 @@ def candidate_layouts(hidden: int) -> list:
             fits.append(layout)
     out = [candidate_name(layout) for layout in fits]
     for layout in fits:
-        try:
-            AddNormVariant(DT, hidden, layout=layout, staged=True)
-        except ValueError:  # more shared memory than a CTA gets
+        if not _fits(hidden, dict(layout=layout, staged=True)):  # more shared memory than a CTA gets
             continue
         if layout in STAGED:
             out.append(candidate_name(layout, staged=True))
@@ -184,18 +204,11 @@ def candidate_layouts(hidden: int) -> list:
     return out
 
 
-def _fits(hidden: int, options: dict) -> bool:
-    try:
-        AddNormVariant(DT, hidden, **options)
-    except ValueError:
-        return False
-    return True
-
-
-def _measure_layouts(t: int, hidden: int, fi, iters: int, repeats: int, names=None) -> dict:
-    """Each candidate (`names`, else `candidate_layouts`) that can be built at `hidden`."""
+def _layout_variants(hidden: int, names=None) -> list:
+    """(name, in place, options) of each candidate (`names`, else `candidate_layouts`) that can
+    be built at `hidden`, in place (FlashInfer's mode)."""
     variants = [(name, True, parse_candidate(name)) for name in (names or candidate_layouts(hidden))]
-    return _measure_variants(t, hidden, fi, iters, repeats, [v for v in variants if _fits(hidden, v[2])])
+    return [v for v in variants if _fits(hidden, v[2])]
 
 
 def sweep_layouts(widths, tokens, iters: int, repeats: int, names=None) -> dict:
@@ -206,8 +219,9 @@ def sweep_layouts(widths, tokens, iters: int, repeats: int, names=None) -> dict:
     rows, best = [], {}
     for hidden in widths:
         mine = []
+        variants = _layout_variants(hidden, names)
         for t in tokens:
-            row = _measure_layouts(t, hidden, fi, iters, repeats, names)
+            row = _measure_variants(t, hidden, fi, iters, repeats, variants)
             rows.append(row)
             mine.append(row)
             base = row.get("flashinfer_us", row["us"]["default"])
@@ -249,11 +263,7 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     if args.candidates is not None and not args.layouts:
         ap.error("--candidates ranks layouts: add --layouts")
-    for name in args.candidates or ():
-        try:
-            parse_candidate(name)
-        except ValueError as exc:
-            ap.error(str(exc))
+    check_candidates(ap, args.candidates or ())
     if not torch.cuda.is_available():
         print("no CUDA device: nothing to sweep", file=sys.stderr)
         return 2

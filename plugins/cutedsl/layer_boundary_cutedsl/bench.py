@@ -321,12 +321,9 @@ def main(argv=None):
                     help="the add + RMSNorm kernel timed, by the layout sweep's name (default, 256x1, default+s+r+o8, ...)")
     ap.add_argument("--flashinfer-child", nargs=2, metavar=("IN", "OUT"), help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
-    from .add_norm_sweep import parse_candidate  # imports this module: not at the top
+    from .add_norm_sweep import check_candidates  # imports this module: not at the top
 
-    try:
-        kernel_options = parse_candidate(args.kernel)
-    except ValueError as exc:
-        ap.error(str(exc))
+    (kernel_options,) = check_candidates(ap, [args.kernel])
     if args.flashinfer_child:
         with open(args.flashinfer_child[0]) as f:
             job = json.load(f)

@@ -26,7 +26,7 @@ import torch
 
 from layer_boundary.cli.args import OneLineParser, positive_int
 
-from .kernels.tiling import VEC_BYTES, AddNormVariant
+from .kernels.tiling import AddNormVariant
 
 __all__ = ["SM90", "cubin_kernel_attributes", "cubin_registers", "ctas_per_sm", "KernelOccupancy", "add_norm_occupancy", "main"]
 
@@ -117,8 +117,7 @@ class KernelOccupancy:
 def _shared_bytes(variant: AddNormVariant) -> int:
     """The kernel's shared memory: two staged rows' vectors when staged, the reduction's slots."""
     tiling = variant.tiling()
-    staging = 2 * tiling.cta_threads * tiling.vpt * VEC_BYTES if variant.staged else 0
-    return staging + tiling.warps * tiling.rows_per_cta * 2 * 4
+    return variant.staging_bytes + tiling.warps * tiling.rows_per_cta * 2 * 4
 
 
 def add_norm_occupancy(name: str, hidden: int, dtype: torch.dtype = torch.bfloat16, sm: SmLimits = SM90) -> KernelOccupancy:
@@ -194,7 +193,7 @@ def main(argv=None) -> int:
     ap.add_argument("--tokens", type=positive_int, nargs="*", default=[512, 1024, 2048])
     ap.add_argument("--join", default="", help="a layout sweep's JSON: print its measured ratios beside each kernel's occupancy")
     args = ap.parse_args(argv)
-    from .add_norm_sweep import parse_candidate
+    from .add_norm_sweep import check_candidates
 
     if args.join:
         for hidden, name, occ, ratios in join_sweep(args.join, args.tokens):
@@ -203,11 +202,7 @@ def main(argv=None) -> int:
                   f"waves@1024 {occ.waves(1024):4.2f} | ours/FlashInfer {cells}", flush=True)
         return 0
 
-    for name in args.candidates:
-        try:
-            parse_candidate(name)
-        except ValueError as exc:
-            ap.error(str(exc))
+    check_candidates(ap, args.candidates)
     waves = "  ".join(f"waves@{t}" for t in args.tokens)
     print(f"{'H':>5} {'kernel':24s} {'regs':>4} {'local':>5} {'threads':>7} {'rows/CTA':>8} {'smem':>6} {'CTAs/SM':>7} {'rows/SM':>7}  {waves}")
     for hidden in args.widths:

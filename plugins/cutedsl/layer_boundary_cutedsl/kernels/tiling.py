@@ -162,11 +162,18 @@ class AddNormVariant:
             raise ValueError(f"ctas_per_sm must be in 0..32 (an SM holds at most 32 CTAs), got {self.ctas_per_sm}")
         if self.reread and not self.staged:
             raise ValueError("reread=True reads the row back from shared memory: it needs staged=True")
-        if self.staged:
-            t = self.tiling()
-            staging = 2 * t.cta_threads * t.vpt * VEC_BYTES
-            if staging > STAGING_MAX_BYTES:
-                raise ValueError(f"staging two rows of {self.hidden} takes {staging} bytes of shared memory (at most {STAGING_MAX_BYTES})")
+        if self.staging_bytes > STAGING_MAX_BYTES:
+            raise ValueError(
+                f"staging two rows of {self.hidden} takes {self.staging_bytes} bytes of shared memory (at most {STAGING_MAX_BYTES})"
+            )
+
+    @property
+    def staging_bytes(self) -> int:
+        """Shared memory for the staged x and residual vectors of a CTA's rows (0 unstaged)."""
+        if not self.staged:
+            return 0
+        t = self.tiling()
+        return 2 * t.cta_threads * t.vpt * VEC_BYTES
 
     def tiling(self) -> RowTiling:
         if self.layout is None:
