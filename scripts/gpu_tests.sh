@@ -42,6 +42,10 @@
 #   sweep-reread   the same at H=4096 for the kernels that re-read the staged row from shared memory (more
 #               rows an SM); sweep-reread-widths: the other widths
 #   reread      the GPU tests of those kernels alone (also in `cutedsl` and `cutedsl-kernels`)
+#   sweep-fi-shape the kernel in FlashInfer's own form at H=4096 (64x2, staged through L1, gamma read
+#               late, late trigger: `64x2+s+l1+late+g`) with each of those switched off in turn;
+#               sweep-fi-shape-widths: the same at 2048 (32x4), 7168 and 8192 (128x1)
+#   late-gamma  the GPU tests of the late gamma read and of L1 staging alone (also in `cutedsl`)
 #
 # The archives do not fit one command (64 MiB a command), so a fresh machine is staged in three
 # commands sent back to back (the machine keeps /tmp while it stays warm), then the groups:
@@ -245,6 +249,13 @@ group() {
     sweep-reread-widths) run_bench sweep_reread_widths 150 python3 -m layer_boundary_cutedsl.add_norm_sweep --layouts \
       --widths 2048 7168 8192 --out "$OUT/add_norm_reread_widths.json" --candidates default default+s+r default+s+r+o4 128x2+s+r+o4 ;;
     reread) run_pytest reread 200 tests/plugins/cutedsl/test_kernels_gpu.py -k "reread" ;;
+    sweep-fi-shape) run_bench sweep_fi_shape 200 python3 -m layer_boundary_cutedsl.add_norm_sweep --layouts --widths 4096 \
+      --out "$OUT/add_norm_fi_shape.json" --candidates default 256x1 default+g 256x1+g 64x2+s+late 64x2+s+late+g \
+      64x2+s+l1+late 64x2+s+l1+late+g 64x2+s+l1+g default+s+l1+g 128x2+s+l1+late+g ;;
+    sweep-fi-shape-widths) run_bench sweep_fi_shape_widths 200 python3 -m layer_boundary_cutedsl.add_norm_sweep --layouts \
+      --widths 2048 7168 8192 --out "$OUT/add_norm_fi_shape_widths.json" --candidates default default+g 256x1+g \
+      32x4+s+l1+late+g 32x4+s+late+g 128x1+s+l1+late+g 128x1+s+late+g ;;
+    late-gamma) run_pytest late_gamma 200 tests/plugins/cutedsl/test_kernels_gpu.py -k "late_gamma" ;;
     # CUTEDSL_KERNEL: the add + RMSNorm kernel timed, by the layout sweep's name (default: the default)
     bench-cutedsl) run_bench bench_cutedsl 290 python3 -m layer_boundary bench cutedsl -- --kernel "${CUTEDSL_KERNEL:-default}" \
       --out "$OUT/cutedsl_bench.json" ;;
@@ -255,7 +266,7 @@ group() {
       run_check soak_kill 150 $soak --only kill --out "$OUT/soak_kill.json" || rc=1
       return $rc ;;
     contract) run_pytest contract 560 tests/plugins/test_contract_plugins.py tests/plugins/test_contract_suite.py tests/test_example_provider.py ;;
-    *) log "unknown group $1 (core cutedsl flashinfer flashinfer4 contract soak compile compile-cpu compile-ops addnorm cutedsl-kernels decode-kernels shadow probe probe-moe final smoke-cutedsl bench-decode probe-attention probe-replay qk-norm-rope probe-qk-norm-rope bench-cutedsl sweep-cutedsl sweep-layouts sweep-reread sweep-reread-widths reread)"; return 2 ;;
+    *) log "unknown group $1 (core cutedsl flashinfer flashinfer4 contract soak compile compile-cpu compile-ops addnorm cutedsl-kernels decode-kernels shadow probe probe-moe final smoke-cutedsl bench-decode probe-attention probe-replay qk-norm-rope probe-qk-norm-rope bench-cutedsl sweep-cutedsl sweep-layouts sweep-reread sweep-reread-widths reread sweep-fi-shape sweep-fi-shape-widths late-gamma)"; return 2 ;;
   esac
 }
 

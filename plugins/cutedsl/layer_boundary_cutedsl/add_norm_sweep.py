@@ -119,21 +119,26 @@ STAGED_LATE = (None, (32, 4), (64, 2), (128, 1))
 REREAD = ((None, 0), (None, 8), ((128, 2), 0), ((128, 2), 4), ((64, 2), 4), ((256, 1), 0))
 
 
-def candidate_name(layout, staged: bool = False, late: bool = False, reread: bool = False, ctas_per_sm: int = 0) -> str:
+def candidate_name(
+    layout, staged: bool = False, late: bool = False, reread: bool = False, ctas_per_sm: int = 0, late_gamma: bool = False, l1_staging: bool = False
+) -> str:
     """The sweep's name of a kernel option set, e.g. `default`, `64x2+s+late`, `default+s+r+o8`
-    (+s staged, +late the late PDL trigger, +r re-read from shared memory, +oN N CTAs an SM)."""
+    (+s staged, +l1 staged through L1, +late the late PDL trigger, +r re-read from shared
+    memory, +oN N CTAs an SM, +g gamma read late)."""
     name = "default" if layout is None else f"{layout[0]}x{layout[1]}"
     name += "+s" if staged else ""
+    name += "+l1" if l1_staging else ""
     name += "+late" if late else ""
     name += "+r" if reread else ""
     name += f"+o{ctas_per_sm}" if ctas_per_sm else ""
+    name += "+g" if late_gamma else ""
     return name
 
 
 def parse_candidate(name: str) -> dict:
     """`fused_add_rmsnorm`'s options for a `candidate_name` (ValueError for a malformed one)."""
     head, *flags = name.split("+")
-    options = dict(layout=None, staged=False, late_trigger=False, reread=False, ctas_per_sm=0)
+    options = dict(layout=None, staged=False, late_trigger=False, reread=False, ctas_per_sm=0, late_gamma=False, l1_staging=False)
     if head != "default":
         try:
             threads, rows = (int(n) for n in head.split("x"))
@@ -149,10 +154,16 @@ def parse_candidate(name: str) -> dict:
             options["reread"] = True
         elif flag.startswith("o") and flag[1:].isdigit():
             options["ctas_per_sm"] = int(flag[1:])
+        elif flag == "g":
+            options["late_gamma"] = True
+        elif flag == "l1":
+            options["l1_staging"] = True
         else:
-            raise ValueError(f"candidate {name!r}: unknown flag +{flag} (s, late, r, oN)")
+            raise ValueError(f"candidate {name!r}: unknown flag +{flag} (s, l1, late, r, oN, g)")
     if options["reread"] and not options["staged"]:
         raise ValueError(f"candidate {name!r}: +r re-reads the staged row, so it needs +s")
+    if options["l1_staging"] and not options["staged"]:
+        raise ValueError(f"candidate {name!r}: +l1 chooses how the staged copies are cached, so it needs +s")
     return options
 
 

@@ -97,3 +97,9 @@ def test_multi_row_layouts():
         AddNormVariant(bf16, 4096, reread=True)
     with pytest.raises(ValueError, match="0..32"):
         AddNormVariant(bf16, 4096, ctas_per_sm=33)
+    # FlashInfer's way of reading gamma and of caching the staged copies: named, and L1 staging
+    # only where something is staged
+    assert AddNormVariant(bf16, 4096, layout=(64, 2), staged=True, l1_staging=True, late_trigger=True, late_gamma=True).name == (
+        "add_rmsnorm_bf16_h4096_late_r64x2_staged_l1_lategamma")
+    with pytest.raises(ValueError, match="needs staged=True"):
+        AddNormVariant(bf16, 4096, l1_staging=True)

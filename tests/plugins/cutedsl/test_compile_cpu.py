@@ -70,6 +70,11 @@ LAYOUT_VARIANTS = [
 ] + [
     AddNormVariant(torch.float16, 2880, 1.0, True, staged=True, reread=True, ctas_per_sm=8),
     AddNormVariant(torch.bfloat16, 4096, 0.0, True, (128, 2), staged=True, reread=True, ctas_per_sm=4),
+] + [  # gamma read late, staged copies through L1 (FlashInfer's loads), alone and together
+    AddNormVariant(torch.bfloat16, 4096, 0.0, True, (64, 2), staged=True, l1_staging=True, late_trigger=True, late_gamma=True),
+    AddNormVariant(torch.bfloat16, 2880, 1.0, True, late_gamma=True),
+    AddNormVariant(torch.float16, 2048, 0.0, True, (32, 4), staged=True, l1_staging=True),
+    AddNormVariant(torch.bfloat16, 4096, 1.0, True, staged=True, reread=True, late_gamma=True),
 ]
 
 

@@ -147,6 +147,35 @@ def test_reread_from_shared_memory(hidden, layout, ctas_per_sm, tokens, max_ctas
     assert torch.equal(rr, res) and torch.equal(xx, normed)
 
 
+@pytest.mark.parametrize(
+    "hidden, layout, options",
+    [
+        (4096, (64, 2), dict(staged=True, l1_staging=True, late_trigger=True, late_gamma=True)),  # FlashInfer's shape and loads
+        (4096, (64, 2), dict(staged=True, late_gamma=True)),
+        (2880, None, dict(late_gamma=True)),  # bounds-checked vectors
+        (2048, (32, 4), dict(staged=True, l1_staging=True, late_gamma=True)),  # one-warp rows, four a CTA
+        (4096, None, dict(staged=True, reread=True, late_gamma=True)),
+        (8192, (128, 1), dict(staged=True, l1_staging=True)),
+    ],
+    ids=lambda v: v if isinstance(v, int) else ("default" if v is None else (f"{v[0]}x{v[1]}" if isinstance(v, tuple) else "+".join(v))),
+)
+@pytest.mark.parametrize("tokens", [1, 301])
+@pytest.mark.parametrize("max_ctas", [None, 3])
+def test_late_gamma_and_l1_staging(hidden, layout, options, tokens, max_ctas, monkeypatch):
+    """Gamma read per row after the wait, and staged copies through L1, change where data
+    waits, not the arithmetic: the answer equals the same layout's without them bit for bit,
+    new buffers and in place, with rows past the end and CTAs looping over rows."""
+    x, r, gamma, normed, res = _check_layout(hidden, layout, options.get("staged", False), tokens, max_ctas, monkeypatch, **{
+        k: v for k, v in options.items() if k != "staged"})
+    plain = dict(staged=options.get("staged", False), reread=options.get("reread", False))
+    want_n, want_r = fused_add_rmsnorm(x, r, gamma, EPS, weight_offset=1.0, layout=layout, **plain)
+    xx, rr = x.clone(), r.clone()
+    fused_add_rmsnorm(xx, rr, gamma, EPS, out=xx, residual_out=rr, weight_offset=1.0, layout=layout, **options)
+    torch.cuda.synchronize()
+    assert torch.equal(res, want_r) and torch.equal(normed, want_n)
+    assert torch.equal(rr, want_r) and torch.equal(xx, want_n)
+
+
 @pytest.mark.parametrize("hidden", [2880, 4096])
 @pytest.mark.parametrize("layout", [None, (256, 1)], ids=lambda lay: "default" if lay is None else f"{lay[0]}x{lay[1]}")
 def test_late_pdl_trigger_in_a_graph_chain(hidden, layout):

@@ -26,10 +26,16 @@ def test_the_reread_kernels_are_candidates_where_their_rows_fit_shared_memory():
 
 
 def test_parse_candidate_options_and_errors():
-    assert parse_candidate("64x2+s+late+r+o4") == dict(layout=(64, 2), staged=True, late_trigger=True, reread=True, ctas_per_sm=4)
-    assert parse_candidate("default") == dict(layout=None, staged=False, late_trigger=False, reread=False, ctas_per_sm=0)
+    plain = dict(layout=None, staged=False, late_trigger=False, reread=False, ctas_per_sm=0, late_gamma=False, l1_staging=False)
+    assert parse_candidate("64x2+s+late+r+o4") == {**plain, **dict(layout=(64, 2), staged=True, late_trigger=True, reread=True, ctas_per_sm=4)}
+    assert parse_candidate("default") == plain
+    flashinfer_like = dict(layout=(64, 2), staged=True, l1_staging=True, late_trigger=True, late_gamma=True)
+    assert parse_candidate("64x2+s+l1+late+g") == {**plain, **flashinfer_like}
+    assert candidate_name(**{k: v for k, v in flashinfer_like.items() if k != "late_trigger"}, late=True) == "64x2+s+l1+late+g"
     with pytest.raises(ValueError, match="needs \\+s"):
         parse_candidate("default+r")
+    with pytest.raises(ValueError, match="needs \\+s"):
+        parse_candidate("default+l1")
     with pytest.raises(ValueError, match="unknown flag"):
         parse_candidate("default+x")
     with pytest.raises(ValueError, match="THREADSxROWS"):

@@ -18,24 +18,15 @@ __all__ = ["fused_add_rmsnorm", "prepare_add_rmsnorm"]
 _entries: dict = {}  # ((variant key), device) -> launcher entry, the per-call lookup
 
 
-def _entry(dtype, hidden, weight_offset, device, pdl=True, layout=None, staged=False, late=False, reread=False, ctas_per_sm=0):
-    key = ("add_rmsnorm", dtype, hidden, weight_offset, pdl, layout, staged, late, reread, ctas_per_sm)
-    return executor_for(
-        key,
-        device,
-        lambda: AddNormVariant(
-            dtype,
-            hidden,
-            weight_offset,
-            pdl=pdl,
-            layout=layout,
-            staged=staged,
-            late_trigger=late,
-            reread=reread,
-            ctas_per_sm=ctas_per_sm,
-        ),
-        5,
-    )
+#: `fused_add_rmsnorm`'s kernel options, in the order of its variant keys (AddNormVariant fields)
+KERNEL_OPTIONS = ("pdl", "layout", "staged", "late_trigger", "reread", "ctas_per_sm", "late_gamma", "l1_staging")
+_DEFAULT_OPTIONS = (True, None, False, False, False, 0, False, False)
+
+
+def _entry(dtype, hidden, weight_offset, device, options: tuple = _DEFAULT_OPTIONS):
+    """The launcher of the kernel with `options` (values in `KERNEL_OPTIONS` order)."""
+    key = ("add_rmsnorm", dtype, hidden, weight_offset) + options
+    return executor_for(key, device, lambda: AddNormVariant(dtype, hidden, weight_offset, **dict(zip(KERNEL_OPTIONS, options))), 5)
 
 
 def prepare_add_rmsnorm(dtype: torch.dtype, hidden: int, *, weight_offset: float = 0.0, device=None) -> None:
@@ -60,6 +51,8 @@ def fused_add_rmsnorm(
     late_trigger: bool = False,
     reread: bool = False,
     ctas_per_sm: int = 0,
+    late_gamma: bool = False,
+    l1_staging: bool = False,
 ):
     """(normed, new_residual) with new_residual = x + residual and
     normed = new_residual_fp32 * rsqrt(mean(new_residual_fp32^2) + eps) * (gamma + weight_offset).
@@ -75,7 +68,9 @@ def fused_add_rmsnorm(
     lets the next kernel launch at the end instead of at the start (the sweep found no width or
     token count where it pays). `reread=True` (with `staged`) keeps the staged row in shared
     memory and sums it again for the norm instead of holding it in registers; `ctas_per_sm=N`
-    caps the registers so that N CTAs fit an SM.
+    caps the registers so that N CTAs fit an SM; `late_gamma=True` reads gamma per row after
+    the PDL wait and keeps it 16-bit until the norm; `l1_staging=True` (with `staged`) lets the
+    staged copies allocate in L1.
     """
     hidden = x.shape[-1]
     shape, dtype, device = x.shape, x.dtype, x.device
@@ -101,15 +96,14 @@ def fused_add_rmsnorm(
     rows = x.numel() // hidden if hidden else 0
     if rows == 0:
         return out, residual_out
-    key = ("add_rmsnorm", dtype, hidden, weight_offset, pdl, layout, staged, late_trigger, reread, ctas_per_sm)
+    key = ("add_rmsnorm", dtype, hidden, weight_offset, pdl, layout, staged, late_trigger, reread, ctas_per_sm, late_gamma, l1_staging)
     entry = _entries.get((key, device))
     if entry is None:
         check_hidden(hidden, dtype)
         if out.data_ptr() == residual_out.data_ptr():
             raise ValueError("out and residual_out must not be the same memory")
-        entry = _entries[(key, device)] = _entry(
-            dtype, hidden, float(weight_offset), device, bool(pdl), layout, bool(staged), bool(late_trigger), bool(reread), int(ctas_per_sm)
-        )
+        options = (bool(pdl), layout, bool(staged), bool(late_trigger), bool(reread), int(ctas_per_sm), bool(late_gamma), bool(l1_staging))
+        entry = _entries[(key, device)] = _entry(dtype, hidden, float(weight_offset), device, options)
     elif out.data_ptr() == residual_out.data_ptr():
         raise ValueError("out and residual_out must not be the same memory")
     launch(entry, rows, [x.data_ptr(), residual.data_ptr(), gamma.data_ptr(), residual_out.data_ptr(), out.data_ptr()], eps, device)

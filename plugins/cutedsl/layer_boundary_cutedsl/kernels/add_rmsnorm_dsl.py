@@ -36,6 +36,8 @@ class AddRMSNormKernel(RowKernel):
         self.late_trigger = bool(variant.late_trigger)
         self.reread = bool(variant.reread)
         self.ctas_per_sm = int(variant.ctas_per_sm)
+        self.late_gamma = bool(variant.late_gamma)
+        self.l1_staging = bool(variant.l1_staging)
 
     @cute.jit
     def __call__(
@@ -118,6 +120,15 @@ class AddRMSNormKernel(RowKernel):
                     if live:
                         self.store_vec(out, row_elem + col, total * rstd * g)
 
+    @cute.jit
+    def row_gamma(self, gam, gamma: Int64, lane: Int32):
+        """The reread norm's gamma fragment (as loaded): the one read before the rows, or with
+        `late_gamma` this row's own read."""
+        if const_expr(gam is None):
+            gam = self.new_frag()
+            self.load_row(gamma, Int64(0), gam, lane)
+        return gam
+
     @cute.kernel
     def kernel(self, x: Int64, residual: Int64, gamma: Int64, residual_out: Int64, out: Int64, rows: Int32, eps: Float32):
         tidx, _, _ = cute.arch.thread_idx()
@@ -131,11 +142,12 @@ class AddRMSNormKernel(RowKernel):
         else:
             lane = tidx % self.threads
             group = tidx // self.threads
-        if const_expr(self.reread):
+        gam = None  # late_gamma: read per row, after the wait
+        if const_expr(self.reread and not self.late_gamma):
             # kept as loaded (half the registers of fp32); widened vector by vector at the norm
             gam = self.new_frag()
             self.load_row(gamma, Int64(0), gam, lane)
-        else:
+        elif const_expr(not self.late_gamma):
             gam = self.load_gamma(gamma, lane, self.weight_offset)
         if const_expr(self.pdl):
             # x and the residual may come from the kernel before: wait for it to finish (a no-op
@@ -151,13 +163,13 @@ class AddRMSNormKernel(RowKernel):
                 row_elem = Int64(row) * self.hidden
                 if const_expr(self.reread):
                     self.stage_inputs(x, residual, row_elem, lane, tidx, staging)
-                    self.reread_norm_and_store(staging, gam, eps, red, parity, residual_out, out, row_elem, lane, tidx)
+                    self.reread_norm_and_store(staging, self.row_gamma(gam, gamma, lane), eps, red, parity, residual_out, out, row_elem, lane, tidx)
                 else:
                     xf = self.new_frag()
                     rf = self.new_frag()
                     self.load_inputs(x, residual, row_elem, xf, rf, lane, tidx, staging)
                     total = xf.load().to(Float32) + rf.load().to(Float32)
-                    self.norm_and_store(total, gam, eps, red, parity, residual_out, out, row_elem, lane, tidx)
+                    self.norm_and_store(total, gam, eps, red, parity, residual_out, out, row_elem, lane, tidx, gamma=gamma)
                 parity = 1 - parity
         else:
             # every thread runs every block's iteration (the row's reduction may need the CTA's
@@ -169,14 +181,14 @@ class AddRMSNormKernel(RowKernel):
                 if const_expr(self.reread):
                     if live:
                         self.stage_inputs(x, residual, row_elem, lane, tidx, staging)
-                    self.reread_norm_and_store(staging, gam, eps, red, parity, residual_out, out, row_elem, lane, tidx, live)
+                    self.reread_norm_and_store(staging, self.row_gamma(gam, gamma, lane), eps, red, parity, residual_out, out, row_elem, lane, tidx, live)
                 else:
                     xf = self.new_frag()
                     rf = self.new_frag()
                     if live:
                         self.load_inputs(x, residual, row_elem, xf, rf, lane, tidx, staging)
                     total = xf.load().to(Float32) + rf.load().to(Float32)
-                    self.norm_and_store(total, gam, eps, red, parity, residual_out, out, row_elem, lane, tidx, live)
+                    self.norm_and_store(total, gam, eps, red, parity, residual_out, out, row_elem, lane, tidx, live, gamma=gamma)
                 parity = 1 - parity
         if const_expr(self.pdl and self.late_trigger):
             cute.arch.griddepcontrol_launch_dependents()

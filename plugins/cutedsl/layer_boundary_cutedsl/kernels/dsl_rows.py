@@ -41,6 +41,10 @@ class RowKernel:
         self.full = tiling.full
         self.rows_per_cta = tiling.rows_per_cta
         self.cta_threads = tiling.cta_threads
+        #: the staged copies allocate in L1 (`.ca`) instead of reading from L2 alone (`.cg`)
+        self.l1_staging = False
+        #: gamma's norm multiplier is `w + weight_offset` (a subclass with Gemma norms sets it)
+        self.weight_offset = 0.0
 
     def _atom(self):
         return cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), self.dtype, num_bits_per_copy=128)
@@ -87,11 +91,11 @@ class RowKernel:
 
     @cute.jit
     def stage_row(self, addr: Int64, row_elem: Int64, stage: cute.Tensor, lane: Int32, tidx: Int32):
-        """Start this thread's vectors of the row on their way to `stage` (cp.async, L2 only:
-        the row is read once, so it need not take L1 space); `land_row` waits for them."""
-        atom = cute.make_copy_atom(
-            cute.nvgpu.cpasync.CopyG2SOp(cute.nvgpu.cpasync.LoadCacheMode.GLOBAL), self.dtype, num_bits_per_copy=128
-        )
+        """Start this thread's vectors of the row on their way to `stage` (cp.async; from L2
+        alone unless `l1_staging`: the row is read once, so it need not take L1 space);
+        `land_row` waits for them."""
+        mode = cute.nvgpu.cpasync.LoadCacheMode.ALWAYS if const_expr(self.l1_staging) else cute.nvgpu.cpasync.LoadCacheMode.GLOBAL
+        atom = cute.make_copy_atom(cute.nvgpu.cpasync.CopyG2SOp(mode), self.dtype, num_bits_per_copy=128)
         for i in cutlass.range_constexpr(self.vpt):
             col = (i * self.threads + lane) * self.vec
             if const_expr(self.full) or col < self.hidden:
@@ -150,6 +154,14 @@ class RowKernel:
         return g
 
     @cute.jit
+    def widen_gamma(self, gfrag: cute.Tensor):
+        """The fp32 norm multiplier (w + self.weight_offset) of a gamma fragment as loaded."""
+        g = gfrag.load().to(Float32)
+        if const_expr(self.weight_offset != 0.0):
+            g = g + Float32(self.weight_offset)
+        return g
+
+    @cute.jit
     def norm_and_store(
         self,
         total,
@@ -163,11 +175,14 @@ class RowKernel:
         lane: Int32,
         tidx: Int32,
         live=None,
+        gamma=None,
     ):
         """Write round(total) as the new residual and round(total * rstd * gamma) as the norm,
         where rstd = 1/sqrt(mean(total^2) + eps) over the row (fp32 throughout). `lane`: the
         thread's index in its row; `tidx`: in the CTA (the reduction's); `live` (multi-row CTAs): False for a
-        row past the end, which reduces with the others but stores nothing."""
+        row past the end, which reduces with the others but stores nothing. `gam` None: gamma
+        is read from address `gamma` now, as loaded, and widened for the norm only (while the
+        reduction runs, so its latency hides there)."""
         rfrag = cute.make_rmem_tensor((self.vec, self.vpt), self.dtype)
         rfrag.store(total.to(self.dtype))
         if const_expr(live is None):
@@ -175,9 +190,15 @@ class RowKernel:
         else:
             if live:
                 self.store_row(residual_out, row_elem, rfrag, lane)
+        gfrag = None
+        if const_expr(gam is None):
+            gfrag = self.new_frag()
+            self.load_row(gamma, Int64(0), gfrag, lane)
         sq = (total * total).reduce(cute.ReductionOp.ADD, Float32(0.0), 0)
         sq = self.block_sum(sq, red, parity, tidx)
         rstd = cute.math.rsqrt(sq * Float32(1.0 / self.hidden) + eps)
+        if const_expr(gam is None):
+            gam = self.widen_gamma(gfrag)
         nfrag = cute.make_rmem_tensor((self.vec, self.vpt), self.dtype)
         nfrag.store((total * rstd * gam).to(self.dtype))
         if const_expr(live is None):

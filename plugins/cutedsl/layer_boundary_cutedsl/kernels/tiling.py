@@ -156,12 +156,21 @@ class AddNormVariant:
     #: CTAs an SM must hold at once: the compiler caps the registers a thread to fit them, and
     #: shared memory gets the largest carveout (0: the compiler's own register count)
     ctas_per_sm: int = 0
+    #: gamma read as loaded (16-bit) after the PDL wait, each row anew once its sum is stored,
+    #: and widened only for the norm, instead of once as fp32 before the wait: half the
+    #: registers gamma takes while a row's loads are in flight (FlashInfer's norms read it so)
+    late_gamma: bool = False
+    #: (staged only) the cp.async copies allocate in L1 (`.ca`) instead of going to shared
+    #: memory from L2 alone (`.cg`), as FlashInfer's staged norms copy
+    l1_staging: bool = False
 
     def __post_init__(self):
         if not 0 <= self.ctas_per_sm <= 32:
             raise ValueError(f"ctas_per_sm must be in 0..32 (an SM holds at most 32 CTAs), got {self.ctas_per_sm}")
         if self.reread and not self.staged:
             raise ValueError("reread=True reads the row back from shared memory: it needs staged=True")
+        if self.l1_staging and not self.staged:
+            raise ValueError("l1_staging=True chooses how the staged copies are cached: it needs staged=True")
         if self.staging_bytes > STAGING_MAX_BYTES:
             raise ValueError(
                 f"staging two rows of {self.hidden} takes {self.staging_bytes} bytes of shared memory (at most {STAGING_MAX_BYTES})"
@@ -187,7 +196,12 @@ class AddNormVariant:
         staged = ("_reread" if self.reread else "_staged") if self.staged else ""
         late = "_late" if self.late_trigger and self.pdl else ""
         occupancy = f"_o{self.ctas_per_sm}" if self.ctas_per_sm else ""
-        return f"add_rmsnorm_{_DTYPE_NAMES[self.dtype]}_h{self.hidden}{g}{'' if self.pdl else '_nopdl'}{late}{shape}{staged}{occupancy}"
+        gamma = "_lategamma" if self.late_gamma else ""
+        l1 = "_l1" if self.l1_staging else ""
+        return (
+            f"add_rmsnorm_{_DTYPE_NAMES[self.dtype]}_h{self.hidden}{g}{'' if self.pdl else '_nopdl'}{late}{shape}{staged}{l1}"
+            f"{occupancy}{gamma}"
+        )
 
 
 @dataclass(frozen=True)
