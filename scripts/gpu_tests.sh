@@ -21,6 +21,7 @@
 #   compile-cpu the CPU compile tests (graph breaks, recompiles, eager parity) under this machine's
 #               torch, which is not the CPU box's: Dynamo's differences between versions show here
 #   compile-ops torch.library.opcheck on the plugins' fused kernel ops (cutedsl MoE, flashinfer at 2 ranks)
+#   addnorm-kernels the same without the qwen3 step (FlashInfer's Python modules are enough)
 #   addnorm     the local add + RMSNorm kernels (cutedsl, flashinfer) against the torch path, their
 #               order, a CUDA graph, a qwen3 TP=1 decode step launching fewer kernels
 #   decode-kernels the flashinfer plugin's rope, decode attention and gated activation (silu/gelu_tanh/
@@ -45,7 +46,9 @@
 #   sweep-fi-shape the kernel in FlashInfer's own form at H=4096 (64x2, staged through L1, gamma read
 #               late, late trigger: `64x2+s+l1+late+g`) with each of those switched off in turn;
 #               sweep-fi-shape-widths: the same at 2048 (32x4), 7168 and 8192 (128x1)
-#   late-gamma  the GPU tests of the late gamma read and of L1 staging alone (also in `cutedsl`)
+#   late-gamma  the GPU tests of the late gamma read, of L1 staging and of a plain call's kernel by token
+#               count (`layout=AUTO`, tiling.ROWS_BANDS) alone (also in `cutedsl`)
+#   sweep-auto  that by-token-count choice against the default and its bands' kernels, at every width
 #
 # The archives do not fit one command (64 MiB a command), so a fresh machine is staged in three
 # commands sent back to back (the machine keeps /tmp while it stays warm), then the groups:
@@ -231,6 +234,7 @@ group() {
       return $rc ;;
     smoke-cutedsl) run_check cutedsl_smoke "${SMOKE_TIMEOUT:-240}" python3 -m layer_boundary_cutedsl.allreduce_smoke --ranks 2 --json "$OUT/cutedsl_smoke.json" ;;
     addnorm) run_pytest addnorm 560 tests/plugins/test_add_norm_gpu.py ;;
+    addnorm-kernels) run_pytest addnorm_kernels 400 tests/plugins/test_add_norm_gpu.py -k "not qwen3" ;;
     cutedsl-kernels) run_pytest cutedsl_kernels 480 tests/plugins/cutedsl/test_kernels_gpu.py ;;
     decode-kernels) run_pytest decode_kernels 560 -s tests/plugins/flashinfer/test_flashinfer_decode_kernels_gpu.py \
       tests/plugins/flashinfer/test_flashinfer_gated_activation_gpu.py ;;
@@ -255,9 +259,14 @@ group() {
     sweep-fi-shape-widths) run_bench sweep_fi_shape_widths 200 python3 -m layer_boundary_cutedsl.add_norm_sweep --layouts \
       --widths 2048 7168 8192 --out "$OUT/add_norm_fi_shape_widths.json" --candidates default default+g 256x1+g \
       32x4+s+l1+late+g 32x4+s+late+g 128x1+s+l1+late+g 128x1+s+late+g ;;
-    late-gamma) run_pytest late_gamma 200 tests/plugins/cutedsl/test_kernels_gpu.py -k "late_gamma" ;;
+    late-gamma) run_pytest late_gamma 200 tests/plugins/cutedsl/test_kernels_gpu.py -k "late_gamma or token_counts_kernel" ;;
+    # a plain call's by-token-count choice (auto) against the default and the kernels of its bands, the
+    # token counts around the bands' edges
+    sweep-auto) run_bench sweep_auto 200 python3 -m layer_boundary_cutedsl.add_norm_sweep --layouts --repeats 50 \
+      --out "$OUT/add_norm_auto.json" --tokens 128 256 384 512 768 1024 1536 2048 4096 --candidates auto default \
+      64x2+s+l1+late+g 128x2+s+l1+late+g 128x1+s+l1+late+g 256x1+s+l1+late+g 64x2+s+l1+late+g+o5 ;;
     # CUTEDSL_KERNEL: the add + RMSNorm kernel timed, by the layout sweep's name (default: the default)
-    bench-cutedsl) run_bench bench_cutedsl 290 python3 -m layer_boundary bench cutedsl -- --kernel "${CUTEDSL_KERNEL:-default}" \
+    bench-cutedsl) run_bench bench_cutedsl 290 python3 -m layer_boundary bench cutedsl -- --kernel "${CUTEDSL_KERNEL:-auto}" \
       --out "$OUT/cutedsl_bench.json" ;;
     # the soak stops at its --budget-s (agreed by the ranks) with the steps it ran and its rate
     soak)
@@ -266,7 +275,7 @@ group() {
       run_check soak_kill 150 $soak --only kill --out "$OUT/soak_kill.json" || rc=1
       return $rc ;;
     contract) run_pytest contract 560 tests/plugins/test_contract_plugins.py tests/plugins/test_contract_suite.py tests/test_example_provider.py ;;
-    *) log "unknown group $1 (core cutedsl flashinfer flashinfer4 contract soak compile compile-cpu compile-ops addnorm cutedsl-kernels decode-kernels shadow probe probe-moe final smoke-cutedsl bench-decode probe-attention probe-replay qk-norm-rope probe-qk-norm-rope bench-cutedsl sweep-cutedsl sweep-layouts sweep-reread sweep-reread-widths reread sweep-fi-shape sweep-fi-shape-widths late-gamma)"; return 2 ;;
+    *) log "unknown group $1 (core cutedsl flashinfer flashinfer4 contract soak compile compile-cpu compile-ops addnorm cutedsl-kernels decode-kernels shadow probe probe-moe final smoke-cutedsl bench-decode probe-attention probe-replay qk-norm-rope probe-qk-norm-rope bench-cutedsl sweep-cutedsl sweep-layouts sweep-reread sweep-reread-widths reread sweep-fi-shape sweep-fi-shape-widths late-gamma sweep-auto addnorm-kernels)"; return 2 ;;
   esac
 }
 

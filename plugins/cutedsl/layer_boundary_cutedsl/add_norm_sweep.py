@@ -30,7 +30,7 @@ from layer_boundary.cli.args import OneLineParser, positive_int
 
 from .bench import EPS, flashinfer_implementation, time_graph, write
 from .kernels import fused_add_rmsnorm
-from .kernels.tiling import AddNormVariant, group_tiling
+from .kernels.tiling import AUTO, AddNormVariant, candidate_name, group_tiling, parse_candidate
 
 DT = torch.bfloat16
 #: (pdl, in_place) -> column name
@@ -119,54 +119,6 @@ STAGED_LATE = (None, (32, 4), (64, 2), (128, 1))
 REREAD = ((None, 0), (None, 8), ((128, 2), 0), ((128, 2), 4), ((64, 2), 4), ((256, 1), 0))
 
 
-def candidate_name(
-    layout, staged: bool = False, late: bool = False, reread: bool = False, ctas_per_sm: int = 0, late_gamma: bool = False, l1_staging: bool = False
-) -> str:
-    """The sweep's name of a kernel option set, e.g. `default`, `64x2+s+late`, `default+s+r+o8`
-    (+s staged, +l1 staged through L1, +late the late PDL trigger, +r re-read from shared
-    memory, +oN N CTAs an SM, +g gamma read late)."""
-    name = "default" if layout is None else f"{layout[0]}x{layout[1]}"
-    name += "+s" if staged else ""
-    name += "+l1" if l1_staging else ""
-    name += "+late" if late else ""
-    name += "+r" if reread else ""
-    name += f"+o{ctas_per_sm}" if ctas_per_sm else ""
-    name += "+g" if late_gamma else ""
-    return name
-
-
-def parse_candidate(name: str) -> dict:
-    """`fused_add_rmsnorm`'s options for a `candidate_name` (ValueError for a malformed one)."""
-    head, *flags = name.split("+")
-    options = dict(layout=None, staged=False, late_trigger=False, reread=False, ctas_per_sm=0, late_gamma=False, l1_staging=False)
-    if head != "default":
-        try:
-            threads, rows = (int(n) for n in head.split("x"))
-        except ValueError:
-            raise ValueError(f"candidate {name!r}: the layout must be 'default' or THREADSxROWS, e.g. 64x2") from None
-        options["layout"] = (threads, rows)
-    for flag in flags:
-        if flag == "s":
-            options["staged"] = True
-        elif flag == "late":
-            options["late_trigger"] = True
-        elif flag == "r":
-            options["reread"] = True
-        elif flag.startswith("o") and flag[1:].isdigit():
-            options["ctas_per_sm"] = int(flag[1:])
-        elif flag == "g":
-            options["late_gamma"] = True
-        elif flag == "l1":
-            options["l1_staging"] = True
-        else:
-            raise ValueError(f"candidate {name!r}: unknown flag +{flag} (s, l1, late, r, oN, g)")
-    if options["reread"] and not options["staged"]:
-        raise ValueError(f"candidate {name!r}: +r re-reads the staged row, so it needs +s")
-    if options["l1_staging"] and not options["staged"]:
-        raise ValueError(f"candidate {name!r}: +l1 chooses how the staged copies are cached, so it needs +s")
-    return options
-
-
 def check_candidates(parser, names) -> list:
     """Each of `names` parsed (`parse_candidate`), or the command line refused with the reason:
     before any GPU work."""
@@ -181,7 +133,9 @@ def check_candidates(parser, names) -> list:
 
 def _fits(hidden: int, options: dict) -> bool:
     """Whether the kernel with `options` can be built at `hidden` (its layout fits the row, its
-    staged rows fit a CTA's shared memory)."""
+    staged rows fit a CTA's shared memory); `auto` always can."""
+    if options.get("layout") == AUTO:
+        return True
     try:
         AddNormVariant(DT, hidden, **options)
     except ValueError:

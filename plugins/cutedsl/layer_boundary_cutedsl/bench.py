@@ -317,8 +317,9 @@ def main(argv=None):
     ap.add_argument("--iters", type=positive_int, default=20, help="calls per captured graph")
     ap.add_argument("--repeats", type=positive_int, default=50, help="graph replays timed (median taken)")
     ap.add_argument("--budget-s", type=positive_float, default=270, help="wall-clock budget; flashinfer gets what is left")
-    ap.add_argument("--kernel", default="default",
-                    help="the add + RMSNorm kernel timed, by the layout sweep's name (default, 256x1, default+s+r+o8, ...)")
+    ap.add_argument("--kernel", default="auto",
+                    help="the add + RMSNorm kernel timed, by the layout sweep's name: auto (a plain call's: chosen by the "
+                         "token count), default (the width's tiling at every count), 256x1, 64x2+s+l1+late+g, ...")
     ap.add_argument("--flashinfer-child", nargs=2, metavar=("IN", "OUT"), help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     from .add_norm_sweep import check_candidates  # imports this module: not at the top

@@ -4,7 +4,17 @@ import pytest
 import torch
 
 from layer_boundary_cutedsl.kernels import fused_add_rmsnorm, moe_finalize, moe_finalize_add_rmsnorm
-from layer_boundary_cutedsl.kernels.tiling import AddNormVariant, MoeVariant, default_grid, group_tiling, row_tiling
+from layer_boundary_cutedsl.kernels.tiling import (
+    AUTO,
+    ROWS_BANDS,
+    AddNormVariant,
+    MoeVariant,
+    default_grid,
+    group_tiling,
+    parse_candidate,
+    row_tiling,
+    rows_kernel,
+)
 
 bf16 = torch.bfloat16
 
@@ -103,3 +113,21 @@ def test_multi_row_layouts():
         "add_rmsnorm_bf16_h4096_late_r64x2_staged_l1_lategamma")
     with pytest.raises(ValueError, match="needs staged=True"):
         AddNormVariant(bf16, 4096, l1_staging=True)
+
+
+def test_a_plain_calls_kernel_by_token_count():
+    """The bands of ROWS_BANDS: ordered, disjoint, each kernel buildable at its width; outside
+    them (and at widths not listed) the default tiling."""
+    for hidden, bands in ROWS_BANDS.items():
+        end_before = 1
+        for first, end, name in bands:
+            assert end_before <= first < end, (hidden, bands)
+            end_before = end
+            AddNormVariant(torch.bfloat16, hidden, **parse_candidate(name))
+            assert rows_kernel(hidden, first) == rows_kernel(hidden, end - 1) == name
+        assert rows_kernel(hidden, 1) == rows_kernel(hidden, 32768) == "default"
+    assert rows_kernel(4096, 1024) == "64x2+s+l1+late+g" and rows_kernel(4096, 512) == "128x2+s+l1+late+g"
+    assert rows_kernel(2880, 1024) == "default"
+    assert parse_candidate("auto") == dict(layout=AUTO)
+    with pytest.raises(ValueError, match="layout is None or"):
+        AddNormVariant(torch.bfloat16, 4096, layout=AUTO)

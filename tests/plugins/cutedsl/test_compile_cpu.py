@@ -13,11 +13,13 @@ import torch
 from layer_boundary_cutedsl.kernels.gated_activation import GatedActivationVariant
 from layer_boundary_cutedsl.kernels.qk_norm_rope import QKNormRopeVariant
 from layer_boundary_cutedsl.kernels.tiling import (
+    ROWS_BANDS,
     TESTED_TOP_K,
     AddNormVariant,
     MoeVariant,
     all_add_norm_variants,
     all_moe_variants,
+    parse_candidate,
 )
 
 pytestmark = pytest.mark.skipif(
@@ -75,6 +77,11 @@ LAYOUT_VARIANTS = [
     AddNormVariant(torch.bfloat16, 2880, 1.0, True, late_gamma=True),
     AddNormVariant(torch.float16, 2048, 0.0, True, (32, 4), staged=True, l1_staging=True),
     AddNormVariant(torch.bfloat16, 4096, 1.0, True, staged=True, reread=True, late_gamma=True),
+] + [  # every kernel a plain call picks by token count, Gemma's too
+    AddNormVariant(torch.bfloat16, hidden, offset, **parse_candidate(name))
+    for hidden, bands in ROWS_BANDS.items()
+    for _, _, name in bands
+    for offset in (0.0, 1.0)
 ]
 
 

@@ -11,7 +11,7 @@ from typing import Optional
 import torch
 
 from ._launch import check_all, executor_for, launch, rows_ok
-from .tiling import AddNormVariant, check_hidden
+from .tiling import AUTO, ROWS_BANDS, AddNormVariant, check_hidden, parse_candidate, pick_band
 
 __all__ = ["fused_add_rmsnorm", "prepare_add_rmsnorm"]
 
@@ -21,6 +21,18 @@ _entries: dict = {}  # ((variant key), device) -> launcher entry, the per-call l
 #: `fused_add_rmsnorm`'s kernel options, in the order of its variant keys (AddNormVariant fields)
 KERNEL_OPTIONS = ("pdl", "layout", "staged", "late_trigger", "reread", "ctas_per_sm", "late_gamma", "l1_staging")
 _DEFAULT_OPTIONS = (True, None, False, False, False, 0, False, False)
+#: what a plain call passes: the token count picks the kernel
+_AUTO_OPTIONS = (True, AUTO) + _DEFAULT_OPTIONS[2:]
+
+
+def _options_tuple(options: dict) -> tuple:
+    full = dict(zip(KERNEL_OPTIONS, _DEFAULT_OPTIONS))
+    full.update(options)
+    return tuple(full[k] for k in KERNEL_OPTIONS)
+
+
+#: hidden -> ((first rows, end rows, options tuple), ...): `ROWS_BANDS` parsed once
+_BANDS = {h: tuple((first, end, _options_tuple(parse_candidate(name))) for first, end, name in bands) for h, bands in ROWS_BANDS.items()}
 
 
 def _entry(dtype, hidden, weight_offset, device, options: tuple = _DEFAULT_OPTIONS):
@@ -30,10 +42,12 @@ def _entry(dtype, hidden, weight_offset, device, options: tuple = _DEFAULT_OPTIO
 
 
 def prepare_add_rmsnorm(dtype: torch.dtype, hidden: int, *, weight_offset: float = 0.0, device=None) -> None:
-    """Compile and load the kernel now (before a CUDA graph capture, or at model load)."""
+    """Compile and load the kernels a plain call may run (each token count's: `ROWS_BANDS`) now,
+    before a CUDA graph capture or at model load."""
     check_hidden(hidden, dtype)
     device = torch.device("cuda", torch.cuda.current_device()) if device is None else torch.device(device)
-    _entry(dtype, hidden, float(weight_offset), device)
+    for options in {_DEFAULT_OPTIONS, *(options for _, _, options in _BANDS.get(hidden, ()))}:
+        _entry(dtype, hidden, float(weight_offset), device, options)
 
 
 def fused_add_rmsnorm(
@@ -46,7 +60,7 @@ def fused_add_rmsnorm(
     residual_out: Optional[torch.Tensor] = None,
     weight_offset: float = 0.0,
     pdl: bool = True,
-    layout: Optional[tuple] = None,
+    layout=AUTO,
     staged: bool = False,
     late_trigger: bool = False,
     reread: bool = False,
@@ -62,6 +76,10 @@ def fused_add_rmsnorm(
     already applied multiplier (`RMSNorm.gemma_weight`) with offset 0 is equally valid.
     `out` / `residual_out` default to new tensors; `residual_out=residual` updates the residual
     in place and `out=x` overwrites x (out and residual_out must not be the same memory).
+    The kernel options are for benchmarks. Left alone (`layout=AUTO`), the kernel is chosen by
+    the token count (`tiling.ROWS_BANDS`: FlashInfer's form of the kernel where the rows sit in L2
+    and take more than a wave, else the width's default tiling); any option given runs exactly
+    that kernel, with `layout=None` for the default tiling at every token count.
     `pdl=False` launches the kernel as an ordinary one (benchmarks compare the two);
     `layout=(threads per row, rows per CTA)` overrides the width's tiling and `staged=True` loads
     through shared memory (cp.async): the layout sweep compares them. `late_trigger=True` (PDL)
@@ -96,13 +114,19 @@ def fused_add_rmsnorm(
     rows = x.numel() // hidden if hidden else 0
     if rows == 0:
         return out, residual_out
-    key = ("add_rmsnorm", dtype, hidden, weight_offset, pdl, layout, staged, late_trigger, reread, ctas_per_sm, late_gamma, l1_staging)
+    options = (pdl, layout, staged, late_trigger, reread, ctas_per_sm, late_gamma, l1_staging)
+    if layout == AUTO:
+        # the kernel `tiling.rows_kernel` names for this token count, unless an option was given
+        options = pick_band(_BANDS.get(hidden, ()), rows, _DEFAULT_OPTIONS) if options == _AUTO_OPTIONS else (pdl, None) + options[2:]
+    key = ("add_rmsnorm", dtype, hidden, weight_offset) + options
     entry = _entries.get((key, device))
     if entry is None:
         check_hidden(hidden, dtype)
         if out.data_ptr() == residual_out.data_ptr():
             raise ValueError("out and residual_out must not be the same memory")
-        options = (bool(pdl), layout, bool(staged), bool(late_trigger), bool(reread), int(ctas_per_sm), bool(late_gamma), bool(l1_staging))
+        if isinstance(options[1], str):
+            raise ValueError(f"layout must be AUTO ({AUTO!r}), None or (threads per row, rows per CTA), got {options[1]!r}")
+        options = (bool(pdl), options[1], bool(staged), bool(late_trigger), bool(reread), int(ctas_per_sm), bool(late_gamma), bool(l1_staging))
         entry = _entries[(key, device)] = _entry(dtype, hidden, float(weight_offset), device, options)
     elif out.data_ptr() == residual_out.data_ptr():
         raise ValueError("out and residual_out must not be the same memory")

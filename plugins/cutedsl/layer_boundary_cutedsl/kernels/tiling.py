@@ -32,6 +32,12 @@ __all__ = [
     "default_grid",
     "all_add_norm_variants",
     "all_moe_variants",
+    "AUTO",
+    "ROWS_BANDS",
+    "rows_kernel",
+    "pick_band",
+    "candidate_name",
+    "parse_candidate",
 ]
 
 VEC_BYTES = 16
@@ -165,6 +171,8 @@ class AddNormVariant:
     l1_staging: bool = False
 
     def __post_init__(self):
+        if self.layout is not None and not (isinstance(self.layout, tuple) and len(self.layout) == 2):
+            raise ValueError(f"a compiled kernel's layout is None or (threads per row, rows per CTA), got {self.layout!r}")
         if not 0 <= self.ctas_per_sm <= 32:
             raise ValueError(f"ctas_per_sm must be in 0..32 (an SM holds at most 32 CTAs), got {self.ctas_per_sm}")
         if self.reread and not self.staged:
@@ -265,6 +273,88 @@ def all_moe_variants(
                     for shared in (False, True):
                         for norm, offset in ((True, 0.0), (True, 1.0), (False, 0.0)):
                             yield MoeVariant(dtype, hidden, top_k, indexed, shared, norm, offset)
+
+
+#: `fused_add_rmsnorm(layout=AUTO)`, its default: the kernel is chosen by the call's token count
+AUTO = "auto"
+
+def candidate_name(
+    layout, staged: bool = False, late: bool = False, reread: bool = False, ctas_per_sm: int = 0, late_gamma: bool = False, l1_staging: bool = False
+) -> str:
+    """The sweep's name of a kernel option set, e.g. `default`, `64x2+s+late`, `default+s+r+o8`
+    (+s staged, +l1 staged through L1, +late the late PDL trigger, +r re-read from shared
+    memory, +oN N CTAs an SM, +g gamma read late)."""
+    name = "default" if layout is None else f"{layout[0]}x{layout[1]}"
+    name += "+s" if staged else ""
+    name += "+l1" if l1_staging else ""
+    name += "+late" if late else ""
+    name += "+r" if reread else ""
+    name += f"+o{ctas_per_sm}" if ctas_per_sm else ""
+    name += "+g" if late_gamma else ""
+    return name
+
+
+def parse_candidate(name: str) -> dict:
+    """`fused_add_rmsnorm`'s options for a `candidate_name` (ValueError for a malformed one);
+    `auto` is the by-token-count choice (`rows_kernel`), what a plain call runs."""
+    head, *flags = name.split("+")
+    if name == AUTO:
+        return dict(layout=AUTO)
+    options = dict(layout=None, staged=False, late_trigger=False, reread=False, ctas_per_sm=0, late_gamma=False, l1_staging=False)
+    if head != "default":
+        try:
+            threads, rows = (int(n) for n in head.split("x"))
+        except ValueError:
+            raise ValueError(f"candidate {name!r}: the layout must be 'auto', 'default' or THREADSxROWS, e.g. 64x2") from None
+        options["layout"] = (threads, rows)
+    for flag in flags:
+        if flag == "s":
+            options["staged"] = True
+        elif flag == "late":
+            options["late_trigger"] = True
+        elif flag == "r":
+            options["reread"] = True
+        elif flag.startswith("o") and flag[1:].isdigit():
+            options["ctas_per_sm"] = int(flag[1:])
+        elif flag == "g":
+            options["late_gamma"] = True
+        elif flag == "l1":
+            options["l1_staging"] = True
+        else:
+            raise ValueError(f"candidate {name!r}: unknown flag +{flag} (s, l1, late, r, oN, g)")
+    if options["reread"] and not options["staged"]:
+        raise ValueError(f"candidate {name!r}: +r re-reads the staged row, so it needs +s")
+    if options["l1_staging"] and not options["staged"]:
+        raise ValueError(f"candidate {name!r}: +l1 chooses how the staged copies are cached, so it needs +s")
+    return options
+
+
+#: Per width, the token counts [first, end) where a kernel other than the default tiling is
+#: faster, by the layout sweep's name (gpu_tests `sweep-fi-shape`, H200, in place against
+#: FlashInfer 0.7.2: benchmarks/results/gpu_shared_world/session12/). There the rows sit in L2
+#: and the default's 4-8 rows an SM take two waves or more; FlashInfer's form of the kernel (rows
+#: staged through L1 by cp.async, gamma read after the PDL wait, the trigger at the end) holds
+#: 8 rows an SM. Few rows wait on latency instead, where the default's early gamma read wins;
+#: many rows stream from HBM, where the two tie. Widths not listed always take the default.
+ROWS_BANDS = {
+    2048: ((512, 2048, "128x1+s+l1+late+g"),),
+    4096: ((384, 768, "128x2+s+l1+late+g"), (768, 2048, "64x2+s+l1+late+g")),
+    7168: ((512, 8192, "128x1+s+l1+late+g"),),
+    8192: ((512, 2048, "128x1+s+l1+late+g"),),
+}
+
+
+def pick_band(bands, rows: int, default):
+    """The kernel of the (first, end, kernel) band holding `rows`, else `default`."""
+    for first, end, kernel in bands:
+        if first <= rows < end:
+            return kernel
+    return default
+
+
+def rows_kernel(hidden: int, rows: int) -> str:
+    """The sweep name of the kernel `layout=AUTO` runs for `rows` rows of `hidden`."""
+    return pick_band(ROWS_BANDS.get(hidden, ()), rows, "default")
 
 
 def default_grid(rows: int, rows_per_cta: int = 1, num_sms: Optional[int] = None) -> int:
