@@ -21,6 +21,7 @@ FlashInfer, and prints per width the layout with the lowest worst ratio over the
 
 from __future__ import annotations
 
+import statistics
 import sys
 import time
 
@@ -33,6 +34,7 @@ from .kernels import fused_add_rmsnorm
 from .kernels.tiling import AUTO, AddNormVariant, candidate_name, group_tiling, parse_candidate
 
 DT = torch.bfloat16
+_FI = "flashinfer"  # FlashInfer's key among the timed runs
 #: (pdl, in_place) -> column name
 MODES = {(True, False): "pdl", (False, False): "plain", (True, True): "pdl_inplace", (False, True): "plain_inplace"}
 WIDTHS = (2048, 4096, 7168, 8192)
@@ -63,14 +65,17 @@ def _flashinfer():
         return None, f"{type(exc).__name__}: {exc}"
 
 
-def _measure_variants(t: int, hidden: int, fi, iters: int, repeats: int, variants) -> dict:
+def _measure_variants(t: int, hidden: int, fi, iters: int, repeats: int, variants, rounds: int = 1) -> dict:
     """The time at (t, hidden) of each (name, in_place, launch options) in `variants`, each
-    checked against the default launch first (the new residual bit for bit, the norm within one
-    rounding), and FlashInfer's (`flashinfer_us`) when it is importable."""
+    checked against a plain call first (the new residual bit for bit, the norm within one
+    rounding), and FlashInfer's (`flashinfer_us`) when it is importable. With `rounds` > 1 every
+    kernel is timed that many times, the order rotated each round, and the median taken: a ratio
+    then compares times taken side by side, not minutes apart (`spread`: each kernel's lowest
+    and highest per-round ratio to FlashInfer)."""
     x, r, gamma = _inputs(t, hidden)
     ref_n, ref_r = fused_add_rmsnorm(x, r, gamma, EPS)
     n_iters = iters if t * hidden <= 1024 * 8192 else max(2, iters // 4)
-    row = dict(tokens=t, hidden=hidden, us={})
+    runs = {}
     for name, in_place, options in variants:
         xx, rr = x.clone(), r.clone()
         normed, res = (xx, rr) if in_place else (torch.empty_like(x), torch.empty_like(r))
@@ -80,12 +85,24 @@ def _measure_variants(t: int, hidden: int, fi, iters: int, repeats: int, variant
             raise AssertionError(f"{name} at T={t} H={hidden}: new residual differs")
         if not torch.allclose(normed.float(), ref_n.float(), rtol=2**-7, atol=2**-7):
             raise AssertionError(f"{name} at T={t} H={hidden}: norm differs beyond a rounding")
-        run = lambda xx=xx, rr=rr, normed=normed, res=res, options=options: fused_add_rmsnorm(  # noqa: E731
+        runs[name] = lambda xx=xx, rr=rr, normed=normed, res=res, options=options: fused_add_rmsnorm(  # noqa: E731
             xx, rr, gamma, EPS, out=normed, residual_out=res, **options)
-        row["us"][name] = time_graph(run, n_iters, repeats)
     if fi is not None:
         fx, fr = x.clone(), r.clone()
-        row["flashinfer_us"] = time_graph(lambda: fi(fx, fr, gamma, EPS), n_iters, repeats)
+        runs[_FI] = lambda: fi(fx, fr, gamma, EPS)
+    times = {name: [] for name in runs}
+    names = list(runs)
+    for k in range(rounds):
+        for name in names[k % len(names):] + names[: k % len(names)]:
+            times[name].append(time_graph(runs[name], n_iters, repeats))
+    row = dict(tokens=t, hidden=hidden, rounds=rounds, us={name: statistics.median(v) for name, v in times.items() if name != _FI})
+    if fi is not None:
+        row["flashinfer_us"] = statistics.median(times[_FI])
+        if rounds > 1:
+            row["spread"] = {
+                name: [min(a / b for a, b in zip(v, times[_FI])), max(a / b for a, b in zip(v, times[_FI]))]
+                for name, v in times.items() if name != _FI
+            }
     return row
 
 
@@ -176,7 +193,7 @@ def _layout_variants(hidden: int, names=None) -> list:
     return [v for v in variants if _fits(hidden, v[2])]
 
 
-def sweep_layouts(widths, tokens, iters: int, repeats: int, names=None) -> dict:
+def sweep_layouts(widths, tokens, iters: int, repeats: int, names=None, rounds: int = 1) -> dict:
     """Every candidate layout (or those `names`d) at every (T, H), and per width the layout whose
     worst ratio to FlashInfer over the token counts is lowest (to the default tiling without
     FlashInfer)."""
@@ -186,11 +203,14 @@ def sweep_layouts(widths, tokens, iters: int, repeats: int, names=None) -> dict:
         mine = []
         variants = _layout_variants(hidden, names)
         for t in tokens:
-            row = _measure_variants(t, hidden, fi, iters, repeats, variants)
+            row = _measure_variants(t, hidden, fi, iters, repeats, variants, rounds)
             rows.append(row)
             mine.append(row)
             base = row.get("flashinfer_us", row["us"]["default"])
-            cells = "  ".join(f"{k} {v / base:5.2f}" for k, v in row["us"].items())
+            spread = row.get("spread", {})
+            cells = "  ".join(
+                f"{k} {v / base:5.2f}" + (f" [{spread[k][0]:.2f}-{spread[k][1]:.2f}]" if k in spread else "") for k, v in row["us"].items()
+            )
             print(f"T={t:6d} H={hidden}: {'fi' if fi else 'default'} {base:7.2f} us; ours/that: {cells}", flush=True)
         worst = {}
         for name in mine[0]["us"]:
@@ -223,11 +243,15 @@ def main(argv=None) -> int:
     ap.add_argument("--widths", type=positive_int, nargs="*", default=list(WIDTHS))
     ap.add_argument("--tokens", type=positive_int, nargs="*", default=list(TOKENS))
     ap.add_argument("--layouts", action="store_true", help="rank the CTA row layouts instead of the launch modes")
+    ap.add_argument("--rounds", type=positive_int, default=1,
+                    help="with --layouts, time every kernel and FlashInfer this many times in rotated order (medians)")
     ap.add_argument("--candidates", nargs="*", default=None,
                     help="with --layouts, only these kernels (names as printed, e.g. default 256x1 default+s+r+o8)")
     args = ap.parse_args(argv)
     if args.candidates is not None and not args.layouts:
         ap.error("--candidates ranks layouts: add --layouts")
+    if args.rounds > 1 and not args.layouts:
+        ap.error("--rounds times the layouts side by side: add --layouts")
     check_candidates(ap, args.candidates or ())
     if not torch.cuda.is_available():
         print("no CUDA device: nothing to sweep", file=sys.stderr)
@@ -235,7 +259,7 @@ def main(argv=None) -> int:
     t0 = time.time()
     payload = dict(device=torch.cuda.get_device_name(), torch=torch.__version__)
     if args.layouts:
-        payload.update(sweep_layouts(args.widths, args.tokens, args.iters, args.repeats, args.candidates))
+        payload.update(sweep_layouts(args.widths, args.tokens, args.iters, args.repeats, args.candidates, args.rounds))
     else:
         payload.update(sweep(args.widths, args.tokens, args.iters, args.repeats))
     payload["seconds"] = time.time() - t0
