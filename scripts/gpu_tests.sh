@@ -50,6 +50,8 @@
 #               count (`layout=AUTO`, tiling.ROWS_BANDS) alone (also in `cutedsl`)
 #   sweep-auto  that by-token-count choice against the default and its bands' kernels, at every width;
 #               sweep-rounds: the same timed side by side (5 rounds in rotated order, medians and spread)
+#   probe-addnorm-context  one kernel timed the bench's way and the sweep's, before and after FlashInfer ran
+#               in the process and after the bench's copies (benchmarks/add_norm_context_probe.py)
 #
 # The archives do not fit one command (64 MiB a command), so a fresh machine is staged in three
 # commands sent back to back (the machine keeps /tmp while it stays warm), then the groups:
@@ -264,6 +266,8 @@ group() {
     sweep-rounds) run_bench sweep_rounds 300 python3 -m layer_boundary_cutedsl.add_norm_sweep --layouts --rounds 5 \
       --out "$OUT/add_norm_rounds.json" --tokens 1 16 128 512 768 1024 1536 2048 8192 --candidates auto default \
       64x2+s+l1+late+g 128x2+s+l1+late+g 128x1+s+l1+late+g 256x1+s+l1+late+g ;;
+    probe-addnorm-context) run_bench probe_addnorm_context 200 python3 benchmarks/add_norm_context_probe.py \
+      --out "$OUT/add_norm_context_probe.json" ;;
     late-gamma) run_pytest late_gamma 200 tests/plugins/cutedsl/test_kernels_gpu.py -k "late_gamma or token_counts_kernel" ;;
     # a plain call's by-token-count choice (auto) against the default and the kernels of its bands, the
     # token counts around the bands' edges
@@ -280,7 +284,7 @@ group() {
       run_check soak_kill 150 $soak --only kill --out "$OUT/soak_kill.json" || rc=1
       return $rc ;;
     contract) run_pytest contract 560 tests/plugins/test_contract_plugins.py tests/plugins/test_contract_suite.py tests/test_example_provider.py ;;
-    *) log "unknown group $1 (core cutedsl flashinfer flashinfer4 contract soak compile compile-cpu compile-ops addnorm cutedsl-kernels decode-kernels shadow probe probe-moe final smoke-cutedsl bench-decode probe-attention probe-replay qk-norm-rope probe-qk-norm-rope bench-cutedsl sweep-cutedsl sweep-layouts sweep-reread sweep-reread-widths reread sweep-fi-shape sweep-fi-shape-widths late-gamma sweep-auto sweep-rounds addnorm-kernels)"; return 2 ;;
+    *) log "unknown group $1 (core cutedsl flashinfer flashinfer4 contract soak compile compile-cpu compile-ops addnorm cutedsl-kernels decode-kernels shadow probe probe-moe final smoke-cutedsl bench-decode probe-attention probe-replay qk-norm-rope probe-qk-norm-rope bench-cutedsl sweep-cutedsl sweep-layouts sweep-reread sweep-reread-widths reread sweep-fi-shape sweep-fi-shape-widths late-gamma sweep-auto sweep-rounds addnorm-kernels probe-addnorm-context)"; return 2 ;;
   esac
 }
 
