@@ -77,10 +77,10 @@ LAYOUT_VARIANTS = [
     AddNormVariant(torch.bfloat16, 2880, 1.0, True, late_gamma=True),
     AddNormVariant(torch.float16, 2048, 0.0, True, (32, 4), staged=True, l1_staging=True),
     AddNormVariant(torch.bfloat16, 4096, 1.0, True, staged=True, reread=True, late_gamma=True),
-] + [  # every kernel a plain call picks by token count, Gemma's too
+] + [  # every kernel a plain call picks by token count, and FlashInfer's form at each width, Gemma's too
     AddNormVariant(torch.bfloat16, hidden, offset, **parse_candidate(name))
-    for hidden, bands in ROWS_BANDS.items()
-    for _, _, name in bands
+    for hidden, name in sorted({(h, name) for h, bands in ROWS_BANDS.items() for _, _, name in bands} | {
+        (2048, "128x1+s+l1+late+g"), (4096, "128x2+s+l1+late+g"), (7168, "128x1+s+l1+late+g"), (8192, "128x1+s+l1+late+g")})
     for offset in (0.0, 1.0)
 ]
 

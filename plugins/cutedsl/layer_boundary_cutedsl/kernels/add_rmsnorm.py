@@ -31,8 +31,13 @@ def _options_tuple(options: dict) -> tuple:
     return tuple(full[k] for k in KERNEL_OPTIONS)
 
 
-#: hidden -> ((first rows, end rows, options tuple), ...): `ROWS_BANDS` parsed once
-_BANDS = {h: tuple((first, end, _options_tuple(parse_candidate(name))) for first, end, name in bands) for h, bands in ROWS_BANDS.items()}
+def parse_bands(bands: dict) -> dict:
+    """hidden -> ((first rows, end rows, options tuple), ...) of a `ROWS_BANDS`-shaped table."""
+    return {h: tuple((first, end, _options_tuple(parse_candidate(name))) for first, end, name in rows) for h, rows in bands.items()}
+
+
+#: `ROWS_BANDS` parsed once (tests put their own table here)
+_BANDS = parse_bands(ROWS_BANDS)
 
 
 def _entry(dtype, hidden, weight_offset, device, options: tuple = _DEFAULT_OPTIONS):
@@ -77,9 +82,8 @@ def fused_add_rmsnorm(
     `out` / `residual_out` default to new tensors; `residual_out=residual` updates the residual
     in place and `out=x` overwrites x (out and residual_out must not be the same memory).
     The kernel options are for benchmarks. Left alone (`layout=AUTO`), the kernel is chosen by
-    the token count (`tiling.ROWS_BANDS`: FlashInfer's form of the kernel where the rows sit in L2
-    and take more than a wave, else the width's default tiling); any option given runs exactly
-    that kernel, with `layout=None` for the default tiling at every token count.
+    the token count (`tiling.ROWS_BANDS`, empty for now: the width's default tiling at every
+    count); any option given runs exactly that kernel, `layout=None` being the default tiling.
     `pdl=False` launches the kernel as an ordinary one (benchmarks compare the two);
     `layout=(threads per row, rows per CTA)` overrides the width's tiling and `staged=True` loads
     through shared memory (cp.async): the layout sweep compares them. `late_trigger=True` (PDL)

@@ -329,19 +329,16 @@ def parse_candidate(name: str) -> dict:
     return options
 
 
-#: Per width, the token counts [first, end) where a kernel other than the default tiling is
-#: faster, by the layout sweep's name (gpu_tests `sweep-fi-shape`, H200, in place against
-#: FlashInfer 0.7.2: benchmarks/results/gpu_shared_world/session12/). There the rows sit in L2
-#: and the default's 4-8 rows an SM take two waves or more; FlashInfer's form of the kernel (rows
-#: staged through L1 by cp.async, gamma read after the PDL wait, the trigger at the end) holds
-#: 8 rows an SM. Few rows wait on latency instead, where the default's early gamma read wins;
-#: many rows stream from HBM, where the two tie. Widths not listed always take the default.
-ROWS_BANDS = {
-    2048: ((512, 2048, "128x1+s+l1+late+g"),),
-    4096: ((384, 768, "128x2+s+l1+late+g"), (768, 2048, "64x2+s+l1+late+g")),
-    7168: ((512, 8192, "128x1+s+l1+late+g"),),
-    8192: ((512, 2048, "128x1+s+l1+late+g"),),
-}
+#: Per width, the token counts [first, end) where a kernel other than the default tiling runs,
+#: by the layout sweep's name, e.g. {4096: ((768, 2048, "64x2+s+l1+late+g"),)}. Empty: no kernel
+#: yet beats the default at a token count *wherever it is timed*. FlashInfer's form of the kernel
+#: (rows staged through L1 by cp.async, gamma read after the PDL wait, the trigger at the end;
+#: 8 rows an SM at H=4096) read 0.94-1.03 of FlashInfer's time at T=512-1024 in the layout
+#: sweeps of session 12 but 1.07-1.21 in `bench cutedsl` and in a probe process
+#: (benchmarks/add_norm_context_probe.py: 7.1-7.3 us both ways there, against the default's
+#: stable 6.4-6.5 and FlashInfer's 5.9-6.1), so which process it runs in decides whether it wins:
+#: benchmarks/results/gpu_shared_world/session12/README.md.
+ROWS_BANDS: dict = {}
 
 
 def pick_band(bands, rows: int, default):
