@@ -125,7 +125,7 @@ def add_norm_occupancy(name: str, hidden: int, dtype: torch.dtype = torch.bfloat
     nvidia-cutlass-dsl) and work out its occupancy from the cubin."""
     import cutlass.cute as cute
 
-    from .add_norm_sweep import parse_candidate
+    from .kernels.tiling import parse_candidate
     from .kernels import compiler
 
     variant = AddNormVariant(dtype, hidden, **parse_candidate(name))
@@ -165,7 +165,7 @@ def join_sweep(path: str, tokens) -> list:
     and rows an SM: whether the measured ratios follow the residency."""
     import json
 
-    from .add_norm_sweep import parse_candidate
+    from .kernels.tiling import parse_candidate
 
     rows = json.loads(pathlib.Path(path).read_text())["rows"]
     by_width: dict = {}
