@@ -21,9 +21,9 @@
 #   compile-cpu the CPU compile tests (graph breaks, recompiles, eager parity) under this machine's
 #               torch, which is not the CPU box's: Dynamo's differences between versions show here
 #   compile-ops torch.library.opcheck on the plugins' fused kernel ops (cutedsl MoE, flashinfer at 2 ranks)
-#   addnorm-kernels the same without the qwen3 step (FlashInfer's Python modules are enough)
 #   addnorm     the local add + RMSNorm kernels (cutedsl, flashinfer) against the torch path, their
 #               order, a CUDA graph, a qwen3 TP=1 decode step launching fewer kernels
+#   addnorm-kernels the same without the qwen3 step (FlashInfer's Python modules are enough)
 #   decode-kernels the flashinfer plugin's rope, decode attention and gated activation (silu/gelu_tanh/
 #               gelu_and_mul) against the torch path (alone, in a qwen3 static-cache decode with
 #               prepare_model, a CUDA graph, torch.compile); the first run JIT-builds the three
@@ -47,8 +47,9 @@
 #               late, late trigger: `64x2+s+l1+late+g`) with each of those switched off in turn;
 #               sweep-fi-shape-widths: the same at 2048 (32x4), 7168 and 8192 (128x1)
 #   late-gamma  the GPU tests of the late gamma read, of L1 staging and of a plain call's kernel by token
-#               count (`layout=AUTO`, tiling.ROWS_BANDS) alone (also in `cutedsl`)
-#   sweep-auto  that by-token-count choice against the default and its bands' kernels, at every width;
+#               count (`layout=AUTO` with the test's own band table) alone (also in `cutedsl`)
+#   sweep-auto  a plain call's kernel (auto: the default while tiling.ROWS_BANDS is empty) against the
+#               default and FlashInfer's form of the kernel at each width;
 #               sweep-rounds: the same timed side by side (5 rounds in rotated order, medians and spread)
 #   probe-addnorm-context  one kernel timed the bench's way and the sweep's, before and after FlashInfer ran
 #               in the process and after the bench's copies (benchmarks/add_norm_context_probe.py)
