@@ -268,7 +268,7 @@ group() {
       --out "$OUT/add_norm_rounds.json" --tokens 1 16 128 512 768 1024 1536 2048 8192 --candidates auto default \
       64x2+s+l1+late+g 128x2+s+l1+late+g 128x1+s+l1+late+g 256x1+s+l1+late+g ;;
     probe-addnorm-context) run_bench probe_addnorm_context 200 python3 benchmarks/add_norm_context_probe.py \
-      --out "$OUT/add_norm_context_probe.json" ;;
+      --out "$OUT/add_norm_context_probe.json" ${PROBE_OFFSETS_ONLY:+--offsets-only} ;;
     late-gamma) run_pytest late_gamma 200 tests/plugins/cutedsl/test_kernels_gpu.py -k "late_gamma or token_counts_kernel" ;;
     # a plain call's by-token-count choice (auto) against the default and the kernels of its bands, the
     # token counts around the bands' edges
