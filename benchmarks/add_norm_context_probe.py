@@ -27,8 +27,9 @@ from layer_boundary_cutedsl.bench import EPS, bench_add_norm, copy_bandwidths, t
 from layer_boundary_cutedsl.kernels import fused_add_rmsnorm
 from layer_boundary_cutedsl.kernels.tiling import parse_candidate
 
-#: FlashInfer's form of the kernel at H=4096 and the width's default tiling
-KERNELS = ("64x2+s+l1+late+g", "default")
+#: FlashInfer's form of the kernel at H=4096 and the width's default tiling, each with and
+#: without the grid-stride loop (inside one, ptxas gives our cp.async an L2 prefetch hint)
+KERNELS = ("64x2+s+l1+late+g", "64x2+s+l1+late+g+nl", "default", "default+nl")
 #: bytes between the end of x and the start of the residual in one allocation
 OFFSETS = (0, 4096, 65536, 1 << 20, 3 << 20)
 

@@ -50,7 +50,8 @@
 #               count (`layout=AUTO` with the test's own band table) alone (also in `cutedsl`)
 #   sweep-auto  a plain call's kernel (auto: the default while tiling.ROWS_BANDS is empty) against the
 #               default and FlashInfer's form of the kernel at each width;
-#               sweep-rounds: the same timed side by side (5 rounds in rotated order, medians and spread)
+#               sweep-rounds: the same timed side by side (5 rounds in rotated order, medians and spread),
+#               with the kernels without a grid-stride loop (`+nl`)
 #   probe-addnorm-context  one kernel timed the bench's way and the sweep's, before and after FlashInfer ran
 #               in the process and after the bench's copies (benchmarks/add_norm_context_probe.py)
 #
@@ -266,7 +267,7 @@ group() {
     # the same side by side: every kernel and FlashInfer timed 5 times each in rotated order, medians
     sweep-rounds) run_bench sweep_rounds 300 python3 -m layer_boundary_cutedsl.add_norm_sweep --layouts --rounds 5 \
       --out "$OUT/add_norm_rounds.json" --tokens 1 16 128 512 768 1024 1536 2048 8192 --candidates auto default \
-      64x2+s+l1+late+g 128x2+s+l1+late+g 128x1+s+l1+late+g 256x1+s+l1+late+g ;;
+      default+nl 256x1+nl 64x2+s+l1+late+g 64x2+s+l1+late+g+nl 128x2+s+l1+late+g+nl 128x1+s+l1+late+g+nl ;;
     probe-addnorm-context) run_bench probe_addnorm_context 200 python3 benchmarks/add_norm_context_probe.py \
       --out "$OUT/add_norm_context_probe.json" ${PROBE_OFFSETS_ONLY:+--offsets-only} ;;
     late-gamma) run_pytest late_gamma 200 tests/plugins/cutedsl/test_kernels_gpu.py -k "late_gamma or token_counts_kernel" ;;

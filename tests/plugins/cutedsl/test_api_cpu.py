@@ -113,6 +113,7 @@ def test_multi_row_layouts():
         "add_rmsnorm_bf16_h4096_late_r64x2_staged_l1_lategamma")
     with pytest.raises(ValueError, match="needs staged=True"):
         AddNormVariant(bf16, 4096, l1_staging=True)
+    assert AddNormVariant(bf16, 4096, no_loop=True).name == "add_rmsnorm_bf16_h4096_noloop"
 
 
 def test_a_plain_calls_kernel_by_token_count(monkeypatch):
@@ -136,7 +137,8 @@ def test_a_plain_calls_kernel_by_token_count(monkeypatch):
     assert rows_kernel(4096, 383) == rows_kernel(4096, 2048) == rows_kernel(2880, 1024) == "default"
     parsed = add_rmsnorm.parse_bands(table)[4096]
     assert parsed[1][:2] == (768, 2048) and dict(zip(add_rmsnorm.KERNEL_OPTIONS, parsed[1][2])) == dict(
-        pdl=True, layout=(64, 2), staged=True, late_trigger=True, reread=False, ctas_per_sm=0, late_gamma=True, l1_staging=True)
+        pdl=True, layout=(64, 2), staged=True, late_trigger=True, reread=False, ctas_per_sm=0, late_gamma=True, l1_staging=True,
+        no_loop=False)
     assert parse_candidate("auto") == dict(layout=AUTO)
     with pytest.raises(ValueError, match="layout is None or"):
         AddNormVariant(torch.bfloat16, 4096, layout=AUTO)

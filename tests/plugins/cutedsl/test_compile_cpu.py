@@ -82,6 +82,12 @@ LAYOUT_VARIANTS = [
     for hidden, name in sorted({(h, name) for h, bands in ROWS_BANDS.items() for _, _, name in bands} | {
         (2048, "128x1+s+l1+late+g"), (4096, "128x2+s+l1+late+g"), (7168, "128x1+s+l1+late+g"), (8192, "128x1+s+l1+late+g")})
     for offset in (0.0, 1.0)
+] + [  # no grid-stride loop: one row or one block of rows a CTA
+    AddNormVariant(torch.bfloat16, 4096, 0.0, no_loop=True),
+    AddNormVariant(torch.float16, 2880, 1.0, no_loop=True),
+    AddNormVariant(torch.bfloat16, 2048, 0.0, layout=(32, 4), no_loop=True),
+    AddNormVariant(torch.bfloat16, 4096, 0.0, layout=(64, 2), staged=True, l1_staging=True, late_trigger=True, late_gamma=True, no_loop=True),
+    AddNormVariant(torch.bfloat16, 4096, 1.0, staged=True, reread=True, no_loop=True),
 ]
 
 

@@ -156,15 +156,22 @@ def test_reread_from_shared_memory(hidden, layout, ctas_per_sm, tokens, max_ctas
         (2048, (32, 4), dict(staged=True, l1_staging=True, late_gamma=True)),  # one-warp rows, four a CTA
         (4096, None, dict(staged=True, reread=True, late_gamma=True)),
         (8192, (128, 1), dict(staged=True, l1_staging=True)),
+        # no grid-stride loop: a CTA per block even where the test caps the grid (max_ctas)
+        (4096, None, dict(no_loop=True)),
+        (2880, None, dict(no_loop=True)),
+        (4096, (64, 2), dict(staged=True, l1_staging=True, late_trigger=True, late_gamma=True, no_loop=True)),
+        (2048, (32, 4), dict(no_loop=True)),
+        (4096, None, dict(staged=True, reread=True, no_loop=True)),
     ],
     ids=lambda v: v if isinstance(v, int) else ("default" if v is None else (f"{v[0]}x{v[1]}" if isinstance(v, tuple) else "+".join(v))),
 )
 @pytest.mark.parametrize("tokens", [1, 301])
 @pytest.mark.parametrize("max_ctas", [None, 3])
 def test_late_gamma_and_l1_staging(hidden, layout, options, tokens, max_ctas, monkeypatch):
-    """Gamma read per row after the wait, and staged copies through L1, change where data
-    waits, not the arithmetic: the answer equals the same layout's without them bit for bit,
-    new buffers and in place, with rows past the end and CTAs looping over rows."""
+    """Gamma read per row after the wait, staged copies through L1 and no grid-stride loop
+    change where data waits, not the arithmetic: the answer equals the same layout's without
+    them bit for bit, new buffers and in place, with rows past the end and (max_ctas) CTAs
+    looping over rows, or for a kernel without the loop, a CTA per block regardless."""
     x, r, gamma, normed, res = _check_layout(hidden, layout, options.get("staged", False), tokens, max_ctas, monkeypatch, **{
         k: v for k, v in options.items() if k != "staged"})
     plain = dict(staged=options.get("staged", False), reread=options.get("reread", False))

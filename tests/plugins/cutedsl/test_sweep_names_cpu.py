@@ -26,12 +26,13 @@ def test_the_reread_kernels_are_candidates_where_their_rows_fit_shared_memory():
 
 
 def test_parse_candidate_options_and_errors():
-    plain = dict(layout=None, staged=False, late_trigger=False, reread=False, ctas_per_sm=0, late_gamma=False, l1_staging=False)
+    plain = dict(layout=None, staged=False, late_trigger=False, reread=False, ctas_per_sm=0, late_gamma=False, l1_staging=False, no_loop=False)
     assert parse_candidate("64x2+s+late+r+o4") == {**plain, **dict(layout=(64, 2), staged=True, late_trigger=True, reread=True, ctas_per_sm=4)}
     assert parse_candidate("default") == plain
     flashinfer_like = dict(layout=(64, 2), staged=True, l1_staging=True, late_trigger=True, late_gamma=True)
     assert parse_candidate("64x2+s+l1+late+g") == {**plain, **flashinfer_like}
     assert candidate_name(**{k: v for k, v in flashinfer_like.items() if k != "late_trigger"}, late=True) == "64x2+s+l1+late+g"
+    assert parse_candidate("default+nl") == {**plain, "no_loop": True} and candidate_name(None, no_loop=True) == "default+nl"
     with pytest.raises(ValueError, match="needs \\+s"):
         parse_candidate("default+r")
     with pytest.raises(ValueError, match="needs \\+s"):

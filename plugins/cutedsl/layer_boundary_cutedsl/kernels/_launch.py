@@ -109,7 +109,8 @@ def executor_for(key: tuple, device: torch.device, make_variant: Callable, n_add
                 if not launcher.matches(compiled.execution_args, probe):
                     warnings.warn("cutedsl: unexpected argument ABI; using the slower generic launch path")
                     launcher = _GenericCall(executor)
-                entry = (launcher, variant.tiling().rows_per_cta, sms)
+                # a kernel without a grid-stride loop needs every block's CTA: never capped
+                entry = (launcher, variant.tiling().rows_per_cta, sms, not getattr(variant, "no_loop", False))
                 _executors[(key, device.index)] = entry
     return entry
 
@@ -142,11 +143,11 @@ def launch(entry, rows: int, addresses: list, eps: float, device: torch.device) 
 def launch_args(entry, rows: int, args: tuple, device: torch.device) -> None:
     """Launch `entry` over `rows` work rows (its grid from them) with `args`, then the grid and
     the current stream of `device`."""
-    launcher, rows_per_cta, sms = entry
+    launcher, rows_per_cta, sms, loops = entry
     grid = default_grid(rows, rows_per_cta, sms)
     if grid == 0:
         return
-    if MAX_CTAS is not None:
+    if MAX_CTAS is not None and loops:
         grid = min(grid, MAX_CTAS)
     stream = _raw_stream(device.index)
     if torch.cuda.current_device() == device.index:

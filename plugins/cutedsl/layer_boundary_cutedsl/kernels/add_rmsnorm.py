@@ -19,8 +19,8 @@ _entries: dict = {}  # ((variant key), device) -> launcher entry, the per-call l
 
 
 #: `fused_add_rmsnorm`'s kernel options, in the order of its variant keys (AddNormVariant fields)
-KERNEL_OPTIONS = ("pdl", "layout", "staged", "late_trigger", "reread", "ctas_per_sm", "late_gamma", "l1_staging")
-_DEFAULT_OPTIONS = (True, None, False, False, False, 0, False, False)
+KERNEL_OPTIONS = ("pdl", "layout", "staged", "late_trigger", "reread", "ctas_per_sm", "late_gamma", "l1_staging", "no_loop")
+_DEFAULT_OPTIONS = (True, None, False, False, False, 0, False, False, False)
 #: what a plain call passes: the token count picks the kernel
 _AUTO_OPTIONS = (True, AUTO) + _DEFAULT_OPTIONS[2:]
 
@@ -72,6 +72,7 @@ def fused_add_rmsnorm(
     ctas_per_sm: int = 0,
     late_gamma: bool = False,
     l1_staging: bool = False,
+    no_loop: bool = False,
 ):
     """(normed, new_residual) with new_residual = x + residual and
     normed = new_residual_fp32 * rsqrt(mean(new_residual_fp32^2) + eps) * (gamma + weight_offset).
@@ -92,7 +93,8 @@ def fused_add_rmsnorm(
     memory and sums it again for the norm instead of holding it in registers; `ctas_per_sm=N`
     caps the registers so that N CTAs fit an SM; `late_gamma=True` reads gamma per row after
     the PDL wait and keeps it 16-bit until the norm; `l1_staging=True` (with `staged`) lets the
-    staged copies allocate in L1.
+    staged copies allocate in L1; `no_loop=True` gives each block of rows its own CTA with no
+    grid-stride loop.
     """
     hidden = x.shape[-1]
     shape, dtype, device = x.shape, x.dtype, x.device
@@ -118,7 +120,7 @@ def fused_add_rmsnorm(
     rows = x.numel() // hidden if hidden else 0
     if rows == 0:
         return out, residual_out
-    options = (pdl, layout, staged, late_trigger, reread, ctas_per_sm, late_gamma, l1_staging)
+    options = (pdl, layout, staged, late_trigger, reread, ctas_per_sm, late_gamma, l1_staging, no_loop)
     if layout == AUTO:
         # the kernel `tiling.rows_kernel` names for this token count, unless an option was given
         options = pick_band(_BANDS.get(hidden, ()), rows, _DEFAULT_OPTIONS) if options == _AUTO_OPTIONS else (pdl, None) + options[2:]
@@ -130,7 +132,9 @@ def fused_add_rmsnorm(
             raise ValueError("out and residual_out must not be the same memory")
         if isinstance(options[1], str):
             raise ValueError(f"layout must be AUTO ({AUTO!r}), None or (threads per row, rows per CTA), got {options[1]!r}")
-        options = (bool(pdl), options[1], bool(staged), bool(late_trigger), bool(reread), int(ctas_per_sm), bool(late_gamma), bool(l1_staging))
+        options = (
+            bool(pdl), options[1], bool(staged), bool(late_trigger), bool(reread), int(ctas_per_sm), bool(late_gamma), bool(l1_staging), bool(no_loop)
+        )
         entry = _entries[(key, device)] = _entry(dtype, hidden, float(weight_offset), device, options)
     elif out.data_ptr() == residual_out.data_ptr():
         raise ValueError("out and residual_out must not be the same memory")

@@ -38,6 +38,7 @@ class AddRMSNormKernel(RowKernel):
         self.ctas_per_sm = int(variant.ctas_per_sm)
         self.late_gamma = bool(variant.late_gamma)
         self.l1_staging = bool(variant.l1_staging)
+        self.no_loop = bool(variant.no_loop)
 
     @cute.jit
     def __call__(
@@ -135,6 +136,40 @@ class AddRMSNormKernel(RowKernel):
             self.load_row(gamma, Int64(0), gam, lane)
         return gam
 
+    @cute.jit
+    def one_row(self, row, x: Int64, residual: Int64, gamma: Int64, gam, residual_out: Int64, out: Int64, eps: Float32, red: cute.Tensor, parity: Int32, lane: Int32, tidx: Int32, staging):
+        """Row `row` of a one-row CTA: loaded, summed, stored, normalized, stored."""
+        row_elem = Int64(row) * self.hidden
+        if const_expr(self.reread):
+            self.stage_inputs(x, residual, row_elem, lane, tidx, staging)
+            self.reread_norm_and_store(staging, self.row_gamma(gam, gamma, lane), eps, red, parity, residual_out, out, row_elem, lane, tidx)
+        else:
+            xf = self.new_frag()
+            rf = self.new_frag()
+            self.load_inputs(x, residual, row_elem, xf, rf, lane, tidx, staging)
+            total = xf.load().to(Float32) + rf.load().to(Float32)
+            self.norm_and_store(total, gam, eps, red, parity, residual_out, out, row_elem, lane, tidx, gamma=gamma)
+
+    @cute.jit
+    def one_block(self, first, group: Int32, rows: Int32, x: Int64, residual: Int64, gamma: Int64, gam, residual_out: Int64, out: Int64, eps: Float32, red: cute.Tensor, parity: Int32, lane: Int32, tidx: Int32, staging):
+        """The block of rows from `first` of a multi-row CTA, this thread's row `first + group`.
+        Every thread runs it (the row's reduction may need the CTA's barrier); a row past the
+        end loads zeros and stores nothing."""
+        row = first + group
+        live = row < rows
+        row_elem = Int64(row) * self.hidden
+        if const_expr(self.reread):
+            if live:
+                self.stage_inputs(x, residual, row_elem, lane, tidx, staging)
+            self.reread_norm_and_store(staging, self.row_gamma(gam, gamma, lane), eps, red, parity, residual_out, out, row_elem, lane, tidx, live)
+        else:
+            xf = self.new_frag()
+            rf = self.new_frag()
+            if live:
+                self.load_inputs(x, residual, row_elem, xf, rf, lane, tidx, staging)
+            total = xf.load().to(Float32) + rf.load().to(Float32)
+            self.norm_and_store(total, gam, eps, red, parity, residual_out, out, row_elem, lane, tidx, live, gamma=gamma)
+
     @cute.kernel
     def kernel(self, x: Int64, residual: Int64, gamma: Int64, residual_out: Int64, out: Int64, rows: Int32, eps: Float32):
         tidx, _, _ = cute.arch.thread_idx()
@@ -164,37 +199,21 @@ class AddRMSNormKernel(RowKernel):
             if const_expr(not self.late_trigger):
                 cute.arch.griddepcontrol_launch_dependents()
         parity = Int32(0)
-        if const_expr(self.rows_per_cta == 1):
+        if const_expr(self.no_loop):
+            # one block of rows a CTA, the launch giving every block its CTA: no grid-stride loop
+            # (ptxas adds an L2 prefetch hint to cp.async inside a loop, `LDGSTS.E.LTC128B`, and
+            # not outside one, as in FlashInfer's kernel)
+            if const_expr(self.rows_per_cta == 1):
+                self.one_row(bidx, x, residual, gamma, gam, residual_out, out, eps, red, parity, lane, tidx, staging)
+            else:
+                self.one_block(bidx * self.rows_per_cta, group, rows, x, residual, gamma, gam, residual_out, out, eps, red, parity, lane, tidx, staging)
+        elif const_expr(self.rows_per_cta == 1):
             for row in cutlass.range(bidx, rows, gdim):
-                row_elem = Int64(row) * self.hidden
-                if const_expr(self.reread):
-                    self.stage_inputs(x, residual, row_elem, lane, tidx, staging)
-                    self.reread_norm_and_store(staging, self.row_gamma(gam, gamma, lane), eps, red, parity, residual_out, out, row_elem, lane, tidx)
-                else:
-                    xf = self.new_frag()
-                    rf = self.new_frag()
-                    self.load_inputs(x, residual, row_elem, xf, rf, lane, tidx, staging)
-                    total = xf.load().to(Float32) + rf.load().to(Float32)
-                    self.norm_and_store(total, gam, eps, red, parity, residual_out, out, row_elem, lane, tidx, gamma=gamma)
+                self.one_row(row, x, residual, gamma, gam, residual_out, out, eps, red, parity, lane, tidx, staging)
                 parity = 1 - parity
         else:
-            # every thread runs every block's iteration (the row's reduction may need the CTA's
-            # barrier); a row past the end loads zeros and stores nothing
             for first in cutlass.range(bidx * self.rows_per_cta, rows, gdim * self.rows_per_cta):
-                row = first + group
-                live = row < rows
-                row_elem = Int64(row) * self.hidden
-                if const_expr(self.reread):
-                    if live:
-                        self.stage_inputs(x, residual, row_elem, lane, tidx, staging)
-                    self.reread_norm_and_store(staging, self.row_gamma(gam, gamma, lane), eps, red, parity, residual_out, out, row_elem, lane, tidx, live)
-                else:
-                    xf = self.new_frag()
-                    rf = self.new_frag()
-                    if live:
-                        self.load_inputs(x, residual, row_elem, xf, rf, lane, tidx, staging)
-                    total = xf.load().to(Float32) + rf.load().to(Float32)
-                    self.norm_and_store(total, gam, eps, red, parity, residual_out, out, row_elem, lane, tidx, live, gamma=gamma)
+                self.one_block(first, group, rows, x, residual, gamma, gam, residual_out, out, eps, red, parity, lane, tidx, staging)
                 parity = 1 - parity
         if const_expr(self.pdl and self.late_trigger):
             cute.arch.griddepcontrol_launch_dependents()

@@ -169,6 +169,9 @@ class AddNormVariant:
     #: (staged only) the cp.async copies allocate in L1 (`.ca`) instead of going to shared
     #: memory from L2 alone (`.cg`), as FlashInfer's staged norms copy
     l1_staging: bool = False
+    #: one block of rows a CTA and no grid-stride loop: the launch always gives every block its
+    #: own CTA (`_launch.launch_args` never caps such a grid)
+    no_loop: bool = False
 
     def __post_init__(self):
         if self.layout is not None and not (isinstance(self.layout, tuple) and len(self.layout) == 2):
@@ -206,9 +209,10 @@ class AddNormVariant:
         occupancy = f"_o{self.ctas_per_sm}" if self.ctas_per_sm else ""
         gamma = "_lategamma" if self.late_gamma else ""
         l1 = "_l1" if self.l1_staging else ""
+        loop = "_noloop" if self.no_loop else ""
         return (
             f"add_rmsnorm_{_DTYPE_NAMES[self.dtype]}_h{self.hidden}{g}{'' if self.pdl else '_nopdl'}{late}{shape}{staged}{l1}"
-            f"{occupancy}{gamma}"
+            f"{occupancy}{gamma}{loop}"
         )
 
 
@@ -279,11 +283,18 @@ def all_moe_variants(
 AUTO = "auto"
 
 def candidate_name(
-    layout, staged: bool = False, late: bool = False, reread: bool = False, ctas_per_sm: int = 0, late_gamma: bool = False, l1_staging: bool = False
+    layout,
+    staged: bool = False,
+    late: bool = False,
+    reread: bool = False,
+    ctas_per_sm: int = 0,
+    late_gamma: bool = False,
+    l1_staging: bool = False,
+    no_loop: bool = False,
 ) -> str:
     """The sweep's name of a kernel option set, e.g. `default`, `64x2+s+late`, `default+s+r+o8`
     (+s staged, +l1 staged through L1, +late the late PDL trigger, +r re-read from shared
-    memory, +oN N CTAs an SM, +g gamma read late)."""
+    memory, +oN N CTAs an SM, +g gamma read late, +nl no grid-stride loop)."""
     name = "default" if layout is None else f"{layout[0]}x{layout[1]}"
     name += "+s" if staged else ""
     name += "+l1" if l1_staging else ""
@@ -291,6 +302,7 @@ def candidate_name(
     name += "+r" if reread else ""
     name += f"+o{ctas_per_sm}" if ctas_per_sm else ""
     name += "+g" if late_gamma else ""
+    name += "+nl" if no_loop else ""
     return name
 
 
@@ -300,7 +312,7 @@ def parse_candidate(name: str) -> dict:
     head, *flags = name.split("+")
     if name == AUTO:
         return dict(layout=AUTO)
-    options = dict(layout=None, staged=False, late_trigger=False, reread=False, ctas_per_sm=0, late_gamma=False, l1_staging=False)
+    options = dict(layout=None, staged=False, late_trigger=False, reread=False, ctas_per_sm=0, late_gamma=False, l1_staging=False, no_loop=False)
     if head != "default":
         try:
             threads, rows = (int(n) for n in head.split("x"))
@@ -320,8 +332,10 @@ def parse_candidate(name: str) -> dict:
             options["late_gamma"] = True
         elif flag == "l1":
             options["l1_staging"] = True
+        elif flag == "nl":
+            options["no_loop"] = True
         else:
-            raise ValueError(f"candidate {name!r}: unknown flag +{flag} (s, l1, late, r, oN, g)")
+            raise ValueError(f"candidate {name!r}: unknown flag +{flag} (s, l1, late, r, oN, g, nl)")
     if options["reread"] and not options["staged"]:
         raise ValueError(f"candidate {name!r}: +r re-reads the staged row, so it needs +s")
     if options["l1_staging"] and not options["staged"]:
