@@ -282,6 +282,13 @@ def all_moe_variants(
 #: `fused_add_rmsnorm(layout=AUTO)`, its default: the kernel is chosen by the call's token count
 AUTO = "auto"
 
+#: the sweep names' on/off flags, in the order a name lists them -> `fused_add_rmsnorm` options
+#: (+s staged, +l1 staged through L1, +late the late PDL trigger, +r re-read from shared memory,
+#: then +oN N CTAs an SM, then +g gamma read late, +nl no grid-stride loop)
+_FLAGS_BEFORE_O = (("s", "staged"), ("l1", "l1_staging"), ("late", "late_trigger"), ("r", "reread"))
+_FLAGS_AFTER_O = (("g", "late_gamma"), ("nl", "no_loop"))
+
+
 def candidate_name(
     layout,
     staged: bool = False,
@@ -293,26 +300,23 @@ def candidate_name(
     no_loop: bool = False,
 ) -> str:
     """The sweep's name of a kernel option set, e.g. `default`, `64x2+s+late`, `default+s+r+o8`
-    (+s staged, +l1 staged through L1, +late the late PDL trigger, +r re-read from shared
-    memory, +oN N CTAs an SM, +g gamma read late, +nl no grid-stride loop)."""
+    (`_FLAGS_BEFORE_O`, `+oN`, `_FLAGS_AFTER_O`)."""
+    on = dict(staged=staged, l1_staging=l1_staging, late_trigger=late, reread=reread, late_gamma=late_gamma, no_loop=no_loop)
     name = "default" if layout is None else f"{layout[0]}x{layout[1]}"
-    name += "+s" if staged else ""
-    name += "+l1" if l1_staging else ""
-    name += "+late" if late else ""
-    name += "+r" if reread else ""
+    name += "".join(f"+{flag}" for flag, option in _FLAGS_BEFORE_O if on[option])
     name += f"+o{ctas_per_sm}" if ctas_per_sm else ""
-    name += "+g" if late_gamma else ""
-    name += "+nl" if no_loop else ""
+    name += "".join(f"+{flag}" for flag, option in _FLAGS_AFTER_O if on[option])
     return name
 
 
 def parse_candidate(name: str) -> dict:
     """`fused_add_rmsnorm`'s options for a `candidate_name` (ValueError for a malformed one);
     `auto` is the by-token-count choice (`rows_kernel`), what a plain call runs."""
-    head, *flags = name.split("+")
     if name == AUTO:
         return dict(layout=AUTO)
-    options = dict(layout=None, staged=False, late_trigger=False, reread=False, ctas_per_sm=0, late_gamma=False, l1_staging=False, no_loop=False)
+    head, *flags = name.split("+")
+    flag_options = dict(_FLAGS_BEFORE_O + _FLAGS_AFTER_O)
+    options = dict(layout=None, ctas_per_sm=0, **{option: False for option in flag_options.values()})
     if head != "default":
         try:
             threads, rows = (int(n) for n in head.split("x"))
@@ -320,22 +324,12 @@ def parse_candidate(name: str) -> dict:
             raise ValueError(f"candidate {name!r}: the layout must be 'auto', 'default' or THREADSxROWS, e.g. 64x2") from None
         options["layout"] = (threads, rows)
     for flag in flags:
-        if flag == "s":
-            options["staged"] = True
-        elif flag == "late":
-            options["late_trigger"] = True
-        elif flag == "r":
-            options["reread"] = True
+        if flag in flag_options:
+            options[flag_options[flag]] = True
         elif flag.startswith("o") and flag[1:].isdigit():
             options["ctas_per_sm"] = int(flag[1:])
-        elif flag == "g":
-            options["late_gamma"] = True
-        elif flag == "l1":
-            options["l1_staging"] = True
-        elif flag == "nl":
-            options["no_loop"] = True
         else:
-            raise ValueError(f"candidate {name!r}: unknown flag +{flag} (s, l1, late, r, oN, g, nl)")
+            raise ValueError(f"candidate {name!r}: unknown flag +{flag} ({', '.join(flag_options)}, oN)")
     if options["reread"] and not options["staged"]:
         raise ValueError(f"candidate {name!r}: +r re-reads the staged row, so it needs +s")
     if options["l1_staging"] and not options["staged"]:
