@@ -21,8 +21,6 @@ _entries: dict = {}  # ((variant key), device) -> launcher entry, the per-call l
 #: `fused_add_rmsnorm`'s kernel options, in the order of its variant keys (AddNormVariant fields)
 KERNEL_OPTIONS = ("pdl", "layout", "staged", "late_trigger", "reread", "ctas_per_sm", "late_gamma", "l1_staging", "no_loop")
 _DEFAULT_OPTIONS = (True, None, False, False, False, 0, False, False, False)
-#: what a plain call passes: the token count picks the kernel
-_AUTO_OPTIONS = (True, AUTO) + _DEFAULT_OPTIONS[2:]
 
 
 def _options_tuple(options: dict) -> tuple:
@@ -120,11 +118,13 @@ def fused_add_rmsnorm(
     rows = x.numel() // hidden if hidden else 0
     if rows == 0:
         return out, residual_out
-    options = (pdl, layout, staged, late_trigger, reread, ctas_per_sm, late_gamma, l1_staging, no_loop)
-    if layout == AUTO:
-        # the kernel `tiling.rows_kernel` names for this token count, unless an option was given
-        options = pick_band(_BANDS.get(hidden, ()), rows, _DEFAULT_OPTIONS) if options == _AUTO_OPTIONS else (pdl, None) + options[2:]
-    key = ("add_rmsnorm", dtype, hidden, weight_offset) + options
+    if layout == AUTO and pdl and not (staged or late_trigger or reread or ctas_per_sm or late_gamma or l1_staging or no_loop):
+        # a plain call: the kernel `tiling.rows_kernel` names for this token count
+        bands = _BANDS.get(hidden)
+        options = _DEFAULT_OPTIONS if bands is None else pick_band(bands, rows, _DEFAULT_OPTIONS)
+    else:
+        options = (pdl, None if layout == AUTO else layout, staged, late_trigger, reread, ctas_per_sm, late_gamma, l1_staging, no_loop)
+    key = ("add_rmsnorm", dtype, hidden, weight_offset, options)
     entry = _entries.get((key, device))
     if entry is None:
         check_hidden(hidden, dtype)
@@ -132,9 +132,7 @@ def fused_add_rmsnorm(
             raise ValueError("out and residual_out must not be the same memory")
         if isinstance(options[1], str):
             raise ValueError(f"layout must be AUTO ({AUTO!r}), None or (threads per row, rows per CTA), got {options[1]!r}")
-        options = (
-            bool(pdl), options[1], bool(staged), bool(late_trigger), bool(reread), int(ctas_per_sm), bool(late_gamma), bool(l1_staging), bool(no_loop)
-        )
+        options = (bool(options[0]), options[1], *(bool(v) for v in options[2:5]), int(options[5]), *(bool(v) for v in options[6:]))
         entry = _entries[(key, device)] = _entry(dtype, hidden, float(weight_offset), device, options)
     elif out.data_ptr() == residual_out.data_ptr():
         raise ValueError("out and residual_out must not be the same memory")
