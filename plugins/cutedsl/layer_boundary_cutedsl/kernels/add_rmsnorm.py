@@ -132,7 +132,8 @@ def fused_add_rmsnorm(
             raise ValueError("out and residual_out must not be the same memory")
         if isinstance(options[1], str):
             raise ValueError(f"layout must be AUTO ({AUTO!r}), None or (threads per row, rows per CTA), got {options[1]!r}")
-        options = (bool(options[0]), options[1], *(bool(v) for v in options[2:5]), int(options[5]), *(bool(v) for v in options[6:]))
+        # each option as its default's type (bool flags, int ctas_per_sm); the layout as given
+        options = tuple(v if default is None else type(default)(v) for v, default in zip(options, _DEFAULT_OPTIONS))
         entry = _entries[(key, device)] = _entry(dtype, hidden, float(weight_offset), device, options)
     elif out.data_ptr() == residual_out.data_ptr():
         raise ValueError("out and residual_out must not be the same memory")

@@ -118,9 +118,7 @@ class AddRMSNormKernel(RowKernel):
             col = (i * self.threads + lane) * self.vec
             if const_expr(self.full) or col < self.hidden:
                 total = sx[None, tidx, i].load().to(Float32) + sr[None, tidx, i].load().to(Float32)
-                g = gam[None, i].load().to(Float32)
-                if const_expr(self.weight_offset != 0.0):
-                    g = g + Float32(self.weight_offset)
+                g = self.widen_gamma(gam[None, i], self.weight_offset)
                 if const_expr(live is None):
                     self.store_vec(out, row_elem + col, total * rstd * g)
                 else:

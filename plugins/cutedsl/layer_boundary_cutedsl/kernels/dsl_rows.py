@@ -148,17 +148,15 @@ class RowKernel:
         """The norm multiplier (w + weight_offset) of this thread's columns, in fp32 registers."""
         gfrag = self.new_frag()
         self.load_row(gamma, Int64(0), gfrag, tidx)
+        return self.widen_gamma(gfrag, weight_offset)
+
+    @cute.jit
+    def widen_gamma(self, gfrag: cute.Tensor, weight_offset: cutlass.Constexpr):
+        """The fp32 norm multiplier (w + weight_offset) of gamma values as loaded (a fragment or
+        one vector of it)."""
         g = gfrag.load().to(Float32)
         if const_expr(weight_offset != 0.0):
             g = g + Float32(weight_offset)
-        return g
-
-    @cute.jit
-    def widen_gamma(self, gfrag: cute.Tensor):
-        """The fp32 norm multiplier (w + self.weight_offset) of a gamma fragment as loaded."""
-        g = gfrag.load().to(Float32)
-        if const_expr(self.weight_offset != 0.0):
-            g = g + Float32(self.weight_offset)
         return g
 
     @cute.jit
@@ -198,7 +196,7 @@ class RowKernel:
         sq = self.block_sum(sq, red, parity, tidx)
         rstd = cute.math.rsqrt(sq * Float32(1.0 / self.hidden) + eps)
         if const_expr(gam is None):
-            gam = self.widen_gamma(gfrag)
+            gam = self.widen_gamma(gfrag, self.weight_offset)
         nfrag = cute.make_rmem_tensor((self.vec, self.vpt), self.dtype)
         nfrag.store((total * rstd * gam).to(self.dtype))
         if const_expr(live is None):
