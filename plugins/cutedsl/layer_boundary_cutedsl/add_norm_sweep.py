@@ -29,7 +29,7 @@ import torch
 
 from layer_boundary.cli.args import OneLineParser, positive_int
 
-from .bench import EPS, flashinfer_implementation, time_graph, write
+from .bench import EPS, flashinfer_implementation, ratio_spread, time_side_by_side, write
 from .kernels import fused_add_rmsnorm
 from .kernels.tiling import AUTO, AddNormVariant, candidate_name, group_tiling, parse_candidate
 
@@ -90,19 +90,12 @@ def _measure_variants(t: int, hidden: int, fi, iters: int, repeats: int, variant
     if fi is not None:
         fx, fr = x.clone(), r.clone()
         runs[_FI] = lambda: fi(fx, fr, gamma, EPS)
-    times = {name: [] for name in runs}
-    names = list(runs)
-    for k in range(rounds):
-        for name in names[k % len(names):] + names[: k % len(names)]:
-            times[name].append(time_graph(runs[name], n_iters, repeats))
+    times = time_side_by_side(runs, n_iters, repeats, rounds)
     row = dict(tokens=t, hidden=hidden, rounds=rounds, us={name: statistics.median(v) for name, v in times.items() if name != _FI})
     if fi is not None:
         row["flashinfer_us"] = statistics.median(times[_FI])
         if rounds > 1:
-            row["spread"] = {
-                name: [min(a / b for a, b in zip(v, times[_FI])), max(a / b for a, b in zip(v, times[_FI]))]
-                for name, v in times.items() if name != _FI
-            }
+            row["spread"] = {name: ratio_spread(v, times[_FI]) for name, v in times.items() if name != _FI}
     return row
 
 

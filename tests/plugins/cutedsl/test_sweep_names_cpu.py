@@ -58,3 +58,34 @@ def test_bench_cutedsl_refuses_a_bad_kernel_name_before_any_gpu_work(capsys):
     with pytest.raises(SystemExit):
         bench_main(["--kernel", "64x2+r"])
     assert "needs +s" in capsys.readouterr().err
+
+
+def test_side_by_side_rounds_rotate_the_order_and_ratios_pair_rounds(monkeypatch):
+    from layer_boundary_cutedsl import bench
+
+    order = []
+    clock = iter(range(1, 100))
+
+    def fake_time_graph(fn, iters, repeats):
+        order.append(fn())
+        return float(next(clock))
+
+    monkeypatch.setattr(bench, "time_graph", fake_time_graph)
+    times = bench.time_side_by_side(dict(ours=lambda: "ours", flashinfer=lambda: "fi"), 20, 50, 3)
+    assert order == ["ours", "fi", "fi", "ours", "ours", "fi"]  # each round starts one later
+    assert times == dict(ours=[1.0, 4.0, 5.0], flashinfer=[2.0, 3.0, 6.0])
+    assert bench.ratio_spread(times["ours"], times["flashinfer"]) == [0.5, 4 / 3]
+
+
+def test_bench_table_shows_the_side_by_side_ratio_and_its_spread():
+    from layer_boundary_cutedsl.bench import table
+
+    row = dict(kernel="add_rmsnorm", tokens=1024, hidden=4096, cutedsl_us=6.0, cutedsl_gbs=5600.0, frac_of_copy=1.3, fits_l2=True,
+               torch_unfused_us=99.0, cutedsl_inplace_us=6.4, flashinfer_us=5.9, cutedsl_beside_flashinfer_us=5.8,
+               ours_over_flashinfer=5.8 / 5.9, ours_over_flashinfer_spread=[0.97, 1.01])
+    line = [x for x in table([row]).splitlines() if x.startswith("add_rmsnorm")][0]
+    assert line.split()[-4:] == ["5.90", "5.80", "0.98", "0.97-1.01"]
+    bare = dict(row, kernel="moe_finalize_add_rmsnorm", top_k=8)
+    for key in [k for k in row if "flashinfer" in k or "inplace" in k]:
+        bare.pop(key)
+    assert table([bare]).splitlines()[-2].split()[-4:] == ["-", "-", "-", "-"]
