@@ -266,8 +266,8 @@ group() {
       32x4+s+l1+late+g 32x4+s+late+g 128x1+s+l1+late+g 128x1+s+late+g ;;
     # the same side by side: every kernel and FlashInfer timed 5 times each in rotated order, medians
     sweep-rounds) run_bench sweep_rounds 300 python3 -m layer_boundary_cutedsl.add_norm_sweep --layouts --rounds 5 \
-      --out "$OUT/add_norm_rounds.json" --tokens 1 16 128 512 768 1024 1536 2048 8192 --candidates auto default \
-      default+nl 256x1+nl 64x2+s+l1+late+g 64x2+s+l1+late+g+nl 128x2+s+l1+late+g+nl 128x1+s+l1+late+g+nl ;;
+      --out "$OUT/add_norm_rounds.json" --tokens 1 16 128 256 384 512 640 768 1024 1280 1536 2048 3072 4096 8192 \
+      --candidates auto default default+nl default+late+nl 64x2+s+l1+late+g+nl 128x2+s+l1+late+g+nl 128x1+s+l1+late+g+nl ;;
     probe-addnorm-context) run_bench probe_addnorm_context 200 python3 benchmarks/add_norm_context_probe.py \
       --out "$OUT/add_norm_context_probe.json" ${PROBE_OFFSETS_ONLY:+--offsets-only} ;;
     late-gamma) run_pytest late_gamma 200 tests/plugins/cutedsl/test_kernels_gpu.py -k "late_gamma or token_counts_kernel" ;;

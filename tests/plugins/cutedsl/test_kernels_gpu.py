@@ -270,8 +270,8 @@ def test_cuda_graph_capture_and_replay():
         _check_add_norm(x, r, gamma, 0.0, normed, res)
 
 
-#: a by-token-count table for the test (the shipped ROWS_BANDS may be empty): FlashInfer's form
-#: of the kernel in a middle band at each width
+#: a by-token-count table of the test's own beside the shipped ROWS_BANDS: FlashInfer's form of
+#: the kernel with its grid-stride loop, in one or two middle bands at each width
 TEST_BANDS = {
     2048: ((512, 2048, "128x1+s+l1+late+g"),),
     4096: ((384, 768, "128x2+s+l1+late+g"), (768, 2048, "64x2+s+l1+late+g")),
@@ -280,22 +280,24 @@ TEST_BANDS = {
 }
 
 
+@pytest.mark.parametrize("table", ["shipped", "test"])
 @pytest.mark.parametrize("hidden", [2048, 4096, 7168, 8192])
-def test_a_plain_call_takes_its_token_counts_kernel(hidden, monkeypatch):
+def test_a_plain_call_takes_its_token_counts_kernel(hidden, table, monkeypatch):
     """`layout=AUTO` (a plain call) runs the kernel its band table names for each token count:
     the same answer bit for bit as that kernel asked for by name, at both ends of every band
     and between; `prepare_add_rmsnorm` loads them all, so a capture of any count compiles nothing."""
     from layer_boundary_cutedsl.kernels import _launch, add_rmsnorm, prepare_add_rmsnorm
-    from layer_boundary_cutedsl.kernels.tiling import parse_candidate, pick_band
+    from layer_boundary_cutedsl.kernels.tiling import ROWS_BANDS, parse_candidate, pick_band
 
-    monkeypatch.setattr(add_rmsnorm, "_BANDS", add_rmsnorm.parse_bands(TEST_BANDS))
-    counts = sorted({1, 300} | {n for first, end, _ in TEST_BANDS[hidden] for n in (first - 1, first, end - 1, end)})
+    bands = ROWS_BANDS if table == "shipped" else TEST_BANDS
+    monkeypatch.setattr(add_rmsnorm, "_BANDS", add_rmsnorm.parse_bands(bands))
+    counts = sorted({1, 300} | {n for first, end, _ in bands.get(hidden, ()) for n in (first - 1, first, end - 1, end)})
     gen = torch.Generator(device="cuda").manual_seed(hidden)
     gamma = _gamma(hidden, 0.0, torch.bfloat16, gen)
     prepare_add_rmsnorm(torch.bfloat16, hidden)
     loaded = len(_launch._executors)
     for tokens in counts:
-        name = pick_band(TEST_BANDS[hidden], tokens, "default")
+        name = pick_band(bands.get(hidden, ()), tokens, "default")
         x = torch.randn(tokens, hidden, generator=gen, device="cuda").to(torch.bfloat16)
         r = torch.randn(tokens, hidden, generator=gen, device="cuda").to(torch.bfloat16)
         want_n, want_r = fused_add_rmsnorm(x, r, gamma, EPS, **parse_candidate(name))

@@ -338,15 +338,20 @@ def parse_candidate(name: str) -> dict:
 
 
 #: Per width, the token counts [first, end) where a kernel other than the default tiling runs,
-#: by the layout sweep's name, e.g. {4096: ((768, 2048, "64x2+s+l1+late+g"),)}. Empty: no kernel
-#: yet beats the default at a token count *wherever it is timed*. FlashInfer's form of the kernel
-#: (rows staged through L1 by cp.async, gamma read after the PDL wait, the trigger at the end;
-#: 8 rows an SM at H=4096) read 0.94-1.03 of FlashInfer's time at T=512-1024 in the layout
-#: sweeps of session 12 but 1.07-1.21 in `bench cutedsl` and in a probe process
-#: (benchmarks/add_norm_context_probe.py: 7.1-7.3 us both ways there, against the default's
-#: stable 6.4-6.5 and FlashInfer's 5.9-6.1), so which process it runs in decides whether it wins:
-#: benchmarks/results/gpu_shared_world/session12/README.md.
-ROWS_BANDS: dict = {}
+#: by the layout sweep's name. Where the rows sit in L2 and take more than a wave of the default
+#: tiling, FlashInfer's form of the kernel (rows staged through L1 by cp.async, gamma read after
+#: the PDL wait, the trigger at the end) without the grid-stride loop (`+nl`: one block of rows a
+#: CTA; inside a loop ptxas adds an L2 prefetch hint to the cp.async that FlashInfer's lacks) is
+#: the fastest kernel timed beside FlashInfer's (session 13: `sweep-rounds`, and `bench cutedsl`
+#: timing both on the same buffers in one process). Below the bands the default's early trigger
+#: wins (0.6-0.9 of FlashInfer's time); above them both run at the copy rate.
+#: benchmarks/results/gpu_shared_world/session13/README.md has the numbers.
+ROWS_BANDS: dict = {
+    2048: ((640, 1792, "128x2+s+l1+late+g+nl"),),
+    4096: ((384, 4096, "128x2+s+l1+late+g+nl"),),
+    7168: ((384, 4096, "128x1+s+l1+late+g+nl"),),
+    8192: ((384, 4096, "128x1+s+l1+late+g+nl"),),
+}
 
 
 def pick_band(bands, rows: int, default):
