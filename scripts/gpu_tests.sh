@@ -10,6 +10,7 @@
 # Groups (each fits one 10-minute device command; `run all` is for a machine without that limit):
 #   core        the core's GPU tests (graph decode, ranks on the GPU, the CLI at TP=2), tbo's
 #   cutedsl     CuTe DSL kernels, the model with the plugin, the fused one-shot all-reduce
+#   cutedsl-allreduce the fused one-shot all-reduce's GPU tests alone (ranks as processes on the GPUs)
 #   flashinfer  the flashinfer check at 2 ranks (every step)
 #   flashinfer4 the flashinfer check at 4 ranks (boundary, finalize, models)
 #   contract    the provider contract suite's CUDA cases
@@ -51,7 +52,9 @@
 #   sweep-auto  a plain call's kernel (auto: the default while tiling.ROWS_BANDS is empty) against the
 #               default and FlashInfer's form of the kernel at each width;
 #               sweep-rounds: the same timed side by side (5 rounds in rotated order, medians and spread),
-#               with the kernels without a grid-stride loop (`+nl`)
+#               with the kernels without a grid-stride loop (`+nl`), and the band table those timings suggest
+#               ($OUT/add_norm_bands.json; export LAYER_BOUNDARY_CUTEDSL_ADD_NORM_BANDS=that file and the
+#               groups after it, bench-cutedsl and the tests, run plain calls with it)
 #   probe-addnorm-context  one kernel timed the bench's way and the sweep's, before and after FlashInfer ran
 #               in the process and after the bench's copies (benchmarks/add_norm_context_probe.py)
 #
@@ -241,6 +244,7 @@ group() {
     addnorm) run_pytest addnorm 560 tests/plugins/test_add_norm_gpu.py ;;
     addnorm-kernels) run_pytest addnorm_kernels 400 tests/plugins/test_add_norm_gpu.py -k "not qwen3" ;;
     cutedsl-kernels) run_pytest cutedsl_kernels 480 tests/plugins/cutedsl/test_kernels_gpu.py ;;
+    cutedsl-allreduce) run_pytest cutedsl_allreduce 400 tests/plugins/cutedsl/test_allreduce_gpu.py ;;
     decode-kernels) run_pytest decode_kernels 560 -s tests/plugins/flashinfer/test_flashinfer_decode_kernels_gpu.py \
       tests/plugins/flashinfer/test_flashinfer_gated_activation_gpu.py ;;
     bench-decode) run_bench bench_decode 290 python3 -m layer_boundary bench decode -- --out "$OUT/decode.json" ;;
@@ -267,7 +271,8 @@ group() {
     # the same side by side: every kernel and FlashInfer timed 5 times each in rotated order, medians
     sweep-rounds) run_bench sweep_rounds 300 python3 -m layer_boundary_cutedsl.add_norm_sweep --layouts --rounds 5 \
       --out "$OUT/add_norm_rounds.json" --tokens 1 16 128 256 384 512 640 768 1024 1280 1536 2048 3072 4096 8192 \
-      --candidates auto default default+nl default+late+nl 64x2+s+l1+late+g+nl 128x2+s+l1+late+g+nl 128x1+s+l1+late+g+nl ;;
+      --bands-out "$OUT/add_norm_bands.json" --candidates auto default default+nl default+late+nl default+late+g+nl \
+      128x2+s+l1+late+g+nl 128x1+s+l1+late+g+nl ;;
     probe-addnorm-context) run_bench probe_addnorm_context 200 python3 benchmarks/add_norm_context_probe.py \
       --out "$OUT/add_norm_context_probe.json" ${PROBE_OFFSETS_ONLY:+--offsets-only} ;;
     late-gamma) run_pytest late_gamma 200 tests/plugins/cutedsl/test_kernels_gpu.py -k "late_gamma or token_counts_kernel" ;;
@@ -286,7 +291,7 @@ group() {
       run_check soak_kill 150 $soak --only kill --out "$OUT/soak_kill.json" || rc=1
       return $rc ;;
     contract) run_pytest contract 560 tests/plugins/test_contract_plugins.py tests/plugins/test_contract_suite.py tests/test_example_provider.py ;;
-    *) log "unknown group $1 (core cutedsl flashinfer flashinfer4 contract soak compile compile-cpu compile-ops addnorm cutedsl-kernels decode-kernels shadow probe probe-moe final smoke-cutedsl bench-decode probe-attention probe-replay qk-norm-rope probe-qk-norm-rope bench-cutedsl sweep-cutedsl sweep-layouts sweep-reread sweep-reread-widths reread sweep-fi-shape sweep-fi-shape-widths late-gamma sweep-auto sweep-rounds addnorm-kernels probe-addnorm-context)"; return 2 ;;
+    *) log "unknown group $1 (core cutedsl flashinfer flashinfer4 contract soak compile compile-cpu compile-ops addnorm cutedsl-kernels decode-kernels shadow probe probe-moe final smoke-cutedsl bench-decode probe-attention probe-replay qk-norm-rope probe-qk-norm-rope cutedsl-allreduce bench-cutedsl sweep-cutedsl sweep-layouts sweep-reread sweep-reread-widths reread sweep-fi-shape sweep-fi-shape-widths late-gamma sweep-auto sweep-rounds addnorm-kernels probe-addnorm-context)"; return 2 ;;
   esac
 }
 

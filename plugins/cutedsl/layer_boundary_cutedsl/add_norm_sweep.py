@@ -215,6 +215,35 @@ def sweep_layouts(widths, tokens, iters: int, repeats: int, names=None, rounds: 
     return dict(rows=rows, best=best, flashinfer_error=fi_error)
 
 
+def suggest_bands(rows, kernels, margin: float = 0.01) -> dict:
+    """A `tiling.ROWS_BANDS` table from `sweep_layouts` rows: at each measured token count the
+    fastest of `kernels` where it beats the default tiling by more than `margin`, runs of one
+    kernel merged into a band [first, end) whose edges sit halfway to the neighbouring counts
+    (the last measured count's band ends at twice it). Widths without a winner get no entry."""
+    bands = {}
+    for hidden in sorted({r["hidden"] for r in rows}):
+        mine = sorted((r for r in rows if r["hidden"] == hidden), key=lambda r: r["tokens"])
+        counts = [r["tokens"] for r in mine]
+        picks = []
+        for r in mine:
+            timed = {k: r["us"][k] for k in kernels if k in r["us"]}
+            best = min(timed, key=timed.get) if timed else None
+            picks.append(best if best and timed[best] < r["us"]["default"] * (1 - margin) else None)
+        width_bands = []
+        for i, name in enumerate(picks):
+            if name is None:
+                continue
+            first = 1 if i == 0 else (counts[i - 1] + counts[i] + 1) // 2
+            end = 2 * counts[i] if i + 1 == len(counts) else (counts[i] + counts[i + 1] + 1) // 2
+            if width_bands and width_bands[-1][2] == name and width_bands[-1][1] == first:
+                width_bands[-1][1] = end
+            else:
+                width_bands.append([first, end, name])
+        if width_bands:
+            bands[hidden] = width_bands
+    return bands
+
+
 def sweep(widths, tokens, iters: int, repeats: int) -> dict:
     fi, fi_error = _flashinfer()
     rows = []
@@ -240,7 +269,15 @@ def main(argv=None) -> int:
                     help="with --layouts, time every kernel and FlashInfer this many times in rotated order (medians)")
     ap.add_argument("--candidates", nargs="*", default=None,
                     help="with --layouts, only these kernels (names as printed, e.g. default 256x1 default+s+r+o8)")
+    ap.add_argument("--bands-out", default="",
+                    help="with --layouts, write a ROWS_BANDS table of the kernels that beat the default here (JSON; "
+                         "LAYER_BOUNDARY_CUTEDSL_ADD_NORM_BANDS=FILE makes plain calls use it)")
+    ap.add_argument("--band-kernels", nargs="*", default=None,
+                    help="the kernels --bands-out may choose (default: the candidates with the trigger at the end, "
+                         "whose dependents do not hold SM slots while they wait)")
     args = ap.parse_args(argv)
+    if args.bands_out and not args.layouts:
+        ap.error("--bands-out ranks layouts: add --layouts")
     if args.candidates is not None and not args.layouts:
         ap.error("--candidates ranks layouts: add --layouts")
     if args.rounds > 1 and not args.layouts:
@@ -253,6 +290,13 @@ def main(argv=None) -> int:
     payload = dict(device=torch.cuda.get_device_name(), torch=torch.__version__)
     if args.layouts:
         payload.update(sweep_layouts(args.widths, args.tokens, args.iters, args.repeats, args.candidates, args.rounds))
+        if args.bands_out:
+            names = args.band_kernels
+            if names is None:
+                names = [n for n in args.candidates or () if n != AUTO and parse_candidate(n)["late_trigger"]]
+            payload["bands"] = suggest_bands(payload["rows"], names)
+            write(args.bands_out, {str(h): b for h, b in payload["bands"].items()})
+            print(f"bands (ROWS_BANDS form) written to {args.bands_out}: {payload['bands']}", flush=True)
     else:
         payload.update(sweep(args.widths, args.tokens, args.iters, args.repeats))
     payload["seconds"] = time.time() - t0

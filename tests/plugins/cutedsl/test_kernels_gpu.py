@@ -162,6 +162,10 @@ def test_reread_from_shared_memory(hidden, layout, ctas_per_sm, tokens, max_ctas
         (4096, (64, 2), dict(staged=True, l1_staging=True, late_trigger=True, late_gamma=True, no_loop=True)),
         (2048, (32, 4), dict(no_loop=True)),
         (4096, None, dict(staged=True, reread=True, no_loop=True)),
+        # the default tiling without the loop, the trigger at the end, gamma read late or not (band kernels)
+        (4096, None, dict(late_trigger=True, no_loop=True)),
+        (7168, None, dict(late_trigger=True, late_gamma=True, no_loop=True)),
+        (2880, None, dict(late_trigger=True, late_gamma=True, no_loop=True)),
     ],
     ids=lambda v: v if isinstance(v, int) else ("default" if v is None else (f"{v[0]}x{v[1]}" if isinstance(v, tuple) else "+".join(v))),
 )

@@ -89,3 +89,34 @@ def test_bench_table_shows_the_side_by_side_ratio_and_its_spread():
     for key in [k for k in row if "flashinfer" in k or "inplace" in k]:
         bare.pop(key)
     assert table([bare]).splitlines()[-2].split()[-4:] == ["-", "-", "-", "-"]
+
+
+def test_suggested_bands_merge_each_kernels_winning_counts():
+    from layer_boundary_cutedsl.add_norm_sweep import suggest_bands
+
+    def row(t, default, a, b):
+        return dict(hidden=4096, tokens=t, us={"default": default, "a+late": a, "b+late": b, "fast": 0.1})
+
+    rows = [row(128, 1.0, 1.2, 1.3), row(512, 1.0, 0.9, 0.95), row(1024, 1.0, 0.8, 0.9), row(2048, 1.0, 1.0, 0.995),
+            row(4096, 1.0, 1.1, 0.9)]
+    # "fast" is not a band kernel; 2048's 0.5% win is inside the margin: the default there
+    assert suggest_bands(rows, ["a+late", "b+late"]) == {4096: [[320, 1536, "a+late"], [3072, 8192, "b+late"]]}
+    assert suggest_bands(rows, ["missing"]) == {}
+
+
+def test_a_band_file_replaces_the_shipped_table_and_bad_ones_are_refused(tmp_path, monkeypatch):
+    import json
+
+    from layer_boundary_cutedsl.kernels import tiling
+
+    good = tmp_path / "bands.json"
+    good.write_text(json.dumps({"4096": [[384, 1024, "default+late+nl"], [1024, 2048, "128x1+s+l1+late+g+nl"]]}))
+    monkeypatch.setenv(tiling.ROWS_BANDS_ENV, str(good))
+    assert tiling._rows_bands() == {4096: ((384, 1024, "default+late+nl"), (1024, 2048, "128x1+s+l1+late+g+nl"))}
+    for bad, message in [({"4096": [[1024, 384, "default"]]}, "increasing order"), ({"4096": [[1, 9, "default+r"]]}, "needs \\+s"),
+                         ({"4096": [[1, 9, "auto"]]}, "names a kernel"), ({"4096": [[1, 9, "x"], [5, 20, "default"]]}, "THREADSxROWS")]:
+        good.write_text(json.dumps(bad))
+        with pytest.raises(ValueError, match=message):
+            tiling._rows_bands()
+    monkeypatch.delenv(tiling.ROWS_BANDS_ENV)
+    assert tiling._rows_bands() == tiling.check_bands(tiling.SHIPPED_ROWS_BANDS)

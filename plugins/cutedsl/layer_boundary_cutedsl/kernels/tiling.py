@@ -34,6 +34,10 @@ __all__ = [
     "all_moe_variants",
     "AUTO",
     "ROWS_BANDS",
+    "SHIPPED_ROWS_BANDS",
+    "ROWS_BANDS_ENV",
+    "check_bands",
+    "load_bands",
     "rows_kernel",
     "pick_band",
     "candidate_name",
@@ -346,12 +350,60 @@ def parse_candidate(name: str) -> dict:
 #: timing both on the same buffers in one process). Below the bands the default's early trigger
 #: wins (0.6-0.9 of FlashInfer's time); above them both run at the copy rate.
 #: benchmarks/results/gpu_shared_world/session13/README.md has the numbers.
-ROWS_BANDS: dict = {
-    2048: ((640, 1792, "128x2+s+l1+late+g+nl"),),
-    4096: ((384, 4096, "128x2+s+l1+late+g+nl"),),
-    7168: ((384, 4096, "128x1+s+l1+late+g+nl"),),
-    8192: ((384, 4096, "128x1+s+l1+late+g+nl"),),
+#: `ROWS_BANDS_ENV` (a JSON file, `add_norm_sweep --bands-out`'s) replaces the table at import.
+SHIPPED_ROWS_BANDS: dict = {
+    2048: ((320, 1792, "default+late+nl"),),
+    4096: ((320, 3072, "default+late+nl"),),
+    7168: ((96, 4096, "default+late+nl"),),
+    8192: ((96, 1408, "default+late+nl"), (1408, 1792, "128x1+s+l1+late+g+nl")),
 }
+
+
+#: environment variable naming a JSON band table ({"4096": [[first, end, name], ...]}) that
+#: replaces the shipped one: a GPU other than the H200 the shipped table was measured on
+ROWS_BANDS_ENV = "LAYER_BOUNDARY_CUTEDSL_ADD_NORM_BANDS"
+
+
+def check_bands(bands: dict, source: str = "ROWS_BANDS") -> dict:
+    """`bands` as {hidden: ((first, end, name), ...)}, each width's bands ordered and disjoint and
+    every name a kernel name (`parse_candidate`); ValueError naming `source` otherwise."""
+    checked = {}
+    for hidden, rows in bands.items():
+        end_before, width = 1, []
+        for band in rows:
+            first, end, name = band
+            if not (isinstance(first, int) and isinstance(end, int) and end_before <= first < end):
+                raise ValueError(f"{source}: hidden {hidden}: band {list(band)} must start at or after {end_before} "
+                                 "and end after it starts (bands [first, end) in increasing order)")
+            try:
+                parse_candidate(name)
+            except ValueError as exc:
+                raise ValueError(f"{source}: hidden {hidden}: {exc}") from None
+            if name == AUTO:
+                raise ValueError(f"{source}: hidden {hidden}: a band names a kernel, not {AUTO!r}")
+            width.append((first, end, name))
+            end_before = end
+        checked[int(hidden)] = tuple(width)
+    return checked
+
+
+def load_bands(path: str) -> dict:
+    """The band table in the JSON file `path` (`add_norm_sweep --bands-out` writes one), checked."""
+    import json
+
+    with open(path) as f:
+        return check_bands(json.load(f), f"{ROWS_BANDS_ENV}={path}")
+
+
+def _rows_bands() -> dict:
+    import os
+
+    path = os.environ.get(ROWS_BANDS_ENV)
+    return load_bands(path) if path else check_bands(SHIPPED_ROWS_BANDS)
+
+
+#: the table plain calls use: the shipped one, or the file `ROWS_BANDS_ENV` names
+ROWS_BANDS: dict = _rows_bands()
 
 
 def pick_band(bands, rows: int, default):
