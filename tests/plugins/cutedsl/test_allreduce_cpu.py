@@ -615,3 +615,28 @@ def test_a_trapped_check_says_what_the_kernel_waited_for():
     wrapped = _with_report(Ws("one-shot all-reduce on rank 1 of (0, 1): waited 30.0 s for rank 0's row 3"), plain)
     assert "unspecified launch failure" in str(wrapped) and "waited 30.0 s for rank 0's row 3" in str(wrapped)
     assert wrapped.__cause__ is plain
+
+
+def test_the_one_shot_launch_reads_the_bound_kernel_it_is_given(monkeypatch):
+    """The one-shot launch takes the launcher and SM count off the shared `BoundKernel` (the
+    launch plumbing grew a field once and a positional unpacking here broke on the GPU only):
+    a persistent grid of min(rows, SMs, max_ctas) CTAs, the peers' addresses, then the stream."""
+    from types import SimpleNamespace
+
+    from layer_boundary_cutedsl.kernels import _launch, allreduce
+
+    calls = []
+    bound = _launch.BoundKernel(lambda *args: calls.append(args), rows_per_cta=1, sms=132, loops=True)
+    monkeypatch.setattr(allreduce, "_entry", lambda variant, device: bound)
+    monkeypatch.setattr(allreduce, "_raw_stream", lambda index: 0x5150)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    peers = SimpleNamespace(capacity=512, addresses=[0x100, 0x200], state=torch.zeros(4), diag_address=0x300, buffer=0x400,
+                            max_ctas=None, rank=1)
+    device = torch.device("cuda", 0)
+    allreduce._launch("variant", peers, 300, [1, 2, 3], 1e-6, device)
+    peers.max_ctas = 3
+    allreduce._launch("variant", peers, 7, [1, 2, 3], 1e-6, device)
+    assert [c[-2:] for c in calls] == [(132, 0x5150), (3, 0x5150)]
+    assert calls[0][:3] == (1, 2, 3) and calls[0][-6:-2] == (300, 1, 512, 1e-6)
+    with pytest.raises(ValueError, match="do not fit the one-shot workspace"):
+        allreduce._launch("variant", peers, 513, [1, 2, 3], 1e-6, device)

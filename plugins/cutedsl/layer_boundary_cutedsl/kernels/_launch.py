@@ -11,13 +11,13 @@ import ctypes
 import os
 import threading
 import warnings
-from typing import Callable
+from typing import Callable, NamedTuple
 
 import torch
 
 from .tiling import default_grid
 
-__all__ = ["executor_for", "launch", "launch_args", "check_all", "rows_ok", "explain_rows", "DEBUG", "FastCall", "pack_kinds"]
+__all__ = ["BoundKernel", "executor_for", "launch", "launch_args", "check_all", "rows_ok", "explain_rows", "DEBUG", "FastCall", "pack_kinds"]
 
 #: host-side checks that need a device sync (indices in range): LAYER_BOUNDARY_DEBUG=1
 DEBUG = os.environ.get("LAYER_BOUNDARY_DEBUG", "").strip().lower() in ("1", "true", "yes", "on")
@@ -26,7 +26,17 @@ DEBUG = os.environ.get("LAYER_BOUNDARY_DEBUG", "").strip().lower() in ("1", "tru
 MAX_CTAS = None
 
 _lock = threading.Lock()
-_executors: dict = {}  # (key, device index) -> (launcher, rows per CTA, num_sms)
+_executors: dict = {}  # (key, device index) -> BoundKernel
+
+
+class BoundKernel(NamedTuple):
+    """A compiled kernel bound to a device, with what its launch needs to size the grid."""
+
+    launcher: Callable
+    rows_per_cta: int
+    sms: int
+    #: False for a kernel without a grid-stride loop: every block of rows needs its own CTA
+    loops: bool
 
 
 _CTYPES = {"i64": ctypes.c_int64, "i32": ctypes.c_int32, "f32": ctypes.c_float, "stream": ctypes.c_void_p}
@@ -87,7 +97,7 @@ class FastCall:
 
 
 def executor_for(key: tuple, device: torch.device, make_variant: Callable, n_addresses: int, *, kinds=None, probe=None):
-    """(launcher, rows per CTA, num_sms) for variant `key` on `device`; compiled and bound once.
+    """The `BoundKernel` of variant `key` on `device`; compiled and bound once.
 
     `kinds`/`probe`: the entry's C argument types and a probe tuple of that layout (CUstream
     last), for entries whose scalars differ from `pack_kinds(n_addresses)`."""
@@ -110,7 +120,7 @@ def executor_for(key: tuple, device: torch.device, make_variant: Callable, n_add
                     warnings.warn("cutedsl: unexpected argument ABI; using the slower generic launch path")
                     launcher = _GenericCall(executor)
                 # a kernel without a grid-stride loop needs every block's CTA: never capped
-                entry = (launcher, variant.tiling().rows_per_cta, sms, not getattr(variant, "no_loop", False))
+                entry = BoundKernel(launcher, variant.tiling().rows_per_cta, sms, not getattr(variant, "no_loop", False))
                 _executors[(key, device.index)] = entry
     return entry
 

@@ -81,13 +81,13 @@ def fused_add_rmsnorm(
     `out` / `residual_out` default to new tensors; `residual_out=residual` updates the residual
     in place and `out=x` overwrites x (out and residual_out must not be the same memory).
     The kernel options are for benchmarks. Left alone (`layout=AUTO`), the kernel is chosen by
-    the token count (`tiling.ROWS_BANDS`, empty for now: the width's default tiling at every
-    count); any option given runs exactly that kernel, `layout=None` being the default tiling.
+    the token count (`tiling.ROWS_BANDS`: measured bands of each width, the default tiling
+    elsewhere); any option given runs exactly that kernel, `layout=None` being the default tiling.
     `pdl=False` launches the kernel as an ordinary one (benchmarks compare the two);
     `layout=(threads per row, rows per CTA)` overrides the width's tiling and `staged=True` loads
     through shared memory (cp.async): the layout sweep compares them. `late_trigger=True` (PDL)
-    lets the next kernel launch at the end instead of at the start (the sweep found no width or
-    token count where it pays). `reread=True` (with `staged`) keeps the staged row in shared
+    lets the next kernel launch at the end instead of at the start (with `no_loop`, what the bands
+    run: an early trigger lets the next launch's CTAs hold SM slots while they wait). `reread=True` (with `staged`) keeps the staged row in shared
     memory and sums it again for the norm instead of holding it in registers; `ctas_per_sm=N`
     caps the registers so that N CTAs fit an SM; `late_gamma=True` reads gamma per row after
     the PDL wait and keeps it 16-bit until the norm; `l1_staging=True` (with `staged`) lets the

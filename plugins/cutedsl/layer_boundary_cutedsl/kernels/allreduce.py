@@ -50,11 +50,12 @@ def grid_for(rows: int, sms: int, max_ctas: Optional[int]) -> int:
 def _launch(variant: AllReduceVariant, peers, rows: int, tensors: list, eps: float, device: torch.device) -> None:
     if rows > peers.capacity:
         raise ValueError(f"{rows} rows do not fit the one-shot workspace ({peers.capacity} rows)")
-    launcher, _threads, sms = _entry(variant, device)
+    entry = _entry(variant, device)
+    launcher, sms = entry.launcher, entry.sms
     bases = list(peers.addresses) + [0] * (MAX_WORLD - len(peers.addresses))
     state = peers.state
     addresses = [*tensors, state.data_ptr(), peers.diag_address, peers.buffer, *bases]
-    grid = grid_for(rows, sms, peers.max_ctas)
+    grid = grid_for(rows, sms, peers.max_ctas)  # persistent: never more CTAs than SMs, loop or not
     stream = _raw_stream(device.index)
     if torch.cuda.current_device() == device.index:
         launcher(*addresses, rows, peers.rank, peers.capacity, eps, grid, stream)

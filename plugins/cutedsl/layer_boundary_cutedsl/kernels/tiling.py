@@ -342,20 +342,50 @@ def parse_candidate(name: str) -> dict:
 
 
 #: Per width, the token counts [first, end) where a kernel other than the default tiling runs,
-#: by the layout sweep's name. Where the rows sit in L2 and take more than a wave of the default
-#: tiling, FlashInfer's form of the kernel (rows staged through L1 by cp.async, gamma read after
-#: the PDL wait, the trigger at the end) without the grid-stride loop (`+nl`: one block of rows a
-#: CTA; inside a loop ptxas adds an L2 prefetch hint to the cp.async that FlashInfer's lacks) is
-#: the fastest kernel timed beside FlashInfer's (session 13: `sweep-rounds`, and `bench cutedsl`
-#: timing both on the same buffers in one process). Below the bands the default's early trigger
-#: wins (0.6-0.9 of FlashInfer's time); above them both run at the copy rate.
+#: by the layout sweep's name. Written by `add_norm_sweep --bands-out` from session 13's
+#: `sweep-rounds` on an H200 (every kernel and FlashInfer's timed side by side, 5 rounds, 15 token
+#: counts a width), then `bench cutedsl` measured with exactly this table: 0.67-1.00 of
+#: FlashInfer's time at every (T, H) of its table. The kernels: the default tiling without its
+#: grid-stride loop and with the PDL trigger at the end (`default+late+nl`: 70 registers instead
+#: of 100 at H=4096, 7 rows an SM instead of 4), the same reading gamma after the PDL wait
+#: (`+g`: 64 registers, 8 rows an SM: T=1024 H=4096 in one wave, as FlashInfer's kernel), and
+#: FlashInfer's own form (`128x1+s+l1+late+g+nl`). Only kernels that trigger at the end are
+#: chosen: with the trigger at the start, the next launch's CTAs hold SM slots while they wait,
+#: and one-wave grids then spike (`default+nl` 1.42-1.46 at T=512 H=4096). Neighbouring bands
+#: naming different kernels are near-ties (within ~2%) the sweep's medians split.
 #: benchmarks/results/gpu_shared_world/session13/README.md has the numbers.
 #: `ROWS_BANDS_ENV` (a JSON file, `add_norm_sweep --bands-out`'s) replaces the table at import.
 SHIPPED_ROWS_BANDS: dict = {
-    2048: ((320, 1792, "default+late+nl"),),
-    4096: ((320, 3072, "default+late+nl"),),
-    7168: ((96, 4096, "default+late+nl"),),
-    8192: ((96, 1408, "default+late+nl"), (1408, 1792, "128x1+s+l1+late+g+nl")),
+    2048: (
+        (72, 192, "default+late+g+nl"),
+        (320, 448, "default+late+g+nl"),
+        (448, 1792, "default+late+nl"),
+        (2560, 3584, "default+late+g+nl"),
+        (3584, 6144, "default+late+nl"),
+    ),
+    4096: (
+        (1, 320, "default+late+nl"),
+        (320, 576, "128x1+s+l1+late+g+nl"),
+        (576, 896, "default+late+nl"),
+        (896, 1152, "default+late+g+nl"),
+        (1152, 1408, "default+late+nl"),
+        (1408, 1792, "128x1+s+l1+late+g+nl"),
+        (1792, 2560, "default+late+g+nl"),
+        (2560, 16384, "default+late+nl"),
+    ),
+    7168: (
+        (9, 576, "default+late+nl"),
+        (576, 704, "128x1+s+l1+late+g+nl"),
+        (704, 1152, "default+late+g+nl"),
+        (1152, 16384, "default+late+nl"),
+    ),
+    8192: (
+        (72, 448, "default+late+nl"),
+        (448, 576, "default+late+g+nl"),
+        (576, 896, "default+late+nl"),
+        (896, 2560, "default+late+g+nl"),
+        (3584, 16384, "default+late+g+nl"),
+    ),
 }
 
 
@@ -373,8 +403,10 @@ def check_bands(bands: dict, source: str = "ROWS_BANDS") -> dict:
         for band in rows:
             first, end, name = band
             if not (isinstance(first, int) and isinstance(end, int) and end_before <= first < end):
-                raise ValueError(f"{source}: hidden {hidden}: band {list(band)} must start at or after {end_before} "
-                                 "and end after it starts (bands [first, end) in increasing order)")
+                raise ValueError(
+                    f"{source}: hidden {hidden}: band {list(band)} must start at or after {end_before} "
+                    "and end after it starts (bands [first, end) in increasing order)"
+                )
             try:
                 parse_candidate(name)
             except ValueError as exc:
