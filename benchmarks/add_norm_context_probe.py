@@ -9,7 +9,10 @@ the process, and after the bench's 1 GiB copies. A step that moves only one of t
 names the cause. Its first run (session 12) moved none: FlashInfer's form read 7.1-7.3 us every
 way, where the layout sweeps had read 6.0-6.2. The last step therefore places x and the
 residual in one allocation at chosen distances (`OFFSETS` beyond back to back) and times each
-kernel and FlashInfer in place there: whether where the two rows sit decides it (not yet run).
+kernel and FlashInfer in place there. Its run (session 13, `--offsets-only`) answered it: every
+kernel, FlashInfer's too, moves 2-8% with the distance (FlashInfer's 5.85-6.30 us at 0 B-3 MiB),
+so where a process's buffers land sets an L2-resident call's time, and `bench cutedsl` now
+times ours beside FlashInfer's on the same buffers.
 
     python benchmarks/add_norm_context_probe.py [--out probe.json]
 """
