@@ -87,7 +87,8 @@ def fused_add_rmsnorm(
     `layout=(threads per row, rows per CTA)` overrides the width's tiling and `staged=True` loads
     through shared memory (cp.async): the layout sweep compares them. `late_trigger=True` (PDL)
     lets the next kernel launch at the end instead of at the start (with `no_loop`, what the bands
-    run: an early trigger lets the next launch's CTAs hold SM slots while they wait). `reread=True` (with `staged`) keeps the staged row in shared
+    run: an early trigger lets the next launch's CTAs hold SM slots while they wait).
+    `reread=True` (with `staged`) keeps the staged row in shared
     memory and sums it again for the norm instead of holding it in registers; `ctas_per_sm=N`
     caps the registers so that N CTAs fit an SM; `late_gamma=True` reads gamma per row after
     the PDL wait and keeps it 16-bit until the norm; `l1_staging=True` (with `staged`) lets the

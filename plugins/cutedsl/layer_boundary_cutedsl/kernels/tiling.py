@@ -11,6 +11,8 @@ exchange when a row spans several warps), and written once.
 
 from __future__ import annotations
 
+import json
+import os
 from dataclasses import dataclass
 from typing import Iterator, Optional
 
@@ -421,15 +423,11 @@ def check_bands(bands: dict, source: str = "ROWS_BANDS") -> dict:
 
 def load_bands(path: str) -> dict:
     """The band table in the JSON file `path` (`add_norm_sweep --bands-out` writes one), checked."""
-    import json
-
     with open(path) as f:
         return check_bands(json.load(f), f"{ROWS_BANDS_ENV}={path}")
 
 
 def _rows_bands() -> dict:
-    import os
-
     path = os.environ.get(ROWS_BANDS_ENV)
     return load_bands(path) if path else check_bands(SHIPPED_ROWS_BANDS)
 
