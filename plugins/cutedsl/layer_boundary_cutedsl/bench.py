@@ -9,7 +9,8 @@
     a failure of the bench, unless --no-flashinfer). FlashInfer runs in a child process (its first
     call may JIT-compile for minutes; the child is killed at the time budget), and our kernel is
     timed again there beside it, both in place on the same buffers, in rotated rounds (--rounds):
-    ours/fi compares those. Times from two processes differ by up to ~15% at the L2-resident
+    ours/fi compares those, over --buffer-sets pairs of buffers (where two buffers sit moves an
+    L2-resident kernel's time by 2-8%, not the same way for each kernel). Times from two processes differ by up to ~15% at the L2-resident
     sizes, where the buffers' physical pages set the kernel's time. Bandwidth counts the bytes a perfect kernel
     moves: read x and residual, write the new residual and the norm (4 * T * H * 2 bytes). The
     copy baseline is the faster of a copy-engine `copy_` and an SM copy kernel of 1 GiB, each
@@ -48,6 +49,8 @@ EPS = 1e-6
 DT = torch.bfloat16
 #: rounds ours and FlashInfer's are timed in, side by side (`time_side_by_side`)
 ROUNDS = 5
+#: pairs of buffers (x, residual) they are timed on, ROUNDS rounds each (`buffer_sets`)
+BUFFER_SETS = 3
 
 
 def time_graph(fn, iters: int, repeats: int) -> float:
@@ -235,12 +238,25 @@ def compare_flashinfer(fi_fused, tokens, hidden, options) -> dict:
                 flashinfer_vs_ours_max_ulps=vs_ours)
 
 
-def bench_flashinfer(results, iters, repeats, options=None, rounds=ROUNDS):
+def buffer_sets(tokens: int, hidden: int, sets: int, device: str = "cuda") -> list:
+    """`sets` pairs (x, residual) of random bf16 rows, all alive at once, a spacer of a different
+    size before each: where two buffers sit relative to each other moves an L2-resident kernel's
+    time by 2-8%, and not the same way for every kernel (benchmarks/add_norm_context_probe.py), so
+    a ratio of two kernels taken on one pair is partly that pair's luck."""
+    pairs, spacers = [], []
+    for k in range(sets):
+        spacers.append(torch.empty((2 * k + 3) << 20, device=device, dtype=torch.uint8))  # 3, 5, 7 MiB ... (the large pool)
+        pairs.append((torch.randn(tokens, hidden, device=device).to(DT), torch.randn(tokens, hidden, device=device).to(DT)))
+    return pairs
+
+
+def bench_flashinfer(results, iters, repeats, options=None, rounds=ROUNDS, sets=BUFFER_SETS):
     """flashinfer.norm.fused_add_rmsnorm (in place: input <- norm, residual <- sum) on the same
     shapes: its implementation, its output against ours, and its time beside ours (`options`:
     our kernel), both in place on the same two buffers, `rounds` rounds in rotated order
-    (`time_side_by_side`): `ours_over_flashinfer` is the ratio of the medians. Returns "ok" or
-    what failed."""
+    (`time_side_by_side`) on each of `sets` pairs of buffers (`buffer_sets`):
+    `ours_over_flashinfer` is the ratio of the medians over every round of every pair. Returns
+    "ok" or what failed."""
     options = options or {}
     try:
         import flashinfer
@@ -259,21 +275,23 @@ def bench_flashinfer(results, iters, repeats, options=None, rounds=ROUNDS):
             t0 = time.time()
             row.update(compare_flashinfer(fi_fused, tokens, hidden, options), flashinfer_implementation=implementation)
             first = time.time() - t0
-            x = torch.randn(tokens, hidden, device="cuda").to(DT)
-            r = torch.randn(tokens, hidden, device="cuda").to(DT)
             gamma = (1 + 0.1 * torch.randn(hidden, device="cuda")).to(DT)
-            times = time_side_by_side(
-                dict(ours=lambda: fused_add_rmsnorm(x, r, gamma, EPS, out=x, residual_out=r, **options),
-                     flashinfer=lambda: fi_fused(x, r, gamma, EPS)),
-                iters, repeats, rounds)
+            times = dict(ours=[], flashinfer=[])
+            for x, r in buffer_sets(tokens, hidden, sets):
+                for name, per_round in time_side_by_side(
+                        dict(ours=lambda: fused_add_rmsnorm(x, r, gamma, EPS, out=x, residual_out=r, **options),
+                             flashinfer=lambda: fi_fused(x, r, gamma, EPS)),
+                        iters, repeats, rounds).items():
+                    times[name] += per_round
             us, ours = statistics.median(times["flashinfer"]), statistics.median(times["ours"])
             row.update(flashinfer_us=us, flashinfer_gbs=row["bytes"] / (us * 1e-6) / 1e9, flashinfer_rounds=rounds,
-                       cutedsl_beside_flashinfer_us=ours, ours_over_flashinfer=ours / us,
+                       flashinfer_buffer_sets=sets, cutedsl_beside_flashinfer_us=ours, ours_over_flashinfer=ours / us,
                        ours_over_flashinfer_spread=ratio_spread(times["ours"], times["flashinfer"]))
             print(f"  flashinfer T={tokens:6d} H={hidden}: {us:8.2f} us beside ours {ours:8.2f} us (first call {first:.1f} s); "
                   f"residual equal: {row['flashinfer_residual_equals_ours']}, norm vs ours {row['flashinfer_vs_ours_max_ulps']:.1f} ulp",
                   flush=True)
             del x, r
+            torch.cuda.empty_cache()
         except Exception as exc:
             row["flashinfer_error"] = f"{type(exc).__name__}: {exc}"
             print(f"FAIL: flashinfer failed at T={tokens} H={hidden}: {exc}", flush=True)
@@ -281,7 +299,8 @@ def bench_flashinfer(results, iters, repeats, options=None, rounds=ROUNDS):
     return "ok"
 
 
-def flashinfer_in_child(results, iters, repeats, budget_s: float, kernel: str = "auto", rounds: int = ROUNDS):
+def flashinfer_in_child(results, iters, repeats, budget_s: float, kernel: str = "auto", rounds: int = ROUNDS,
+                        sets: int = BUFFER_SETS):
     """Run bench_flashinfer in a child process killed after `budget_s` (its first call may
     JIT-compile for minutes), with our kernel `kernel` (a sweep name) timed beside it there;
     merge what it measured into `results`."""
@@ -293,7 +312,7 @@ def flashinfer_in_child(results, iters, repeats, budget_s: float, kernel: str = 
     with tempfile.TemporaryDirectory() as tmp:
         src, dst = os.path.join(tmp, "in.json"), os.path.join(tmp, "out.json")
         with open(src, "w") as f:
-            json.dump(dict(results=results, iters=iters, repeats=repeats, rounds=rounds), f)
+            json.dump(dict(results=results, iters=iters, repeats=repeats, rounds=rounds, sets=sets), f)
         cmd = [sys.executable, "-m", "layer_boundary_cutedsl.bench", "--kernel", kernel, "--flashinfer-child", src, dst]
         try:
             proc = subprocess.run(cmd, timeout=budget_s, capture_output=True, text=True)
@@ -316,8 +335,8 @@ def table(results) -> str:
     head = (f"{'kernel':<26}{'T':>7}{'H':>6}{'cutedsl us':>12}{'GB/s':>8}{'%copy':>7}{'torch us':>10}{'in place':>10}"
             f"{'flashinfer us':>15}{'ours beside':>13}{'ours/fi':>9}{'spread':>12}")
     lines.append("'cutedsl us' writes new buffers, 'in place' overwrites its inputs (this process); 'flashinfer us' and "
-                 "'ours beside' are both in place on the same buffers in one process, timed in rotated rounds: "
-                 "ours/fi is their medians' ratio, spread the lowest and highest round's")
+                 "'ours beside' are both in place on the same buffers in one process, timed in rotated rounds on "
+                 "each of a few pairs of buffers: ours/fi is their medians' ratio, spread the lowest and highest round's")
     lines.append(head)
     lines.append("-" * len(head))
     for r in results:
@@ -349,6 +368,14 @@ def write(path, payload):
     os.replace(path + ".tmp", path)
 
 
+def shape(text: str) -> tuple:
+    """'1024x4096' -> (1024, 4096): an add + RMSNorm case of --shapes."""
+    tokens, sep, hidden = text.lower().partition("x")
+    if not (sep and tokens.isdigit() and hidden.isdigit() and int(tokens) > 0 and int(hidden) > 0):
+        raise argparse.ArgumentTypeError(f"{text!r} is not TOKENSxHIDDEN (e.g. 1024x4096)")
+    return int(tokens), int(hidden)
+
+
 def main(argv=None):
     ap = OneLineParser(prog="layer-boundary bench cutedsl", description=__doc__.split("\n\n")[0])
     ap.add_argument("--out", default="", help="write the results as JSON here")
@@ -362,6 +389,10 @@ def main(argv=None):
                          "token count), default (the width's tiling at every count), 256x1, 64x2+s+l1+late+g, ...")
     ap.add_argument("--rounds", type=positive_int, default=ROUNDS,
                     help="rounds ours and FlashInfer's are timed in, side by side in one process (ours/fi: medians)")
+    ap.add_argument("--buffer-sets", type=positive_int, default=BUFFER_SETS,
+                    help="pairs of buffers they are timed on, --rounds rounds each (where buffers sit moves the time)")
+    ap.add_argument("--shapes", nargs="+", type=shape, metavar="TxH",
+                    help="time only these add + RMSNorm shapes (tokens x hidden, e.g. 1024x4096) and no MoE finalize")
     ap.add_argument("--flashinfer-child", nargs=2, metavar=("IN", "OUT"), help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     from .add_norm_sweep import check_candidates  # imports this module: not at the top
@@ -370,7 +401,7 @@ def main(argv=None):
     if args.flashinfer_child:
         with open(args.flashinfer_child[0]) as f:
             job = json.load(f)
-        status = bench_flashinfer(job["results"], job["iters"], job["repeats"], kernel_options, job["rounds"])
+        status = bench_flashinfer(job["results"], job["iters"], job["repeats"], kernel_options, job["rounds"], job["sets"])
         write(args.flashinfer_child[1], dict(results=job["results"], status=status))
         return 0
     if not torch.cuda.is_available():
@@ -383,7 +414,7 @@ def main(argv=None):
     meta = dict(
         device=dev.name, sms=dev.multi_processor_count, torch=torch.__version__, cuda=torch.version.cuda,
         python=platform.python_version(), iters=iters, repeats=repeats, add_norm_kernel=args.kernel,
-        flashinfer_rounds=args.rounds,
+        flashinfer_rounds=args.rounds, flashinfer_buffer_sets=args.buffer_sets,
     )
     try:
         import cutlass
@@ -406,6 +437,8 @@ def main(argv=None):
     moe_cases = [(1, 4096), (16, 4096), (128, 4096), (1024, 4096), (4096, 4096), (1024, 7168)]
     if args.quick:
         moe_cases = [(1, 4096), (128, 4096), (4096, 4096)]
+    if args.shapes:
+        add_cases, moe_cases = args.shapes, []
     results = []
     payload = dict(meta=meta, results=results)
     try:
@@ -419,7 +452,7 @@ def main(argv=None):
     print(table(results), flush=True)
     if not args.no_flashinfer:
         payload["flashinfer"] = flashinfer_in_child(results, iters, repeats, args.budget_s - (time.time() - t_start),
-                                                    args.kernel, args.rounds)
+                                                    args.kernel, args.rounds, args.buffer_sets)
         implementations = sorted({r["flashinfer_implementation"] for r in results if "flashinfer_implementation" in r})
         payload["flashinfer_implementation"] = ", ".join(implementations) or None
         write(args.out, payload)

@@ -77,6 +77,27 @@ def test_side_by_side_rounds_rotate_the_order_and_ratios_pair_rounds(monkeypatch
     assert bench.ratio_spread(times["ours"], times["flashinfer"]) == [0.5, 4 / 3]
 
 
+def test_bench_shapes_parse_and_bad_ones_are_refused_before_any_gpu_work(capsys):
+    from layer_boundary_cutedsl.bench import main as bench_main, shape
+
+    assert shape("1024x4096") == (1024, 4096) and shape("1X2048") == (1, 2048)
+    for bad in ("1024", "x4096", "0x4096", "1024x-8", "axb"):
+        with pytest.raises(SystemExit):
+            bench_main(["--shapes", bad])
+        assert "TOKENSxHIDDEN" in capsys.readouterr().err
+
+
+def test_buffer_sets_are_distinct_live_pairs_of_the_case_shape():
+    from layer_boundary_cutedsl.bench import DT, buffer_sets
+
+    pairs = buffer_sets(8, 64, 3, device="cpu")
+    assert len(pairs) == 3
+    pointers = {t.data_ptr() for pair in pairs for t in pair}
+    assert len(pointers) == 6  # no pair shares storage with another: each is timed on its own buffers
+    assert all(t.shape == (8, 64) and t.dtype == DT for pair in pairs for t in pair)
+    assert not torch.equal(pairs[0][0], pairs[1][0])  # random rows, not one pattern copied
+
+
 def test_bench_table_shows_the_side_by_side_ratio_and_its_spread():
     from layer_boundary_cutedsl.bench import table
 
