@@ -38,6 +38,8 @@
 #   probe-qk-norm-rope one layer's q_norm + k_norm + rope (the model's chosen kernels) against the one
 #               fused q/k norm + rope launch (cutedsl.qk_norm_rope), graph replay
 #   bench-cutedsl  `layer-boundary bench cutedsl` (CuTe DSL add + RMSNorm vs FlashInfer, copy baseline)
+#   bench-cutedsl-cells  the same for CUTEDSL_SHAPES (default: T=1024 at each width) in CUTEDSL_CELL_RUNS (3)
+#               fresh processes, each with its buffers on other pages
 #   sweep-cutedsl  the CuTe DSL add + RMSNorm with and without PDL, new buffers or in place, against FlashInfer
 #   sweep-layouts  the CuTe DSL add + RMSNorm's CTA row layouts (threads per row x rows per CTA), in place,
 #               against FlashInfer: the layout each width should take
@@ -284,6 +286,15 @@ group() {
     # CUTEDSL_KERNEL: the add + RMSNorm kernel timed, by the layout sweep's name (default: the default)
     bench-cutedsl) run_bench bench_cutedsl 290 python3 -m layer_boundary bench cutedsl -- --kernel "${CUTEDSL_KERNEL:-auto}" \
       --out "$OUT/cutedsl_bench.json" ;;
+    # CUTEDSL_SHAPES (TxH ...) re-timed in CUTEDSL_CELL_RUNS fresh processes: each lands its buffers on
+    # other pages, so the runs show how much of a near-tie between ours and FlashInfer's is placement
+    bench-cutedsl-cells)
+      local k rc=0
+      for k in $(seq "${CUTEDSL_CELL_RUNS:-3}"); do
+        run_bench "bench_cutedsl_cells_$k" 200 python3 -m layer_boundary bench cutedsl -- --kernel "${CUTEDSL_KERNEL:-auto}" \
+          --shapes ${CUTEDSL_SHAPES:-1024x2048 1024x4096 1024x7168 1024x8192} --out "$OUT/cutedsl_cells_$k.json" || rc=1
+      done
+      return "$rc" ;;
     # the soak stops at its --budget-s (agreed by the ranks) with the steps it ran and its rate
     soak)
       local soak="python3 benchmarks/gpu_soak.py --device cuda --tp 2" rc=0
