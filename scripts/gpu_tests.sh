@@ -113,9 +113,15 @@ stage() {
   # flashinfer.zip (../shared/gpu/bundle.sh): the kernel sources the JIT builds need; or
   # flashinfer_py.zip (scripts/bundle_flashinfer_py.sh, 18 MiB, fits beside cutedsl.part2): the
   # Python modules alone, enough for FlashInfer's CuTe DSL norms (with nvidia-cutlass-dsl staged)
+  # the full zip replaces the Python-only one unpacked by an earlier command (the device keeps
+  # .gpu/ between commands, so both may be here; /tmp/site/.flashinfer_from says which one is in)
+  if [ -f .gpu/flashinfer.zip ] && [ "$(cat /tmp/site/.flashinfer_from 2>/dev/null)" = .gpu/flashinfer_py.zip ]; then
+    rm -rf /tmp/site/flashinfer /tmp/site/.flashinfer_from && log "flashinfer's Python-only modules replaced by the full zip"
+  fi
   for zip in .gpu/flashinfer.zip .gpu/flashinfer_py.zip; do
     if [ -f "$zip" ] && [ ! -d /tmp/site/flashinfer ]; then
-      mkdir -p /tmp/site && python3 -c "import sys, zipfile; zipfile.ZipFile(sys.argv[1]).extractall('/tmp/site')" "$zip" && log "flashinfer unpacked ($zip)"
+      mkdir -p /tmp/site && python3 -c "import sys, zipfile; zipfile.ZipFile(sys.argv[1]).extractall('/tmp/site')" "$zip" \
+        && echo "$zip" > /tmp/site/.flashinfer_from && log "flashinfer unpacked ($zip)"
       # the JIT cache's objects must be newer than the sources ninja checks them against, and an
       # unzip dates every source now: date them back, or the ~5-minute build runs again
       find /tmp/site -exec touch -h -d '2020-01-01 00:00:00' {} + && log "flashinfer sources dated 2020 (the JIT cache stays valid)"
