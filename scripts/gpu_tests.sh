@@ -8,7 +8,8 @@
 #   bash scripts/gpu_tests.sh summary           the table of everything run on this machine so far
 #
 # Groups (each fits one 10-minute device command; `run all` is for a machine without that limit):
-#   core        the core's GPU tests (graph decode, ranks on the GPU, the CLI at TP=2), tbo's
+#   core        the core's GPU tests (graph decode, fused qkv), tbo's
+#   core-ranks  ranks on the GPU: collectives on CUDA tensors, the CLI at TP=2 against a single rank
 #   cutedsl     CuTe DSL kernels, the model with the plugin, the fused one-shot all-reduce
 #   cutedsl-allreduce the fused one-shot all-reduce's GPU tests alone (ranks as processes on the GPUs)
 #   flashinfer  the flashinfer check at 2 ranks (every step)
@@ -64,7 +65,7 @@
 # commands sent back to back (the machine keeps /tmp while it stays warm), then the groups:
 #   1. carry .gpu/cutedsl.part1 .gpu/fijit.tgz   bash scripts/gpu_tests.sh stage
 #   2. carry .gpu/cutedsl.part2                  bash scripts/gpu_tests.sh stage
-#   3. carry .gpu/flashinfer.zip                 bash scripts/gpu_tests.sh stage run core
+#   3. carry .gpu/flashinfer.zip                 bash scripts/gpu_tests.sh stage run core core-ranks
 #   4. ...                                       bash scripts/gpu_tests.sh run flashinfer
 # (.gpu/flashinfer.zip and the cutedsl parts: ../shared/gpu/bundle.sh; fijit.tgz: FlashInfer's
 # trtllm_comm JIT cache for the machine, which saves its ~5-minute build.)
@@ -189,7 +190,9 @@ run_check() {  # name timeout command...
 
 group() {
   case $1 in
-    core) run_pytest core 560 tests/models/test_static_decode.py tests/models/test_gpu_ranks.py tests/models/test_fused_qkv.py tests/plugins/tbo ;;
+    core) run_pytest core 560 tests/models/test_static_decode.py tests/models/test_fused_qkv.py tests/plugins/tbo ;;
+    # the CLI at TP=2 on the GPU against a single rank: its qwen3 bf16 run alone took 284 s (session 14)
+    core-ranks) run_pytest core_ranks 560 tests/models/test_gpu_ranks.py ;;
     cutedsl) run_pytest cutedsl 560 tests/plugins/cutedsl ;;
     # torch.compile: reduce-overhead decode vs CapturedStep and vs the Inductor step captured whole (timings
     # printed and in compile_gpu.json), TP=2 with the flashinfer plugin or the CuTe DSL fusion compiled fullgraph
@@ -365,7 +368,7 @@ while [ $i -lt ${#steps[@]} ]; do
       while [ $((i + 1)) -lt ${#steps[@]} ] && [ "${steps[$((i + 1))]}" != stage ] && [ "${steps[$((i + 1))]}" != summary ]; do
         i=$((i + 1)); groups+=("${steps[$i]}")
       done
-      [ ${#groups[@]} -eq 0 ] && groups=(core cutedsl flashinfer flashinfer4 contract soak addnorm decode-kernels compile-cpu compile compile-ops)
+      [ ${#groups[@]} -eq 0 ] && groups=(core core-ranks cutedsl flashinfer flashinfer4 contract soak addnorm decode-kernels compile-cpu compile compile-ops)
       for g in "${groups[@]}"; do
         log "group $g"
         group "$g" || status=1
