@@ -10,8 +10,9 @@
     call may JIT-compile for minutes; the child is killed at the time budget), and our kernel is
     timed again there beside it, both in place on the same buffers, in rotated rounds (--rounds):
     ours/fi compares those, over --buffer-sets pairs of buffers (where two buffers sit moves an
-    L2-resident kernel's time by 2-8%, not the same way for each kernel). Times from two processes differ by up to ~15% at the L2-resident
-    sizes, where the buffers' physical pages set the kernel's time. Bandwidth counts the bytes a perfect kernel
+    L2-resident kernel's time by 2-8%, not the same way for each kernel). Times from two
+    processes differ by up to ~15% at the L2-resident sizes, where the buffers' physical pages
+    set the kernel's time. Bandwidth counts the bytes a perfect kernel
     moves: read x and residual, write the new residual and the norm (4 * T * H * 2 bytes). The
     copy baseline is the faster of a copy-engine `copy_` and an SM copy kernel of 1 GiB, each
     counted as the bytes it reads plus the bytes it writes (2 GiB); both are recorded.
@@ -38,6 +39,7 @@ import traceback
 import torch
 
 from layer_boundary.cli.args import OneLineParser, positive_float, positive_int
+from layer_boundary_cutedsl.kernels.tiling import check_hidden
 from layer_boundary_cutedsl.kernels import (
     add_rmsnorm_reference,
     fused_add_rmsnorm,
@@ -253,7 +255,7 @@ def buffer_sets(tokens: int, hidden: int, sets: int, device: str = "cuda") -> li
 def bench_flashinfer(results, iters, repeats, options=None, rounds=ROUNDS, sets=BUFFER_SETS):
     """flashinfer.norm.fused_add_rmsnorm (in place: input <- norm, residual <- sum) on the same
     shapes: its implementation, its output against ours, and its time beside ours (`options`:
-    our kernel), both in place on the same two buffers, `rounds` rounds in rotated order
+    our kernel), both in place on the same buffers, `rounds` rounds in rotated order
     (`time_side_by_side`) on each of `sets` pairs of buffers (`buffer_sets`):
     `ours_over_flashinfer` is the ratio of the medians over every round of every pair. Returns
     "ok" or what failed."""
@@ -369,10 +371,15 @@ def write(path, payload):
 
 
 def shape(text: str) -> tuple:
-    """'1024x4096' -> (1024, 4096): an add + RMSNorm case of --shapes."""
+    """'1024x4096' -> (1024, 4096): an add + RMSNorm case of --shapes, its width checked as the
+    kernel checks it (`check_hidden`), so a bad one stops the bench before the GPU work."""
     tokens, sep, hidden = text.lower().partition("x")
-    if not (sep and tokens.isdigit() and hidden.isdigit() and int(tokens) > 0 and int(hidden) > 0):
+    if not (sep and tokens.isdigit() and hidden.isdigit() and int(tokens) > 0):
         raise argparse.ArgumentTypeError(f"{text!r} is not TOKENSxHIDDEN (e.g. 1024x4096)")
+    try:
+        check_hidden(int(hidden), DT)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(f"{text!r}: {exc}") from None
     return int(tokens), int(hidden)
 
 

@@ -85,6 +85,10 @@ def test_bench_shapes_parse_and_bad_ones_are_refused_before_any_gpu_work(capsys)
         with pytest.raises(SystemExit):
             bench_main(["--shapes", bad])
         assert "TOKENSxHIDDEN" in capsys.readouterr().err
+    for bad_width in ("1024x4095", "1024x0", "8x32768"):  # not whole 16-byte vectors, or wider than the kernels take
+        with pytest.raises(SystemExit):
+            bench_main(["--shapes", bad_width])
+        assert "hidden size" in capsys.readouterr().err
 
 
 def test_buffer_sets_are_distinct_live_pairs_of_the_case_shape():
