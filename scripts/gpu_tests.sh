@@ -12,10 +12,11 @@
 #   core-ranks  ranks on the GPU: collectives on CUDA tensors, the CLI at TP=2 against a single rank
 #   cutedsl     CuTe DSL kernels, the model with the plugin, the fused one-shot all-reduce
 #   cutedsl-allreduce the fused one-shot all-reduce's GPU tests alone (ranks as processes on the GPUs)
-#   flashinfer  the flashinfer check at 2 ranks (every step)
-#   flashinfer4 the flashinfer check at 4 ranks (boundary, finalize, models)
+#   flashinfer  the flashinfer plugin's fused all-reduce + add + RMSNorm at 2 ranks (workspace memory,
+#               boundaries, two-shot, MoE finalize, fallback, FlashInfer's kernel limits, FP8 reads, models
+#               with the plugin on and off, every fused call of a model shadowed, graph decode)
+#   flashinfer4 the same at 4 ranks (boundaries, MoE finalize, models, graph decode)
 #   contract    the provider contract suite's CUDA cases
-#   shadow      the models step with every fused call recomputed unfused (a diagnostic)
 #   soak        benchmarks/gpu_soak.py at 2 ranks: 10,000 decode steps with the flashinfer plugin
 #               (GPU memory, live tensors and streams before and after), then a rank killed
 #               mid-forward (the others must raise, not hang); JSON in $OUT/soak.json, soak_kill.json
@@ -182,8 +183,7 @@ run_check() {  # name timeout command...
   local t0=$SECONDS
   timeout "$limit" "$@" > "$OUT/$name.log" 2>&1
   local rc=$?
-  grep -a -E "^FAIL|checks passed|correctness only|^check vs|\[rank [0-9]\] (workspace|could not)|^soak|^kill|^  rank|^    (before|step|after)" "$OUT/$name.log" | tail -15
-  grep -a "\[rank [0-9]\] enter" "$OUT/$name.log" | tail -4
+  grep -a -E "^FAIL|checks passed|correctness only|^check vs|^soak|^kill|^  rank|^    (before|step|after)" "$OUT/$name.log" | tail -15
   echo "$name $rc $((SECONDS - t0)) $OUT/$name.log" >> "$RESULTS"
   return "$rc"
 }
@@ -204,53 +204,10 @@ group() {
     # the plugins' fused kernel ops: torch.library.opcheck (CuTe DSL MoE ops on one rank; FlashInfer's fused
     # all-reduce + add + RMSNorm and its FP8 variant, the CuTe DSL one-shot ops on 2 ranks of the shared-device world)
     compile-ops) run_pytest compile_ops 560 -s tests/plugins/test_fused_ops_gpu.py ;;
-    # the check in parts, each a fresh pair of ranks with its own time limit (a hang costs one part)
-    flashinfer)
-      local fi="python3 -m layer_boundary_flashinfer.gpu_check --ranks 2 --watchdog 60" rc=0
-      run_check fi_kernels 240 $fi --out "$OUT/fi_kernels" --only memory boundary twoshot finalize fallback defects fp8 || rc=1
-      run_check fi_models 180 $fi --out "$OUT/fi_models" --only models --models qwen3 gemma qwen3_moe || rc=1
-      run_check fi_graph 180 $fi --out "$OUT/fi_graph" --only "graph decode" --graph-models qwen3 qwen3_moe || rc=1
-      return $rc ;;
-    flashinfer4)
-      local fi4="python3 -m layer_boundary_flashinfer.gpu_check --ranks 4 --watchdog 60" rc=0
-      run_check fi4_kernels 200 $fi4 --out "$OUT/fi4_kernels" --only boundary finalize || rc=1
-      run_check fi4_models 240 $fi4 --out "$OUT/fi4_models" --only models "graph decode" --models qwen3 qwen3_moe --graph-models qwen3 || rc=1
-      return $rc ;;
-    # why qwen3_moe hangs with the fused kernels in the shared world (issue 20): one variant each
-    probe-moe)
-      local fi="python3 -m layer_boundary_flashinfer.gpu_check --ranks 2 --watchdog 30 --only models"
-      LAYER_BOUNDARY_CHECK_TRACE=1 run_check moe_control_qwen3 50 $fi --models qwen3 --out "$OUT/moe_control_qwen3"
-      LAYER_BOUNDARY_CHECK_TRACE=1 run_check moe_default 50 $fi --models qwen3_moe --out "$OUT/moe_default"
-      run_check moe_dense 50 $fi --models qwen3_moe --out "$OUT/moe_dense" --dense-moe
-      LAYER_BOUNDARY_FLASHINFER_FINALIZE=0 run_check moe_nofinalize 50 $fi --models qwen3_moe --out "$OUT/moe_nofinalize"
-      LAYER_BOUNDARY_FLASHINFER_PDL=0 run_check moe_nopdl 50 $fi --models qwen3_moe --out "$OUT/moe_nopdl"
-      LAYER_BOUNDARY_DISABLE_PLUGINS=flashinfer run_check cli_moe_unfused 45 \
-        python3 -m layer_boundary run --model qwen3_moe --tp 2 --device cuda --check single --decode-steps 2
-      return 0 ;;
-    # one short session's worth: the flashinfer steps not yet run, the qwen3_moe probe's core, a graph decode
-    probe)
-      local fi="python3 -m layer_boundary_flashinfer.gpu_check --ranks 2 --watchdog 30" rc=0
-      run_check fi_rest 120 $fi --out "$OUT/fi_rest" --only twoshot fallback defects fp8 || rc=1
-      LAYER_BOUNDARY_CHECK_TRACE=1 run_check moe_control_qwen3 55 $fi --only models --models qwen3 --out "$OUT/moe_control_qwen3"
-      LAYER_BOUNDARY_CHECK_TRACE=1 run_check moe_default 50 $fi --only models --models qwen3_moe --out "$OUT/moe_default"
-      run_check moe_dense 50 $fi --only models --models qwen3_moe --out "$OUT/moe_dense" --dense-moe
-      run_check fi_graph_qwen3 70 $fi --out "$OUT/fi_graph_qwen3" --only "graph decode" --graph-models qwen3 || rc=1
-      return $rc ;;
-    # the last short session: qwen3_moe with the finalize race fixed, its graph decode, FP8, the CuTe DSL one-shot
-    final)
-      local fi="python3 -m layer_boundary_flashinfer.gpu_check --ranks 2 --watchdog 30" rc=0
-      run_check fi_moe 60 $fi --out "$OUT/fi_moe" --only models --models qwen3_moe || rc=1
-      run_check fi_graph_moe 60 $fi --out "$OUT/fi_graph_moe" --only finalize "graph decode" --graph-models qwen3_moe || rc=1
-      run_check fi_fp8 50 $fi --out "$OUT/fi_fp8" --only fp8 || rc=1
-      run_check cutedsl_smoke 150 python3 -m layer_boundary_cutedsl.allreduce_smoke --ranks 2 --json "$OUT/cutedsl_smoke.json" || rc=1
-      return $rc ;;
-    # qwen3_moe's bf16 logits move further from float32 with the fused kernels than without (0.04 vs
-    # 0.011 at TP=2), dense qwen3's do not: every fused call recomputed unfused, per call
-    shadow)
-      local fi="python3 -m layer_boundary_flashinfer.gpu_check --ranks 2 --watchdog 60 --only models --shadow" rc=0
-      run_check shadow_moe 120 $fi --models qwen3_moe --out "$OUT/shadow_moe" || rc=1
-      run_check shadow_dense 90 $fi --models qwen3 --out "$OUT/shadow_dense" || rc=1
-      return $rc ;;
+    # the fused all-reduce + add + RMSNorm's GPU tests (tests/plugins/flashinfer/flashinfer_fusion_checks.py
+    # says what each compares); rank 0's checks and their facts are printed into the log
+    flashinfer) run_pytest flashinfer 560 -s tests/plugins/flashinfer/test_flashinfer_fusion_gpu.py -k "not tp4" ;;
+    flashinfer4) run_pytest flashinfer4 560 -s tests/plugins/flashinfer/test_flashinfer_fusion_gpu.py -k tp4 ;;
     smoke-cutedsl) run_check cutedsl_smoke "${SMOKE_TIMEOUT:-240}" python3 -m layer_boundary_cutedsl.allreduce_smoke --ranks 2 --json "$OUT/cutedsl_smoke.json" ;;
     addnorm) run_pytest addnorm 560 tests/plugins/test_add_norm_gpu.py ;;
     addnorm-kernels) run_pytest addnorm_kernels 400 tests/plugins/test_add_norm_gpu.py -k "not qwen3" ;;
@@ -311,7 +268,7 @@ group() {
       run_check soak_kill 150 $soak --only kill --out "$OUT/soak_kill.json" || rc=1
       return $rc ;;
     contract) run_pytest contract 560 tests/plugins/test_contract_plugins.py tests/plugins/test_contract_suite.py tests/test_example_provider.py ;;
-    *) log "unknown group $1 (core cutedsl flashinfer flashinfer4 contract soak compile compile-cpu compile-ops addnorm cutedsl-kernels decode-kernels shadow probe probe-moe final smoke-cutedsl bench-decode probe-attention probe-replay qk-norm-rope probe-qk-norm-rope cutedsl-allreduce bench-cutedsl sweep-cutedsl sweep-layouts sweep-reread sweep-reread-widths reread sweep-fi-shape sweep-fi-shape-widths late-gamma sweep-auto sweep-rounds addnorm-kernels probe-addnorm-context)"; return 2 ;;
+    *) log "unknown group $1 (core cutedsl flashinfer flashinfer4 contract soak compile compile-cpu compile-ops addnorm cutedsl-kernels decode-kernels smoke-cutedsl bench-decode probe-attention probe-replay qk-norm-rope probe-qk-norm-rope cutedsl-allreduce bench-cutedsl sweep-cutedsl sweep-layouts sweep-reread sweep-reread-widths reread sweep-fi-shape sweep-fi-shape-widths late-gamma sweep-auto sweep-rounds addnorm-kernels probe-addnorm-context)"; return 2 ;;
   esac
 }
 
@@ -325,16 +282,11 @@ ok = True
 for name, rc, seconds, log in rows:
     detail = ""
     xml = out / f"{name}.xml"
-    check = out / name / "gpu_check.json"
     soak = out / f"{name}.json"
     if xml.is_file():
         suite = ET.parse(xml).getroot()
         suite = suite if suite.tag == "testsuite" else suite.find("testsuite")
         detail = f"tests {suite.get('tests')}, failures {suite.get('failures')}, errors {suite.get('errors')}, skipped {suite.get('skipped')}"
-    elif check.is_file():
-        data = json.loads(check.read_text())
-        passed = sum(c["ok"] for c in data["checks"])
-        detail = f"checks {passed}/{len(data['checks'])}, world {data['world']} on {data['gpus']} GPU(s){' (shared)' if data['shared_device'] else ''}"
     elif soak.is_file():
         data = json.loads(soak.read_text())
         mib = lambda n: "-" if n is None else f"{n / 2**20:.1f}"

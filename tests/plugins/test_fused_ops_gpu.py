@@ -94,7 +94,7 @@ def _fp8_opcheck_rank(parallel):
     op against its launch, then opcheck."""
     from layer_boundary.plugin import graph_key
     from layer_boundary_flashinfer import graph_ops
-    from layer_boundary_flashinfer.fp8_check import Fp8Pair
+    from layer_boundary_flashinfer.bench import BoundaryPair
     from layer_boundary_flashinfer.provider import FlashInferFusion
     from layer_boundary_flashinfer.service import prepare_flashinfer_fusion, shutdown_flashinfer_fusion
 
@@ -102,7 +102,7 @@ def _fp8_opcheck_rank(parallel):
     out = []
     try:
         for fmt, scale in (("fp8_dynamic", None), ("fp8_static", 8.0 / 448.0)):
-            pair = Fp8Pair(parallel, 2048, torch.bfloat16, device, fmt, scale)
+            pair = BoundaryPair(parallel, 2048, torch.bfloat16, device, fp8=(fmt, scale))
             prepare_flashinfer_fusion(list(pair.boundaries), max_tokens=64)
             candidate = next(
                 p.fp8 for b in pair.boundaries for p, _ in b.plan.providers if isinstance(p, FlashInferFusion) and p.fp8.bound

@@ -44,10 +44,14 @@ def _log(rank: int, *parts) -> None:
 
 class BoundaryPair:
     """Two layers' stages of width `hidden`: layer 0's FFN (a MoE with `sparse`) leaves its sum
-    (or its finalize) to layer 1's attention input, whose norm the fused kernel applies."""
+    (or its finalize) to layer 1's attention input, whose norm the fused kernel applies. With
+    `fp8=(format, static_scale)` every input reads FP8 (`fp8_residual`: "fp8_dynamic" with None,
+    "fp8_static" with the read's fixed scale), and `read` is layer 1's attention input's read."""
 
-    def __init__(self, parallel, hidden: int, dtype, device, *, eps: float = 1e-6, gemma: bool = False, sparse: bool = False):
+    def __init__(self, parallel, hidden: int, dtype, device, *, eps: float = 1e-6, gemma: bool = False, sparse: bool = False,
+                 fp8=None):
         from layer_boundary import GemmaRMSNorm, RMSNorm, declare_attn, declare_ffn, make_stages
+        from layer_boundary.plugin import fp8_residual
 
         gen = torch.Generator().manual_seed(hidden)
         norms = []
@@ -56,12 +60,15 @@ class BoundaryPair:
             with torch.no_grad():  # the same weights on every rank, away from 1 (Gemma: from 0)
                 norm.weight.copy_(((0.0 if gemma else 1.0) + 0.1 * torch.randn(hidden, generator=gen)).to(dtype))
             norms.append(norm)
-        tag = f"pair{hidden}{'g' if gemma else ''}{'m' if sparse else ''}"
-        self.attn0, self.ffn0 = make_stages((declare_attn(), norms[0]), (declare_ffn(sparse=sparse), norms[1]),
+        ops = None if fp8 is None else fp8_residual(fp8[0], static_scale=fp8[1], attention=True, ffn=False)
+        tag = f"pair{hidden}{'g' if gemma else ''}{'m' if sparse else ''}{fp8[0] if fp8 else ''}"
+        self.attn0, self.ffn0 = make_stages((declare_attn(residual=ops), norms[0]), (declare_ffn(sparse=sparse, residual=ops), norms[1]),
                                             parallel=parallel, label=f"{tag}.layer0")
-        self.attn1, self.ffn1 = make_stages((declare_attn(), norms[2]), (declare_ffn(), norms[3]), previous=declare_ffn(sparse=sparse),
-                                            terminal=True, parallel=parallel, label=f"{tag}.layer1")
+        self.attn1, self.ffn1 = make_stages((declare_attn(residual=ops), norms[2]), (declare_ffn(residual=ops), norms[3]),
+                                            previous=declare_ffn(sparse=sparse, residual=ops), terminal=True, parallel=parallel,
+                                            label=f"{tag}.layer1")
         self.norm = norms[2]  # the consumer's norm: what the kernel applies
+        self.read = self.attn1.plan.read
         self.parallel = parallel
 
     @property
@@ -289,7 +296,7 @@ def _rank(rank: int, world: int, args) -> None:
         # ranks' kernels time-slice: nothing this bench would print is a measurement
         if rank == 0:
             print(f"{placement.note}: bench fusion measures nothing here; run it with a GPU per rank "
-                  "(python -m layer_boundary_flashinfer.gpu_check checks correctness in this world)", flush=True)
+                  "(tests/plugins/flashinfer/test_flashinfer_fusion_gpu.py checks correctness in this world)", flush=True)
         return
     dtype = getattr(torch, args.dtype)
     parallel = Parallel.from_torch(Topology(tp=world))

@@ -1,10 +1,10 @@
 """Running a function on every GPU rank of one host: under torchrun, or spawned here.
 
-For the benchmark and the GPU check (`bench.py`, `gpu_check.py`). Ranks are placed on the
-visible GPUs by `layer_boundary.place_ranks`: one GPU a rank over NCCL, or, when ranks outnumber
-the GPUs, several ranks on one GPU over gloo (the trtllm workspaces map peer memory inside the
-device; correctness only, timings are not representative). The flashinfer workspaces are
-released before the process group is destroyed (a workspace left alive can hang the exit).
+For `layer-boundary bench fusion` (`bench.py`). Ranks are placed on the visible GPUs by
+`layer_boundary.place_ranks`: one GPU a rank over NCCL, or, when ranks outnumber the GPUs, several
+ranks on one GPU over gloo (the trtllm workspaces map peer memory inside the device; correctness
+only, timings are not representative). The flashinfer workspaces are released before the process
+group is destroyed (a workspace left alive can hang the exit).
 """
 
 from __future__ import annotations
