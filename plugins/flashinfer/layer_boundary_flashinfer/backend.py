@@ -117,6 +117,12 @@ def oneshot_table(limit: int, hidden: int, dtype: torch.dtype, world: int, algor
     return [True] + [_oneshot(t, hidden, dtype, world, algorithm) for t in range(1, limit + 1)]
 
 
+def _workspace_of(slot) -> tuple:
+    """(workspace, world size, this rank, its pointer table): what every launcher passes the op."""
+    ws = slot.workspace
+    return ws, int(ws.world_size), int(ws.rank), ws.workspace_tensor
+
+
 def _params(fn) -> Optional[tuple]:
     try:
         return tuple(inspect.signature(fn).parameters)
@@ -221,24 +227,32 @@ class FlashInferBackend:
             cudart.cudaFree(c_void_p(flag_ptr))
 
     # launchers -------------------------------------------------------------------------------
+    def _compiled_op(self, kind: Optional[str], name: str, params: tuple) -> tuple:
+        """(FlashInfer's compiled comm op `name`, whether it takes `params`: the fast path), the
+        latter recorded as `fast_path[kind]` (where the launcher otherwise uses the public API)."""
+        from flashinfer.comm.trtllm_ar import get_trtllm_comm_module
+
+        op = getattr(get_trtllm_comm_module(), name)
+        fast = _params(op) == params
+        if kind is not None:
+            self.fast_path[kind] = fast
+        return op, fast
+
     def bind_all_reduce(self, slot, gamma, eps: float, weight_bias: float, hidden: int, limit: int) -> Callable:
         """`launch(x, residual, tokens) -> (normed, new_residual)`: sum x over the group, add the
         residual, RMSNorm, in one kernel. x and residual: contiguous [tokens, hidden]."""
-        from flashinfer.comm.trtllm_ar import AllReduceFusionPattern, get_trtllm_comm_module
+        from flashinfer.comm.trtllm_ar import AllReduceFusionPattern
 
-        ws = slot.workspace
-        world, rank = int(ws.world_size), int(ws.rank)
-        ptrs = ws.workspace_tensor
+        ws, world, rank, ptrs = _workspace_of(slot)
         opts = settings()
         pdl, acc = opts.launch_with_pdl, opts.fp32_acc
         pattern = int(AllReduceFusionPattern.kARResidualRMSNorm)
         table = oneshot_table(limit, hidden, slot.dtype, world, opts.algorithm)
         eps, bias = float(eps), float(weight_bias)
         empty_like = torch.empty_like
-        op = get_trtllm_comm_module().trtllm_allreduce_fusion
+        op, fast = self._compiled_op("all_reduce", "trtllm_allreduce_fusion", ALL_REDUCE_OP_PARAMS)
         order = slot.order
-        if _params(op) == ALL_REDUCE_OP_PARAMS:
-            self.fast_path["all_reduce"] = True
+        if fast:
 
             def launch(x, residual, tokens):
                 order()
@@ -251,8 +265,6 @@ class FlashInferBackend:
             return launch
 
         from flashinfer.comm import allreduce_fusion
-
-        self.fast_path["all_reduce"] = False
 
         def launch_public(x, residual, tokens):
             order()
@@ -275,11 +287,8 @@ class FlashInferBackend:
         in one kernel. FlashInfer quantizes the norm rounded to the activation dtype; the core's
         unfused read quantizes it in fp32, so a value on a rounding edge may land one E4M3 step apart."""
         from layer_boundary.plugin import FP8_DTYPE, Fp8Input
-        from flashinfer.comm.trtllm_ar import get_trtllm_comm_module
 
-        ws = slot.workspace
-        world, rank = int(ws.world_size), int(ws.rank)
-        ptrs = ws.workspace_tensor
+        ws, world, rank, ptrs = _workspace_of(slot)
         opts = settings()
         pdl, acc = opts.launch_with_pdl, opts.fp32_acc
         table = oneshot_table(limit, hidden, slot.dtype, world, opts.algorithm)
@@ -297,8 +306,8 @@ class FlashInferBackend:
             scale_out_of = lambda tokens: torch.empty((tokens, 1), dtype=torch.float32, device=device)  # noqa: E731
         else:
             raise ValueError(f"not an FP8 format: {fmt!r}")
-        op = get_trtllm_comm_module().trtllm_allreduce_fusion
-        if _params(op) != ALL_REDUCE_OP_PARAMS:
+        op, fast = self._compiled_op(None, "trtllm_allreduce_fusion", ALL_REDUCE_OP_PARAMS)
+        if not fast:
             raise RuntimeError("the installed flashinfer's trtllm_allreduce_fusion takes other arguments; FP8 reads stay unfused")
         self.fast_path["all_reduce_fp8"] = True
         static_view = scale.reshape(()) if scale is not None else None
@@ -321,19 +330,15 @@ class FlashInferBackend:
     def bind_plain_all_reduce(self, slot) -> Callable:
         """`launch(rows) -> summed`: FlashInfer's plain all-reduce (`kAllReduce`) of a contiguous
         [tokens, width] tensor over the slot's group (rows x width within the workspace)."""
-        from flashinfer.comm.trtllm_ar import AllReduceFusionPattern, get_trtllm_comm_module
+        from flashinfer.comm.trtllm_ar import AllReduceFusionPattern
 
-        ws = slot.workspace
-        world, rank = int(ws.world_size), int(ws.rank)
-        ptrs = ws.workspace_tensor
+        ws, world, rank, ptrs = _workspace_of(slot)
         opts = settings()
         pdl, acc, algorithm = opts.launch_with_pdl, opts.fp32_acc, opts.algorithm
         pattern = int(AllReduceFusionPattern.kAllReduce)
         choices: dict = {}
         empty_like = torch.empty_like
-        op = get_trtllm_comm_module().trtllm_allreduce_fusion
-        fast = _params(op) == ALL_REDUCE_OP_PARAMS
-        self.fast_path["plain_all_reduce"] = fast
+        op, fast = self._compiled_op("plain_all_reduce", "trtllm_allreduce_fusion", ALL_REDUCE_OP_PARAMS)
         if not fast:
             from flashinfer.comm import allreduce_fusion
 
@@ -360,11 +365,7 @@ class FlashInferBackend:
         """`launch(rows, scales, shared, residual) -> (normed, new_residual)`: weight and sum each
         token's top-k expert rows (+ the shared expert), sum over the group, add, RMSNorm, in one
         kernel. rows: contiguous [tokens, k, hidden]; scales: [tokens, k] in the rows' dtype."""
-        from flashinfer.comm.trtllm_ar import get_trtllm_comm_module
-
-        ws = slot.workspace
-        world, rank = int(ws.world_size), int(ws.rank)
-        ptrs = ws.workspace_tensor
+        ws, world, rank, ptrs = _workspace_of(slot)
         pdl = settings().launch_with_pdl
         eps, bias = float(eps), float(weight_bias)
         tokens_max = min(limit, FINALIZE_MAX_TOKENS)
@@ -373,9 +374,7 @@ class FlashInferBackend:
         identity = torch.arange(tokens_max * MAX_TOP_K, dtype=torch.int32, device=ptrs.device)
         maps: dict = {}
         empty_like = torch.empty_like
-        op = get_trtllm_comm_module().trtllm_moe_finalize_allreduce_fusion
-        fast = _params(op) == FINALIZE_OP_PARAMS
-        self.fast_path["finalize"] = fast
+        op, fast = self._compiled_op("finalize", "trtllm_moe_finalize_allreduce_fusion", FINALIZE_OP_PARAMS)
         if not fast:
             from flashinfer.comm import AllReduceFusionPattern, allreduce_fusion
 

@@ -46,7 +46,7 @@ import torch
 
 from layer_boundary.plugin import graph_key, graph_object, register_graph_object, rope_cos_sin_table
 
-from .eligibility import model_kernel_reason
+from .eligibility import first_launch, model_kernel_reason
 
 __all__ = ["FlashInferRope", "FlashInferDecodeAttention", "rope_factory", "decode_attention_factory", "reason"]
 
@@ -124,19 +124,15 @@ class FlashInferRope:
 
 def rope_factory(request) -> Optional[FlashInferRope]:
     """The `RopeKernel` factory: a table for `request.max_positions` and one trial launch."""
-    if reason(request) is not None:
-        return None
-    try:
-        table = rope_cos_sin_table(request.head_dim, request.theta, request.max_positions, request.device)
-        kernel = FlashInferRope(table)
+
+    def launch():
+        kernel = FlashInferRope(rope_cos_sin_table(request.head_dim, request.theta, request.max_positions, request.device))
         q = torch.zeros(1, request.heads, request.head_dim, dtype=request.dtype, device=request.device)
         k = torch.zeros(1, request.kv_heads, request.head_dim, dtype=request.dtype, device=request.device)
         kernel(q, k, torch.zeros(1, dtype=torch.long, device=request.device))
-        torch.cuda.synchronize(request.device)
-    except Exception as exc:  # noqa: BLE001 - a kernel that cannot run here declines
-        log.warning("flashinfer.rope declines %s on %s: %s: %s", request.dtype, request.device, type(exc).__name__, exc)
-        return None
-    return kernel
+        return kernel
+
+    return first_launch("flashinfer.rope", request.dtype, request.device, launch, declined=reason(request))
 
 
 class _Planned:
@@ -264,7 +260,8 @@ def decode_attention_factory(request) -> Optional[FlashInferDecodeAttention]:
         return None
     if request.heads % request.kv_heads:
         return None
-    try:
+
+    def launch():
         kernel = FlashInferDecodeAttention(request)
         cache = torch.zeros(1, request.kv_heads, 16, request.head_dim, dtype=request.dtype, device=request.device)
         q = torch.zeros(1, request.heads, request.head_dim, dtype=request.dtype, device=request.device)
@@ -273,11 +270,11 @@ def decode_attention_factory(request) -> Optional[FlashInferDecodeAttention]:
         state = kernel.bind_step(cache, None, positions)  # builds the append kernel too (not inside a capture)
         k = torch.zeros(1, request.kv_heads, request.head_dim, dtype=request.dtype, device=request.device)
         kernel.write(state, k, k, cache, cache.clone())
-        torch.cuda.synchronize(request.device)
-        kernel.planned.clear()
-    except Exception as exc:  # noqa: BLE001 - a kernel that cannot run here declines
-        log.warning("flashinfer.decode_attention declines %s on %s: %s: %s", request.dtype, request.device, type(exc).__name__, exc)
-        return None
+        return kernel
+
+    kernel = first_launch("flashinfer.decode_attention", request.dtype, request.device, launch)
+    if kernel is not None:
+        kernel.planned.clear()  # the trial's plans: a model's batch sizes are planned at their first call
     return kernel
 
 

@@ -18,8 +18,9 @@ Every `*_reason` returns None when the rule holds, else a short reason for repor
 from __future__ import annotations
 
 import importlib.util
+import logging
 import os
-from typing import Optional
+from typing import Callable, Optional
 
 import attrs
 import torch
@@ -370,3 +371,20 @@ def model_kernel_reason(request, dtypes, unsupported: Optional[str] = None) -> O
     if not flashinfer_installed():
         return "flashinfer-python missing"
     return None
+
+
+def first_launch(record: str, what: str, device, launch: Callable, declined: Optional[str] = None):
+    """A kernel factory's answer: None at once where the kernel is `declined` (the reason it is not
+    asked for), else `launch()`'s result once it ran and the device finished it (a JIT build or
+    compile happens now, never inside a CUDA-graph capture); None, with a warning naming `record`
+    and `what` it was asked for, when it fails: a kernel that cannot run here declines."""
+    if declined is not None:
+        return None
+    try:
+        result = launch()
+        if torch.device(device).type == "cuda":
+            torch.cuda.synchronize(device)
+        return result
+    except Exception as exc:  # noqa: BLE001 - a kernel that cannot run here declines
+        logging.getLogger("layer_boundary.flashinfer").warning("%s declines %s on %s: %s: %s", record, what, device, type(exc).__name__, exc)
+        return None

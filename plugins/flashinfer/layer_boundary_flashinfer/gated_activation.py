@@ -18,16 +18,13 @@ fake implementation.
 
 from __future__ import annotations
 
-import logging
 from typing import Optional
 
 import torch
 
-from .eligibility import model_kernel_reason, settings
+from .eligibility import first_launch, model_kernel_reason, settings
 
 __all__ = ["FlashInferGatedActivation", "gated_activation_factory", "reason", "FUNCTIONS"]
-
-log = logging.getLogger("layer_boundary.flashinfer")
 
 DTYPES = (torch.bfloat16, torch.float16)
 #: the request's activation -> FlashInfer's function of `flashinfer.activation`
@@ -64,19 +61,16 @@ class FlashInferGatedActivation:
 
 def gated_activation_factory(request) -> Optional[FlashInferGatedActivation]:
     """The `GatedActivationKernel` factory: one trial launch of a row of the request's width."""
-    if reason(request) is not None:
-        return None
-    try:
+
+    def launch():
         kernel = FlashInferGatedActivation(request.activation, settings().launch_with_pdl)
         out = kernel(torch.zeros(1, 2 * request.intermediate, dtype=request.dtype, device=request.device))
-        torch.cuda.synchronize(request.device)
         if out.shape != (1, request.intermediate) or out.dtype != request.dtype:
             raise RuntimeError(f"{FUNCTIONS[request.activation]} returned {tuple(out.shape)} {out.dtype}")
-    except Exception as exc:  # noqa: BLE001 - a kernel that cannot run here declines
-        log.warning("flashinfer.gated_activation declines %s %s on %s: %s: %s", request.activation, request.dtype,
-                    request.device, type(exc).__name__, exc)
-        return None
-    return kernel
+        return kernel
+
+    return first_launch("flashinfer.gated_activation", f"{request.activation} {request.dtype}", request.device, launch,
+                        declined=reason(request))
 
 
 # the custom op torch.compile traces -----------------------------------------------------------------

@@ -20,19 +20,16 @@ happens now and not inside a CUDA-graph capture). Under torch.compile the call i
 
 from __future__ import annotations
 
-import logging
 from typing import Callable, Optional
 
 import torch
 
-from .eligibility import flashinfer_installed, settings
+from .eligibility import first_launch, flashinfer_installed, settings
 
 __all__ = [
     "FlashInferAddNorm", "AddNormFactory", "factory", "implementation", "contract_factory", "reference_in_place",
     "FlashInferNorm", "NormFactory", "norm_factory", "reference_norm",
 ]
-
-log = logging.getLogger("layer_boundary.flashinfer")
 
 DTYPES = (torch.bfloat16, torch.float16)
 
@@ -80,26 +77,13 @@ class FlashInferAddNorm:
         return f"FlashInferAddNorm({self.implementation}, eps={self.eps}, offset={self.offset})"
 
 
-def _first_launch(request, what: str, launch: Callable):
-    """`launch()`'s result after it ran once and the device finished it (a JIT build or compile
-    happens now, never inside a CUDA-graph capture); None, with a warning, when it fails: a
-    kernel that cannot run here declines."""
-    device = request.device
-    try:
-        result = launch()
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-        return result
-    except Exception as exc:  # noqa: BLE001
-        log.warning("flashinfer.add_rmsnorm declines %s%s width %d on %s: %s: %s",
-                    what, request.uniform_dtype, request.hidden_size, device, type(exc).__name__, exc)
-        return None
-
-
 class AddNormFactory:
     """The record's factory. `functions(offset)` gives the in-place kernel (FlashInfer's by
     default; tests pass a reference with the same in-place contract) and `devices` the device
-    types it runs on."""
+    types it runs on. A kernel is made after one launch on a row of zeros (`_trial`)."""
+
+    #: what the warning of a failed first launch calls the kernel (before the dtype and width)
+    what = ""
 
     def __init__(self, functions: Optional[Callable] = None, devices: tuple = ("cuda",), implementation_of=None):
         self.functions = functions
@@ -125,19 +109,19 @@ class AddNormFactory:
             return "flashinfer-python missing"
         return None
 
-    def __call__(self, request) -> Optional[FlashInferAddNorm]:
-        if self.reason(request) is not None:
-            return None
-        dtype, hidden, device = request.uniform_dtype, request.hidden_size, request.device
+    def __call__(self, request):
+        launched = first_launch("flashinfer.add_rmsnorm", f"{self.what}{request.uniform_dtype} width {request.hidden_size}",
+                                request.device, lambda: self._trial(request), declined=self.reason(request))
+        return None if launched is None else self._kernel(request, launched)
 
-        def first_launch():
-            function = (self.functions or _function)(request.offset)
-            x = torch.zeros(1, hidden, dtype=dtype, device=device)
-            function(x, torch.zeros_like(x), torch.ones(hidden, dtype=dtype, device=device), request.eps)
-            return function, (self.implementation_of or implementation)(device)
+    def _trial(self, request):
+        function = (self.functions or _function)(request.offset)
+        x = torch.zeros(1, request.hidden_size, dtype=request.uniform_dtype, device=request.device)
+        function(x, torch.zeros_like(x), torch.ones_like(x[0]), request.eps)
+        return function, (self.implementation_of or implementation)(request.device)
 
-        launched = _first_launch(request, "", first_launch)
-        return None if launched is None else FlashInferAddNorm(launched[0], request.eps, request.offset, launched[1])
+    def _kernel(self, request, launched) -> FlashInferAddNorm:
+        return FlashInferAddNorm(launched[0], request.eps, request.offset, launched[1])
 
 
 #: the record's factory (FlashInfer's kernels)
@@ -190,18 +174,16 @@ class NormFactory(AddNormFactory):
     """The record's `norm_factory`: the same declines, then FlashInfer's plain norm (tests pass
     a reference `functions(offset)` with its contract)."""
 
-    def __call__(self, request) -> Optional[FlashInferNorm]:
-        if self.reason(request) is not None:
-            return None
-        dtype, hidden, device = request.uniform_dtype, request.hidden_size, request.device
+    what = "the plain norm "
 
-        def first_launch():
-            function = (self.functions or _norm_function)(request.offset)
-            function(torch.zeros(1, hidden, dtype=dtype, device=device), torch.ones(hidden, dtype=dtype, device=device), request.eps)
-            return function
+    def _trial(self, request):
+        function = (self.functions or _norm_function)(request.offset)
+        x = torch.zeros(1, request.hidden_size, dtype=request.uniform_dtype, device=request.device)
+        function(x, torch.ones_like(x[0]), request.eps)
+        return function
 
-        function = _first_launch(request, "the plain norm ", first_launch)
-        return None if function is None else FlashInferNorm(function, request.eps, request.offset)
+    def _kernel(self, request, function) -> FlashInferNorm:
+        return FlashInferNorm(function, request.eps, request.offset)
 
 
 #: the record's norm factory (FlashInfer's plain norms)

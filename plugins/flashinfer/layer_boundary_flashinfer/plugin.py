@@ -3,6 +3,8 @@ ranks by `prepare_flashinfer_fusion`, never here)."""
 
 from __future__ import annotations
 
+import importlib
+
 import torch
 
 from layer_boundary.plugin import (
@@ -55,72 +57,47 @@ def layer_boundary_fusion_providers():
     )
 
 
-def build_add_norm(request):
-    """FlashInfer's fused add + RMSNorm (on copies: it works in place) for a CUDA bf16/fp16 norm."""
-    from .local_add_norm import factory
+def _deferred(module: str, factory: str):
+    """The factory `factory` of this package's `module`, imported at its first call (the records
+    are made without importing the kernel modules or flashinfer)."""
 
-    return factory(request)
+    def build(request):
+        return getattr(importlib.import_module(f"{__package__}.{module}"), factory)(request)
+
+    build.__name__ = build.__qualname__ = f"build_{factory}"
+    return build
 
 
-def build_norm(request):
-    """FlashInfer's out-of-place RMSNorm (no add) for a CUDA bf16/fp16 norm: q/k norms, an input norm."""
-    from .local_add_norm import norm_factory
-
-    return norm_factory(request)
+def _kernel(kind, name: str, module: str, factory: str, description: str, **fields):
+    """A `Priority.VENDOR` kernel record of `kind` whose factory is `module.factory` (deferred)."""
+    return kind(name=name, factory=_deferred(module, factory), priority=Priority.VENDOR, description=description, **fields)
 
 
 @hookimpl
 def layer_boundary_add_norm_kernels():
-    yield AddNormKernel(
-        name="flashinfer.add_rmsnorm", factory=build_add_norm, norm_factory=build_norm, priority=Priority.VENDOR,
-        contract_preparation="layer_boundary_flashinfer.local_add_norm:contract_factory",
-        description="residual add + RMSNorm (and Gemma's) in FlashInfer's fused_add_rmsnorm, run on copies (it works in place)",
-    )
-
-
-def build_rope(request):
-    """FlashInfer's rope over a float32 cos/sin table, for the reference attention on CUDA."""
-    from .decode_kernels import rope_factory
-
-    return rope_factory(request)
-
-
-def build_decode_attention(request):
-    """FlashInfer's paged decode attention over the reference models' static cache, on CUDA."""
-    from .decode_kernels import decode_attention_factory
-
-    return decode_attention_factory(request)
+    yield _kernel(AddNormKernel, "flashinfer.add_rmsnorm", "local_add_norm", "factory",
+                  "residual add + RMSNorm (and Gemma's) in FlashInfer's fused_add_rmsnorm, run on copies (it works in place)",
+                  norm_factory=_deferred("local_add_norm", "norm_factory"),
+                  contract_preparation="layer_boundary_flashinfer.local_add_norm:contract_factory")
 
 
 @hookimpl
 def layer_boundary_rope_kernels():
-    yield RopeKernel(
-        name="flashinfer.rope", factory=build_rope, priority=Priority.VENDOR,
-        description="rotary embedding of queries and keys in one FlashInfer launch (apply_rope_with_cos_sin_cache), CUDA bf16/fp16",
-    )
+    yield _kernel(RopeKernel, "flashinfer.rope", "decode_kernels", "rope_factory",
+                  "rotary embedding of queries and keys in one FlashInfer launch (apply_rope_with_cos_sin_cache), CUDA bf16/fp16")
 
 
 @hookimpl
 def layer_boundary_decode_attention_kernels():
-    yield DecodeAttentionKernel(
-        name="flashinfer.decode_attention", factory=build_decode_attention, priority=Priority.VENDOR,
-        description="decode attention over the static KV cache (BatchDecodeWithPagedKVCacheWrapper, a slot per page), CUDA bf16/fp16",
-    )
-
-
-def build_gated_activation(request):
-    """FlashInfer's fused activation-and-multiply (silu, gelu_tanh, gelu) for a CUDA bf16/fp16 gated MLP."""
-    from .gated_activation import gated_activation_factory
-
-    return gated_activation_factory(request)
+    yield _kernel(DecodeAttentionKernel, "flashinfer.decode_attention", "decode_kernels", "decode_attention_factory",
+                  "decode attention over the static KV cache (BatchDecodeWithPagedKVCacheWrapper, a slot per page), CUDA bf16/fp16")
 
 
 @hookimpl
 def layer_boundary_gated_activation_kernels():
-    yield GatedActivationKernel(
-        name="flashinfer.gated_activation", factory=build_gated_activation, priority=Priority.VENDOR,
-        description="act(gate) * up of the gated MLP in one FlashInfer launch (silu_and_mul, gelu_tanh_and_mul, gelu_and_mul), CUDA bf16/fp16",
-    )
+    yield _kernel(GatedActivationKernel, "flashinfer.gated_activation", "gated_activation", "gated_activation_factory",
+                  "act(gate) * up of the gated MLP in one FlashInfer launch (silu_and_mul, gelu_tanh_and_mul, gelu_and_mul), "
+                  "CUDA bf16/fp16")
 
 
 @hookimpl

@@ -89,11 +89,16 @@ def _recorder(params, calls):
     return namespace["op"]
 
 
-def test_the_bound_launcher_calls_the_compiled_op_with_everything_resolved(monkeypatch):
+def _recording(monkeypatch, name, params):
+    """(calls, backend, slot): the trtllm_comm module's op `name` replaced by a recorder of `params`."""
     calls = []
-    module = types.SimpleNamespace(trtllm_allreduce_fusion=_recorder(ALL_REDUCE_OP_PARAMS, calls))
+    module = types.SimpleNamespace(**{name: _recorder(params, calls)})
     monkeypatch.setattr(trtllm_ar, "get_trtllm_comm_module", lambda: module)
-    backend, slot = FlashInferBackend(), _slot()
+    return calls, FlashInferBackend(), _slot()
+
+
+def test_the_bound_launcher_calls_the_compiled_op_with_everything_resolved(monkeypatch):
+    calls, backend, slot = _recording(monkeypatch, "trtllm_allreduce_fusion", ALL_REDUCE_OP_PARAMS)
     gamma = torch.randn(64)
     launch = backend.bind_all_reduce(slot, gamma, 1e-5, 1.0, 64, 300)
     assert backend.fast_path == {"all_reduce": True}
@@ -132,10 +137,7 @@ def test_another_compiled_signature_falls_back_to_the_public_api(monkeypatch):
 
 
 def test_the_bound_finalize_launcher_passes_an_identity_expert_map(monkeypatch):
-    calls = []
-    module = types.SimpleNamespace(trtllm_moe_finalize_allreduce_fusion=_recorder(FINALIZE_OP_PARAMS, calls))
-    monkeypatch.setattr(trtllm_ar, "get_trtllm_comm_module", lambda: module)
-    backend, slot = FlashInferBackend(), _slot()
+    calls, backend, slot = _recording(monkeypatch, "trtllm_moe_finalize_allreduce_fusion", FINALIZE_OP_PARAMS)
     gamma = torch.randn(32)
     launch = backend.bind_finalize(slot, gamma, 1e-6, 0.0, 32, 2048)
     assert launch.max_tokens == 128 and backend.fast_path == {"finalize": True}

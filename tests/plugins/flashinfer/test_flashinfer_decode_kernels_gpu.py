@@ -7,7 +7,7 @@ torch.compile(fullgraph) through the custom ops, and fewer kernels a step."""
 import pytest
 import torch
 
-from layer_boundary import Parallel, prepare_model, release_model
+from layer_boundary import prepare_model, release_model
 from layer_boundary.bench.profile import profile_step
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
@@ -15,13 +15,10 @@ pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(),
 flashinfer = pytest.importorskip("flashinfer")
 decode_kernels = pytest.importorskip("layer_boundary_flashinfer.decode_kernels")
 
+from flashinfer_static_decode import StaticDecode, qwen3, rel  # noqa: E402
 from layer_boundary.plugin import DecodeAttentionRequest, RopeRequest  # noqa: E402
 
 HEADS, KV_HEADS, D = 8, 2, 128
-
-
-def _rel(got, want) -> float:
-    return ((got.float() - want.float()).abs().max() / want.float().abs().max().clamp_min(1e-6)).item()
 
 
 def _rope_request(max_positions=256):
@@ -52,8 +49,8 @@ def test_rope_kernel_matches_the_torch_rotation():
     want_q, want_k = apply_rotary(q.float(), cos32, sin32), apply_rotary(k.float(), cos32, sin32)
     cos, sin = rotary(positions, torch.bfloat16)
     torch_q = apply_rotary(q, cos, sin)
-    assert _rel(got_q, want_q) < 1e-2 and _rel(got_k, want_k) < 1e-2
-    assert _rel(got_q, torch_q) < 2e-2
+    assert rel(got_q, want_q) < 1e-2 and rel(got_k, want_k) < 1e-2
+    assert rel(got_q, torch_q) < 2e-2
 
 
 def _torch_decode(q, k_cache, v_cache, slots, positions):
@@ -86,7 +83,7 @@ def test_decode_attention_kernel_matches_the_reference(slots_given, cache_len):
     q = torch.randn(batch, HEADS, D, device="cuda", generator=gen).bfloat16()
     got = kernel(q, k_cache, v_cache, slots, positions)
     assert got.shape == q.shape and got.dtype == q.dtype
-    assert _rel(got, _torch_decode(q, k_cache, v_cache, slots, positions)) < 2e-2
+    assert rel(got, _torch_decode(q, k_cache, v_cache, slots, positions)) < 2e-2
     # the CUDA-core plan is made outside CUDA-graph mode, over the plan's own buffers: one launch,
     # no merge; the split tensor-core plan merges in a second launch
     planned = kernel._planned(batch, k_cache, slots_given)
@@ -96,7 +93,7 @@ def test_decode_attention_kernel_matches_the_reference(slots_given, cache_len):
     assert merges == (1 if decode_kernels.splits_kv(batch, cache_len) else 0), launched
     # other lengths, same plan: the lengths are read at run time
     later = positions.flip(0)
-    assert _rel(kernel(q, k_cache, v_cache, slots, later), _torch_decode(q, k_cache, v_cache, slots, later)) < 2e-2
+    assert rel(kernel(q, k_cache, v_cache, slots, later), _torch_decode(q, k_cache, v_cache, slots, later)) < 2e-2
 
 
 @pytest.mark.parametrize("cache_len", [48, 520], ids=["cuda_cores", "tensor_cores"])
@@ -142,66 +139,29 @@ def test_step_bound_write_fills_the_cache_index_put_fills_and_attends_the_same(s
     graph.replay()
     cache.write_decode(0, cache.bind(DecodeLayout(slots, later)), k, v)
     assert torch.equal(cache.k[0], cache.k[1]) and torch.equal(cache.v[0], cache.v[1])
-    assert _rel(out, _torch_decode(q, cache.k[0], cache.v[0], slots, later)) < 2e-2
-
-
-def _qwen3(layers=2):
-    from layer_boundary.models import build_model, family, model_config
-    from layer_boundary.models.weights import StateDictSource
-
-    hf = dict(model_config("qwen3").hf, head_dim=D, num_attention_heads=HEADS, num_key_value_heads=KV_HEADS, num_hidden_layers=layers)
-    config = model_config("qwen3", hf)
-    state = family("qwen3").random_weights(config, torch.float32, seed=7)
-    model = build_model(config, Parallel.single(), dtype=torch.bfloat16, device="cuda")
-    family("qwen3").load_weights(model, StateDictSource(state))
-    return config, model.eval()
+    assert rel(out, _torch_decode(q, cache.k[0], cache.v[0], slots, later)) < 2e-2
 
 
 @torch.inference_mode()
 def test_qwen3_static_decode_runs_the_kernels_and_matches_the_torch_path():
-    from layer_boundary._cuda_graphs import CapturedStep
-    from layer_boundary.bench.profile import profile_step
-    from layer_boundary.models.decode import static_decode_step, static_prefill
-    from layer_boundary.models.runner import make_requests
-
-    config, model = _qwen3()
-    parallel = Parallel.single()
-    prompts, decode = make_requests(config.vocab_size, 4, 6, 3, seed=3)
-    base = torch.tensor([len(p) for p in prompts], device="cuda")
-
-    def run_all(cache):
-        out = [static_prefill(model, parallel, cache, prompts, "cuda").float()]
-        for s, tokens in enumerate(decode):
-            out.append(static_decode_step(model, parallel, cache, torch.tensor(tokens, device="cuda"), None, base + s).float())
-        return out
-
-    torch_cache = model.new_static_cache(len(prompts), 32)
-    want = run_all(torch_cache)
-    ids = torch.tensor(decode[0], device="cuda")
-    torch_profile = profile_step(lambda: static_decode_step(model, parallel, torch_cache, ids, None, base))
+    config, model = qwen3(head_dim=D, num_attention_heads=HEADS, num_key_value_heads=KV_HEADS)
+    run = StaticDecode(config, model)
+    torch_cache = run.new_cache()
+    want = run.logits(torch_cache)
+    torch_profile = profile_step(lambda: run.step(torch_cache, run.ids, run.base))
 
     prepare_model(model, max_tokens=64)
     chosen = model.attention_kernels
     assert (chosen.rope.name, chosen.decode_attention.name) == ("flashinfer.rope", "flashinfer.decode_attention")
-    cache = model.new_static_cache(len(prompts), 32)
-    got = run_all(cache)
-    worst = max(_rel(g, w) for g, w in zip(got, want))
+    cache = run.new_cache()
+    worst = max(rel(g, w) for g, w in zip(run.logits(cache), want))
     assert worst < 3e-2, f"logits with the flashinfer kernels differ by {worst:.3e} relative (bf16 bar 3e-2)"
 
-    kernel_profile = profile_step(lambda: static_decode_step(model, parallel, cache, ids, None, base))
+    kernel_profile = profile_step(lambda: run.step(cache, run.ids, run.base))
     print(f"decode step kernels: torch path {torch_profile['kernels']} ({torch_profile['kernel_us']:.1f} us) -> "
           f"flashinfer {kernel_profile['kernels']} ({kernel_profile['kernel_us']:.1f} us)")
     assert kernel_profile["kernels"] < torch_profile["kernels"], (torch_profile, kernel_profile)
-
-    step_ids, step_pos = ids.clone(), base.clone()
-    graph = CapturedStep(lambda i, p: static_decode_step(model, parallel, cache, i, None, p), (step_ids, step_pos))
-    for s, tokens in enumerate(decode):
-        tokens = torch.tensor(tokens, device="cuda")
-        snap = cache.snapshot()
-        eager = static_decode_step(model, parallel, cache, tokens, None, base + s).clone()
-        cache.restore(snap)
-        replayed = graph.replay(tokens, base + s).clone()
-        assert torch.equal(eager, replayed), f"step {s}: max diff {(eager - replayed).abs().max().item()}"
+    run.assert_replay_equals_eager(cache)
     release_model(model)
 
 
@@ -210,26 +170,21 @@ def test_compiled_decode_through_the_custom_ops_equals_eager():
     from layer_boundary import Forward, ForwardMode
     from layer_boundary.compiling import CountingBackend, graph_breaks, reset_graph_breaks
     from layer_boundary.models.attention import DecodeLayout
-    from layer_boundary.models.decode import static_decode_step, static_prefill
-    from layer_boundary.models.runner import make_requests
 
     torch._dynamo.reset()
     reset_graph_breaks()
-    config, model = _qwen3()
-    parallel = Parallel.single()
+    config, model = qwen3(head_dim=D, num_attention_heads=HEADS, num_key_value_heads=KV_HEADS)
     prepare_model(model, max_tokens=64)
-    prompts, decode = make_requests(config.vocab_size, 2, 6, 2, seed=5)
-    cache = model.new_static_cache(len(prompts), 32)
-    static_prefill(model, parallel, cache, prompts, "cuda")
-    base = torch.tensor([len(p) for p in prompts], device="cuda")
-    backend = CountingBackend("aot_eager")
-    run = torch.compile(model, backend=backend, fullgraph=True)
-    for s, tokens in enumerate(decode):
+    run = StaticDecode(config, model, batch=2, steps=2, seed=5)
+    cache = run.new_cache()
+    run.prefill(cache)
+    compiled_model = torch.compile(model, backend=CountingBackend("aot_eager"), fullgraph=True)
+    for s, tokens in enumerate(run.decode):
         ids = torch.tensor(tokens, device="cuda")
         snap = cache.snapshot()
-        eager = static_decode_step(model, parallel, cache, ids, None, base + s).clone()
+        eager = run.step(cache, ids, run.base + s).clone()
         cache.restore(snap)
-        compiled = run(ids, Forward(parallel, len(tokens), mode=ForwardMode.DECODE), DecodeLayout(None, base + s), cache)
-        assert _rel(compiled, eager) < 1e-2
+        compiled = compiled_model(ids, Forward(run.parallel, len(tokens), mode=ForwardMode.DECODE), DecodeLayout(None, run.base + s), cache)
+        assert rel(compiled, eager) < 1e-2
     assert graph_breaks() == 0
     release_model(model)

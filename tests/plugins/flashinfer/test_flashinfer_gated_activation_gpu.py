@@ -8,13 +8,14 @@ import pytest
 import torch
 from torch import nn
 
-from layer_boundary import Parallel, prepare_model, release_model
+from layer_boundary import prepare_model, release_model
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
 
 flashinfer = pytest.importorskip("flashinfer")
 gated_activation = pytest.importorskip("layer_boundary_flashinfer.gated_activation")
 
+from flashinfer_static_decode import StaticDecode, qwen3, rel  # noqa: E402
 from layer_boundary.models.mlp import activation  # noqa: E402
 from layer_boundary.plugin import GatedActivationRequest  # noqa: E402
 
@@ -104,70 +105,32 @@ def test_the_custom_op_passes_opcheck():
     torch.library.opcheck(torch.ops.layer_boundary_flashinfer.gated_activation.default, (_rows(8, 1536, seed=5), "silu", True))
 
 
-def _qwen3(layers=2):
-    from layer_boundary.models import build_model, family, model_config
-    from layer_boundary.models.weights import StateDictSource
-
-    hf = dict(model_config("qwen3").hf, num_hidden_layers=layers, intermediate_size=1536)
-    config = model_config("qwen3", hf)
-    state = family("qwen3").random_weights(config, torch.float32, seed=7)
-    model = build_model(config, Parallel.single(), dtype=torch.bfloat16, device="cuda")
-    family("qwen3").load_weights(model, StateDictSource(state))
-    return config, model.eval()
-
-
-def _rel(got, want) -> float:
-    return ((got.float() - want.float()).abs().max() / want.float().abs().max().clamp_min(1e-6)).item()
-
-
 @torch.inference_mode()
 def test_qwen3_static_decode_runs_the_kernel_and_matches_the_torch_path():
-    from layer_boundary._cuda_graphs import CapturedStep
     from layer_boundary.bench.profile import profile_step
-    from layer_boundary.models.decode import static_decode_step, static_prefill
     from layer_boundary.models.mlp import TPGatedMLP
-    from layer_boundary.models.runner import make_requests
 
-    config, model = _qwen3()
-    parallel = Parallel.single()
-    prompts, decode = make_requests(config.vocab_size, 4, 6, 3, seed=3)
-    base = torch.tensor([len(p) for p in prompts], device="cuda")
-
-    def run_all(cache):
-        out = [static_prefill(model, parallel, cache, prompts, "cuda").float()]
-        for s, tokens in enumerate(decode):
-            out.append(static_decode_step(model, parallel, cache, torch.tensor(tokens, device="cuda"), None, base + s).float())
-        return out
-
-    want = run_all(model.new_static_cache(len(prompts), 32))
+    config, model = qwen3(intermediate_size=1536)
+    run = StaticDecode(config, model)
+    want = run.logits(run.new_cache())
     prepare_model(model, max_tokens=64)
     (request, choice), = model.mlp_kernels.items()
     # the first accepting record in registry order: the cutedsl plugin's ranks above where it is installed
     assert choice.name in ("flashinfer.gated_activation", "cutedsl.gated_activation") and request.intermediate == 1536
-    cache = model.new_static_cache(len(prompts), 32)
-    got = run_all(cache)
-    worst = max(_rel(g, w) for g, w in zip(got, want))
+    cache = run.new_cache()
+    worst = max(rel(g, w) for g, w in zip(run.logits(cache), want))
     assert worst < 3e-2, f"logits with the flashinfer kernels differ by {worst:.3e} relative (bf16 bar 3e-2)"
 
-    ids = torch.tensor(decode[0], device="cuda")
     mlps = [m for m in model.modules() if isinstance(m, TPGatedMLP)]
-    fused = profile_step(lambda: static_decode_step(model, parallel, cache, ids, None, base))
+    fused = profile_step(lambda: run.step(cache, run.ids, run.base))
     for m in mlps:
         m.gated_activation_kernel = None
-    unfused = profile_step(lambda: static_decode_step(model, parallel, cache, ids, None, base))
+    unfused = profile_step(lambda: run.step(cache, run.ids, run.base))
     for m in mlps:
         m.gated_activation_kernel = choice.kernel
     print(f"decode step kernels: torch activation {unfused['kernels']} ({unfused['kernel_us']:.1f} us) -> "
           f"{choice.name} {fused['kernels']} ({fused['kernel_us']:.1f} us)")
     assert unfused["kernels"] - fused["kernels"] == config.num_layers, (unfused, fused)
-
-    graph = CapturedStep(lambda i, p: static_decode_step(model, parallel, cache, i, None, p), (ids.clone(), base.clone()))
-    for s, tokens in enumerate(decode):
-        tokens = torch.tensor(tokens, device="cuda")
-        snap = cache.snapshot()
-        eager = static_decode_step(model, parallel, cache, tokens, None, base + s).clone()
-        cache.restore(snap)
-        replayed = graph.replay(tokens, base + s).clone()
-        assert torch.equal(eager, replayed), f"step {s}: max diff {(eager - replayed).abs().max().item()}"
+    run.assert_replay_equals_eager(cache)
     release_model(model)
     assert all(m.gated_activation_kernel is None for m in mlps)
