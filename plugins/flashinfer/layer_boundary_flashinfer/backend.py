@@ -58,7 +58,7 @@ FINALIZE_MAX_TOKENS = 128
 MAX_TOP_K = 64
 #: per world size, the largest all-reduce (MiB, counted as flashinfer does) sent one-shot
 _ONESHOT_MIB = {2: 512, 4: 64, 8: 42}
-#: cuMemCreate's recommended granularity for device memory on Hopper (the gpu check measures it)
+#: cuMemCreate's recommended granularity for device memory on Hopper (a GPU test measures the workspace)
 ALLOCATION_GRANULARITY = 2 << 20
 #: FlashInfer's symmetric device memory appends a signal pad to every buffer (kSIGNAL_PAD_SIZE)
 SIGNAL_PAD_BYTES = 2048

@@ -58,16 +58,16 @@ HEAD_DIMS = (64, 128, 256)
 WORKSPACE_BYTES = 128 * 2**20
 #: from how many cached tokens a slot FlashInfer's tensor-core decode kernel runs, for one row
 #: and for a batch of `TENSOR_CORE_BATCH` rows or more, and up to how many it runs without
-#: splitting a row's keys over blocks (no merge launch). On an H200 (32 query / 8 KV heads, D 128,
-#: 8 layers, graph replay; benchmarks/decode_attention_probe.py, us; session 9), the CUDA-core
-#: kernel as planned here (outside graph mode, no split) / tensor cores without the split:
+#: splitting a row's keys over blocks (no merge launch). Timed on an H200 (32 query / 8 KV heads,
+#: D 128, 8 layers, graph replay, us a step), the CUDA-core kernel as planned here (outside graph
+#: mode, no split) / tensor cores without the split:
 #:   batch 1:  29.9 / 65.0 at 40 tokens, 60.1 / 65.0 at 128, 40.9 / 64.9 at 256, 98.5 / 78.8 at 512
 #:   batch 8:  29.0 / 64.5 at 40, 60.0 / 67.5 at 128, 97.9 / 80.7 at 256
 #:   batch 32: 40.1 / 68.8 at 40, 81.7 / 82.3 at 128, 136.9 / 105.0 at 256
 #: (the CUDA-core kernel in graph mode, split and merged: 40.2, 46.4 and 67.2 at 40 tokens). Without
-#: the split the tensor-core kernel was faster than with it at every batch (1, 8, 32) and length
-#: (40 to 8200) measured, by 2-25%; beyond 8200 tokens it keeps the split (not measured). The
-#: choice depends on the plan's shape only: the same on every rank.
+#: the split the tensor-core kernel is faster than with it at every batch (1, 8, 32) and length
+#: (40 to 8200) timed, by 2-25%; beyond 8200 tokens it keeps the split (not timed). The choice
+#: depends on the plan's shape only: the same on every rank.
 TENSOR_CORE_MIN_LEN = 512
 TENSOR_CORE_BATCH, TENSOR_CORE_BATCH_MIN_LEN = 8, 256
 TENSOR_CORE_NO_SPLIT_MAX_LEN = 8200

@@ -1,6 +1,6 @@
-"""The benchmark's and the GPU check's CPU-checkable parts: the boundary pair they time (through
-the reference backend, equal to the unfused path), the target verdicts, the table, and the CLI
-refusing to run without GPUs."""
+"""The benchmark's CPU-checkable parts: the boundary pair it times (through the reference backend,
+equal to the unfused path), the target verdicts, the table, and the CLI refusing to run without
+GPUs."""
 
 import pytest
 import torch

@@ -74,7 +74,7 @@ def test_the_tensor_core_kernel_is_planned_for_long_caches_and_large_batches():
     assert not decode_kernels.uses_tensor_cores(32, 40) and not decode_kernels.uses_tensor_cores(32, 128)
     assert decode_kernels.uses_tensor_cores(32, 256) and decode_kernels.uses_tensor_cores(8, 256)
     assert not decode_kernels.uses_tensor_cores(4, 256) and not decode_kernels.uses_tensor_cores(8, 255)
-    # the tensor-core kernel runs without the split up to the longest cache measured
+    # the tensor-core kernel runs without the split up to the longest cache timed
     assert not decode_kernels.splits_kv(1, 40) and not decode_kernels.splits_kv(32, 40)  # CUDA cores: a row is one page
     assert not decode_kernels.splits_kv(1, 511) and not decode_kernels.splits_kv(4, 300)
     assert not decode_kernels.splits_kv(1, 512) and not decode_kernels.splits_kv(32, 8200)

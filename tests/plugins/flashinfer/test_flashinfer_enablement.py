@@ -1,4 +1,4 @@
-"""FlashInfer enablement as the walkthrough says (issue 23): the engine's settings object (backend
+"""FlashInfer enablement as the walkthrough says: the engine's settings object (backend
 auto / trtllm / off, the token limit, auto's rules, an architecture list the engine extends), the
 environment switch as an enforce-disable read at prepare, and no workspace rebuild under a
 captured CUDA graph."""
