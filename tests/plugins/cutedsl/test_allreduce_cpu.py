@@ -586,8 +586,8 @@ def test_a_trapped_check_says_what_the_kernel_waited_for():
 
 
 def test_the_one_shot_launch_reads_the_bound_kernel_it_is_given(monkeypatch):
-    """The one-shot launch takes the launcher and SM count off the shared `BoundKernel` (the
-    launch plumbing grew a field once and a positional unpacking here broke on the GPU only):
+    """The one-shot launch takes the launcher and SM count off the shared `BoundKernel` by name
+    (a positional unpacking would break whenever the record gains a field, on the GPU only):
     a persistent grid of min(rows, SMs, max_ctas) CTAs, the peers' addresses, then the stream."""
     from types import SimpleNamespace
 

@@ -10,7 +10,7 @@ from typing import Optional
 
 import torch
 
-from ._launch import check_all, executor_for, launch, rows_ok
+from ._launch import check_rows, executor_for, launch, rows_ok
 from .tiling import AUTO, ROWS_BANDS, AddNormVariant, check_hidden, parse_candidate, pick_band
 
 __all__ = ["fused_add_rmsnorm", "prepare_add_rmsnorm"]
@@ -107,15 +107,7 @@ def fused_add_rmsnorm(
         and rows_ok(gamma, (hidden,), dtype, device)
     ):
         check_hidden(hidden, dtype)
-        check_all(
-            (
-                ("x", x, shape, dtype, device),
-                ("residual", residual, shape, dtype, device),
-                ("out", out, shape, dtype, device),
-                ("residual_out", residual_out, shape, dtype, device),
-                ("gamma", gamma, (hidden,), dtype, device),
-            )
-        )
+        check_rows(dtype, device, shape, x=x, residual=residual, out=out, residual_out=residual_out, gamma=gamma)
     rows = x.numel() // hidden if hidden else 0
     if rows == 0:
         return out, residual_out
