@@ -6,7 +6,7 @@ Ranks are processes of the core's `gpu_world` fixture (`ProcessWorld(n, device="
 GPU each when there are enough, else sharing the GPUs (gloo, CUDA IPC within a device; the
 kernels of two processes time-slice, so every check is kept to a few launches). The checks themselves live in
 allreduce_checks.py (test_allreduce_cpu.py runs them dry on CPU ranks); each returns one row per
-rank and launch, asserted here and printed as a table at the end of the session.
+rank and launch, asserted here and printed as a table at the end of the pytest run.
 """
 
 import importlib.util
