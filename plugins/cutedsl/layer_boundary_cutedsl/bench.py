@@ -323,7 +323,7 @@ def bench_flashinfer(results, iters, repeats, options=None, rounds=ROUNDS, sets=
 def flashinfer_in_child(results, iters, repeats, budget_s: float, kernel: str = "auto", rounds: int = ROUNDS,
                         sets: int = BUFFER_SETS):
     """Run bench_flashinfer in a child process killed after `budget_s` (its first call may
-    JIT-compile for minutes), with our kernel `kernel` (a sweep name) timed beside it there;
+    JIT-compile for minutes), with our kernel `kernel` (a kernel name) timed beside it there;
     merge what it measured into `results`."""
     import subprocess
     import tempfile
@@ -507,7 +507,7 @@ def main(argv=None):
     ap.add_argument("--repeats", type=positive_int, default=50, help="graph replays timed (median taken)")
     ap.add_argument("--budget-s", type=positive_float, default=270, help="wall-clock budget; flashinfer gets what is left")
     ap.add_argument("--kernel", default="auto",
-                    help="the add + RMSNorm kernel timed, by the layout sweep's name: auto (a plain call's: chosen by the "
+                    help="the add + RMSNorm kernel timed, by name: auto (a plain call's: chosen by the "
                          "token count), default (the width's tiling at every count), 256x1, 64x2+s+l1+late+g, ...")
     ap.add_argument("--rounds", type=positive_int, default=ROUNDS,
                     help="rounds ours and FlashInfer's are timed in, side by side in one process (ours/fi: medians)")

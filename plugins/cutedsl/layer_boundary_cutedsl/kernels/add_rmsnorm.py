@@ -85,7 +85,7 @@ def fused_add_rmsnorm(
     elsewhere); any option given runs exactly that kernel, `layout=None` being the default tiling.
     `pdl=False` launches the kernel as an ordinary one (benchmarks compare the two);
     `layout=(threads per row, rows per CTA)` overrides the width's tiling and `staged=True` loads
-    through shared memory (cp.async): the layout sweep compares them. `late_trigger=True` (PDL)
+    through shared memory (cp.async): docs/kernels.md compares them. `late_trigger=True` (PDL)
     lets the next kernel launch at the end instead of at the start (with `no_loop`, what the bands
     run: an early trigger lets the next launch's CTAs hold SM slots while they wait).
     `reread=True` (with `staged`) keeps the staged row in shared
