@@ -42,25 +42,14 @@
 #   bench-cutedsl  `layer-boundary bench cutedsl` (CuTe DSL add + RMSNorm vs FlashInfer, copy baseline)
 #   bench-cutedsl-cells  the same for CUTEDSL_SHAPES (default: T=1024 at each width) in CUTEDSL_CELL_RUNS (3)
 #               fresh processes, each with its buffers on other pages
-#   sweep-cutedsl  the CuTe DSL add + RMSNorm with and without PDL, new buffers or in place, against FlashInfer
-#   sweep-layouts  the CuTe DSL add + RMSNorm's CTA row layouts (threads per row x rows per CTA), in place,
-#               against FlashInfer: the layout each width should take
-#   sweep-reread   the same at H=4096 for the kernels that re-read the staged row from shared memory (more
-#               rows an SM); sweep-reread-widths: the other widths
-#   reread      the GPU tests of those kernels alone (also in `cutedsl` and `cutedsl-kernels`)
-#   sweep-fi-shape the kernel in FlashInfer's own form at H=4096 (64x2, staged through L1, gamma read
-#               late, late trigger: `64x2+s+l1+late+g`) with each of those switched off in turn;
-#               sweep-fi-shape-widths: the same at 2048 (32x4), 7168 and 8192 (128x1)
+#   bands-cutedsl `layer-boundary bench cutedsl -- --bands-out`: the add + RMSNorm band kernels against the
+#               default tiling over the band grid, and the band table they suggest ($OUT/add_norm_bands.json;
+#               export LAYER_BOUNDARY_CUTEDSL_ADD_NORM_BANDS=that file and the groups after it, bench-cutedsl
+#               and the tests, run plain calls with it)
+#   reread      the GPU tests of the add + RMSNorm kernels that re-read the staged row from shared memory
+#               alone (also in `cutedsl` and `cutedsl-kernels`)
 #   late-gamma  the GPU tests of the late gamma read, of L1 staging and of a plain call's kernel by token
 #               count (`layout=AUTO` with the test's own band table) alone (also in `cutedsl`)
-#   sweep-auto  a plain call's kernel (auto: the default while tiling.ROWS_BANDS is empty) against the
-#               default and FlashInfer's form of the kernel at each width;
-#               sweep-rounds: the same timed side by side (5 rounds in rotated order, medians and spread),
-#               with the kernels without a grid-stride loop (`+nl`), and the band table those timings suggest
-#               ($OUT/add_norm_bands.json; export LAYER_BOUNDARY_CUTEDSL_ADD_NORM_BANDS=that file and the
-#               groups after it, bench-cutedsl and the tests, run plain calls with it)
-#   probe-addnorm-context  one kernel timed the bench's way and the sweep's, before and after FlashInfer ran
-#               in the process and after the bench's copies (benchmarks/add_norm_context_probe.py)
 #
 # The archives do not fit one command (64 MiB a command), so a fresh machine is staged in three
 # commands sent back to back (the machine keeps /tmp while it stays warm), then the groups:
@@ -70,10 +59,10 @@
 #   4. ...                                       bash scripts/gpu_tests.sh run flashinfer
 # (.gpu/flashinfer.zip and the cutedsl parts: ../shared/gpu/bundle.sh; fijit.tgz: FlashInfer's
 # trtllm_comm JIT cache for the machine, which saves its ~5-minute build.)
-# For the CuTe DSL add + RMSNorm alone (its tests, its sweeps against FlashInfer's CuTe DSL norm),
+# For the CuTe DSL add + RMSNorm alone (its tests, its bench against FlashInfer's CuTe DSL norm),
 # two commands do: FlashInfer's Python modules (scripts/bundle_flashinfer_py.sh) travel with part 2:
 #   1. carry .gpu/cutedsl.part1                            bash scripts/gpu_tests.sh stage
-#   2. carry .gpu/cutedsl.part2 .gpu/flashinfer_py.zip     bash scripts/gpu_tests.sh stage run sweep-reread reread
+#   2. carry .gpu/cutedsl.part2 .gpu/flashinfer_py.zip     bash scripts/gpu_tests.sh stage run cutedsl-kernels bench-cutedsl
 #
 # A group fails on a failed test or check, and on a skip no one expects (a missing package is a
 # failure here, not a skip). The summary table is printed last. Logs, junit XML and the checks'
@@ -208,7 +197,6 @@ group() {
     # says what each compares); rank 0's checks and their facts are printed into the log
     flashinfer) run_pytest flashinfer 560 -s tests/plugins/flashinfer/test_flashinfer_fusion_gpu.py -k "not tp4" ;;
     flashinfer4) run_pytest flashinfer4 560 -s tests/plugins/flashinfer/test_flashinfer_fusion_gpu.py -k tp4 ;;
-    smoke-cutedsl) run_check cutedsl_smoke "${SMOKE_TIMEOUT:-240}" python3 -m layer_boundary_cutedsl.allreduce_smoke --ranks 2 --json "$OUT/cutedsl_smoke.json" ;;
     addnorm) run_pytest addnorm 560 tests/plugins/test_add_norm_gpu.py ;;
     addnorm-kernels) run_pytest addnorm_kernels 400 tests/plugins/test_add_norm_gpu.py -k "not qwen3" ;;
     cutedsl-kernels) run_pytest cutedsl_kernels 480 tests/plugins/cutedsl/test_kernels_gpu.py ;;
@@ -220,36 +208,12 @@ group() {
     qk-norm-rope) run_pytest qk_norm_rope 300 tests/plugins/cutedsl/test_qk_norm_rope_gpu.py ;;
     probe-replay) run_bench probe_replay 300 python3 benchmarks/replay_probe.py --batches 1 8 16 32 --no-pdl --out "$OUT/replay_probe.json" ;;
     probe-qk-norm-rope) run_bench probe_qk_norm_rope 200 python3 benchmarks/qk_norm_rope_probe.py --out "$OUT/qk_norm_rope_probe.json" ;;
-    sweep-cutedsl) run_bench sweep_cutedsl 400 python3 -m layer_boundary_cutedsl.add_norm_sweep --out "$OUT/add_norm_sweep.json" ;;
-    sweep-layouts) run_bench sweep_layouts 400 python3 -m layer_boundary_cutedsl.add_norm_sweep --layouts --out "$OUT/add_norm_layouts.json" ;;
-    # the staged row re-read from shared memory for the norm, at the compiler's registers and capped
-    # for 8 rows an SM (T=1024 H=4096's rows all resident at once), against the default and FlashInfer
-    sweep-reread) run_bench sweep_reread 150 python3 -m layer_boundary_cutedsl.add_norm_sweep --layouts --widths 4096 \
-      --out "$OUT/add_norm_reread.json" --candidates default 256x1 default+o6 default+s+r default+s+r+o8 default+s+late+r+o8 \
-      128x2+s+r 128x2+s+r+o4 64x2+s+r+o4 ;;
-    sweep-reread-widths) run_bench sweep_reread_widths 150 python3 -m layer_boundary_cutedsl.add_norm_sweep --layouts \
-      --widths 2048 7168 8192 --out "$OUT/add_norm_reread_widths.json" --candidates default default+s+r default+s+r+o4 128x2+s+r+o4 ;;
     reread) run_pytest reread 200 tests/plugins/cutedsl/test_kernels_gpu.py -k "reread" ;;
-    sweep-fi-shape) run_bench sweep_fi_shape 200 python3 -m layer_boundary_cutedsl.add_norm_sweep --layouts --widths 4096 \
-      --out "$OUT/add_norm_fi_shape.json" --candidates default 256x1 default+g 256x1+g 64x2+s+late 64x2+s+late+g \
-      64x2+s+l1+late 64x2+s+l1+late+g 64x2+s+l1+g default+s+l1+g 128x2+s+l1+late+g ;;
-    sweep-fi-shape-widths) run_bench sweep_fi_shape_widths 200 python3 -m layer_boundary_cutedsl.add_norm_sweep --layouts \
-      --widths 2048 7168 8192 --out "$OUT/add_norm_fi_shape_widths.json" --candidates default default+g 256x1+g \
-      32x4+s+l1+late+g 32x4+s+late+g 128x1+s+l1+late+g 128x1+s+late+g ;;
-    # the same side by side: every kernel and FlashInfer timed 5 times each in rotated order, medians
-    sweep-rounds) run_bench sweep_rounds 300 python3 -m layer_boundary_cutedsl.add_norm_sweep --layouts --rounds 5 \
-      --out "$OUT/add_norm_rounds.json" --tokens 1 16 128 256 384 512 640 768 1024 1280 1536 2048 3072 4096 8192 \
-      --bands-out "$OUT/add_norm_bands.json" --candidates auto default default+nl default+late+nl default+late+g+nl \
-      128x2+s+l1+late+g+nl 128x1+s+l1+late+g+nl ;;
-    probe-addnorm-context) run_bench probe_addnorm_context 200 python3 benchmarks/add_norm_context_probe.py \
-      --out "$OUT/add_norm_context_probe.json" ${PROBE_OFFSETS_ONLY:+--offsets-only} ;;
     late-gamma) run_pytest late_gamma 200 tests/plugins/cutedsl/test_kernels_gpu.py -k "late_gamma or token_counts_kernel" ;;
-    # a plain call's by-token-count choice (auto) against the default and the kernels of its bands, the
-    # token counts around the bands' edges
-    sweep-auto) run_bench sweep_auto 200 python3 -m layer_boundary_cutedsl.add_norm_sweep --layouts --repeats 50 \
-      --out "$OUT/add_norm_auto.json" --tokens 128 256 384 512 768 1024 1536 2048 4096 --candidates auto default \
-      64x2+s+l1+late+g 128x2+s+l1+late+g 128x1+s+l1+late+g 256x1+s+l1+late+g 64x2+s+l1+late+g+o5 ;;
-    # CUTEDSL_KERNEL: the add + RMSNorm kernel timed, by the layout sweep's name (default: the default)
+    # the band grid timed (bench cutedsl --bands-out) and the ROWS_BANDS table it suggests
+    bands-cutedsl) run_bench bands_cutedsl 500 python3 -m layer_boundary bench cutedsl -- --bands-out "$OUT/add_norm_bands.json" \
+      --out "$OUT/add_norm_bands_timings.json" ;;
+    # CUTEDSL_KERNEL: the add + RMSNorm kernel timed, by name (tiling.parse_candidate; default: auto, a plain call's)
     bench-cutedsl) run_bench bench_cutedsl 290 python3 -m layer_boundary bench cutedsl -- --kernel "${CUTEDSL_KERNEL:-auto}" \
       --out "$OUT/cutedsl_bench.json" ;;
     # CUTEDSL_SHAPES (TxH ...) re-timed in CUTEDSL_CELL_RUNS fresh processes: each lands its buffers on
@@ -268,7 +232,7 @@ group() {
       run_check soak_kill 150 $soak --only kill --out "$OUT/soak_kill.json" || rc=1
       return $rc ;;
     contract) run_pytest contract 560 tests/plugins/test_contract_plugins.py tests/plugins/test_contract_suite.py tests/test_example_provider.py ;;
-    *) log "unknown group $1 (core cutedsl flashinfer flashinfer4 contract soak compile compile-cpu compile-ops addnorm cutedsl-kernels decode-kernels smoke-cutedsl bench-decode probe-attention probe-replay qk-norm-rope probe-qk-norm-rope cutedsl-allreduce bench-cutedsl sweep-cutedsl sweep-layouts sweep-reread sweep-reread-widths reread sweep-fi-shape sweep-fi-shape-widths late-gamma sweep-auto sweep-rounds addnorm-kernels probe-addnorm-context)"; return 2 ;;
+    *) log "unknown group $1 (core core-ranks cutedsl flashinfer flashinfer4 contract soak compile compile-cpu compile-ops addnorm cutedsl-kernels decode-kernels bench-decode probe-attention probe-replay qk-norm-rope probe-qk-norm-rope cutedsl-allreduce bench-cutedsl bench-cutedsl-cells bands-cutedsl reread late-gamma addnorm-kernels)"; return 2 ;;
   esac
 }
 

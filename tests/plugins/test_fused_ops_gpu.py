@@ -144,7 +144,7 @@ def _oneshot_opcheck_rank(parallel):
     the workspace's launches, then opcheck (every call a collective: both ranks run the same)."""
     from layer_boundary.plugin import graph_key
     from layer_boundary_cutedsl import graph_ops
-    from layer_boundary_cutedsl.allreduce_checks import _group, _held, _workspace, use_rank_device
+    from cutedsl.allreduce_checks import _group, _held, _workspace, use_rank_device  # tests/plugins/cutedsl
 
     device = use_rank_device(parallel)
     group = _group(parallel)

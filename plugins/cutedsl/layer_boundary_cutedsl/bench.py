@@ -23,11 +23,19 @@ Each case is timed by CUDA-graph replay (ITERS calls per graph, events around ea
 median of REPEATS replays) on random data after a correctness check against the float64
 reference. Our results are written to --out before flashinfer is tried (its first use may
 JIT-compile for minutes), and again after.
+
+`--bands-out FILE` times, instead, the add + RMSNorm kernels a plain call may choose by token
+count (`--band-kernels`) against the width's default tiling, side by side (`--rounds` rotated
+rounds, in place), at every width and token count of the band grid, and writes the
+`tiling.ROWS_BANDS` table those times suggest (`suggest_bands`): the shipped table is this
+command's output on an H200; `LAYER_BOUNDARY_CUTEDSL_ADD_NORM_BANDS=FILE` makes plain calls use
+another GPU's.
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import platform
@@ -39,7 +47,7 @@ import traceback
 import torch
 
 from layer_boundary.cli.args import OneLineParser, positive_float, positive_int
-from layer_boundary_cutedsl.kernels.tiling import check_hidden
+from layer_boundary_cutedsl.kernels.tiling import AUTO, check_hidden, parse_candidate
 from layer_boundary_cutedsl.kernels import (
     add_rmsnorm_reference,
     fused_add_rmsnorm,
@@ -53,6 +61,23 @@ DT = torch.bfloat16
 ROUNDS = 5
 #: pairs of buffers (x, residual) they are timed on, ROUNDS rounds each (`buffer_sets`)
 BUFFER_SETS = 3
+#: `--bands-out`'s grid: the widths, the token counts (the bands' edges fall halfway between
+#: neighbours), and the kernels a band may name: those whose PDL trigger sits at the end (an early
+#: trigger lets the next launch's CTAs hold SM slots while they wait, and one-wave grids spike)
+BAND_WIDTHS = (2048, 4096, 7168, 8192)
+BAND_TOKENS = (1, 16, 128, 256, 384, 512, 640, 768, 1024, 1280, 1536, 2048, 3072, 4096, 8192)
+BAND_KERNELS = ("default+late+nl", "default+late+g+nl", "128x1+s+l1+late+g+nl")
+#: how much faster than the default tiling a kernel must be for a band to name it
+BAND_MARGIN = 0.01
+
+
+def add_norm_inputs(tokens: int, hidden: int):
+    """(x, residual, gamma): random bf16 rows of a case, the same for every use of (tokens, hidden)."""
+    gen = torch.Generator(device="cuda").manual_seed(tokens + hidden)
+    x = torch.randn(tokens, hidden, generator=gen, device="cuda").to(DT)
+    r = torch.randn(tokens, hidden, generator=gen, device="cuda").to(DT)
+    gamma = (1 + 0.1 * torch.randn(hidden, generator=gen, device="cuda")).to(DT)
+    return x, r, gamma
 
 
 def time_graph(fn, iters: int, repeats: int) -> float:
@@ -140,10 +165,7 @@ def bench_add_norm(cases, iters, repeats, copy_gbs, results, options=None):
     options = options or {}
     l2 = torch.cuda.get_device_properties(torch.cuda.current_device()).L2_cache_size
     for tokens, hidden in cases:
-        gen = torch.Generator(device="cuda").manual_seed(tokens + hidden)
-        x = torch.randn(tokens, hidden, generator=gen, device="cuda").to(DT)
-        r = torch.randn(tokens, hidden, generator=gen, device="cuda").to(DT)
-        gamma = (1 + 0.1 * torch.randn(hidden, generator=gen, device="cuda")).to(DT)
+        x, r, gamma = add_norm_inputs(tokens, hidden)
         normed, res = torch.empty_like(x), torch.empty_like(r)
         fused_add_rmsnorm(x, r, gamma, EPS, out=normed, residual_out=res, **options)
         torch.cuda.synchronize()
@@ -223,10 +245,7 @@ def compare_flashinfer(fi_fused, tokens, hidden, options) -> dict:
     """FlashInfer's output on the inputs ours ran on (copies: it works in place), against ours
     and the float64 reference: the new residual bit-exact?, the norm's max error relative to
     the reference (the measure `check_add_norm` uses) and its max difference from ours in bf16 ulps."""
-    gen = torch.Generator(device="cuda").manual_seed(tokens + hidden)
-    x = torch.randn(tokens, hidden, generator=gen, device="cuda").to(DT)
-    r = torch.randn(tokens, hidden, generator=gen, device="cuda").to(DT)
-    gamma = (1 + 0.1 * torch.randn(hidden, generator=gen, device="cuda")).to(DT)
+    x, r, gamma = add_norm_inputs(tokens, hidden)
     ours_normed, ours_res = fused_add_rmsnorm(x, r, gamma, EPS, **options)
     fi_x, fi_r = x.clone(), r.clone()
     fi_fused(fi_x, fi_r, gamma, EPS)
@@ -243,7 +262,7 @@ def compare_flashinfer(fi_fused, tokens, hidden, options) -> dict:
 def buffer_sets(tokens: int, hidden: int, sets: int, device: str = "cuda") -> list:
     """`sets` pairs (x, residual) of random bf16 rows, all alive at once, a spacer of a different
     size before each: where two buffers sit relative to each other moves an L2-resident kernel's
-    time by 2-8%, and not the same way for every kernel (benchmarks/add_norm_context_probe.py), so
+    time by 2-8%, and not the same way for every kernel, so
     a ratio of two kernels taken on one pair is partly that pair's luck."""
     pairs, spacers = [], []
     for k in range(sets):
@@ -304,7 +323,7 @@ def bench_flashinfer(results, iters, repeats, options=None, rounds=ROUNDS, sets=
 def flashinfer_in_child(results, iters, repeats, budget_s: float, kernel: str = "auto", rounds: int = ROUNDS,
                         sets: int = BUFFER_SETS):
     """Run bench_flashinfer in a child process killed after `budget_s` (its first call may
-    JIT-compile for minutes), with our kernel `kernel` (a sweep name) timed beside it there;
+    JIT-compile for minutes), with our kernel `kernel` (a kernel name) timed beside it there;
     merge what it measured into `results`."""
     import subprocess
     import tempfile
@@ -330,6 +349,78 @@ def flashinfer_in_child(results, iters, repeats, budget_s: float, kernel: str = 
     for mine, theirs in zip(results, child["results"]):  # every field the child added (times, ratio, comparison)
         mine.update({key: value for key, value in theirs.items() if "flashinfer" in key})
     return child["status"]
+
+
+def check_candidates(parser, names) -> list:
+    """`fused_add_rmsnorm`'s options of each kernel name (`tiling.parse_candidate`), or the
+    command line refused with the reason: before any GPU work."""
+    options = []
+    for name in names:
+        try:
+            options.append(parse_candidate(name))
+        except ValueError as exc:
+            parser.error(str(exc))
+    return options
+
+
+def time_kernels(tokens: int, hidden: int, names, iters: int, repeats: int, rounds: int) -> dict:
+    """{name: median us} of the default tiling and of each kernel in `names` at (tokens, hidden),
+    each in place on its own copy of the inputs, checked against a plain call first (the new
+    residual bit for bit, the norm within one rounding), timed side by side (`time_side_by_side`)."""
+    x, r, gamma = add_norm_inputs(tokens, hidden)
+    ref_n, ref_r = fused_add_rmsnorm(x, r, gamma, EPS)
+    runs = {}
+    for name in ("default", *names):
+        options = parse_candidate(name)
+        xx, rr = x.clone(), r.clone()
+        fused_add_rmsnorm(xx, rr, gamma, EPS, out=xx, residual_out=rr, **options)
+        torch.cuda.synchronize()
+        if not torch.equal(rr, ref_r):
+            raise AssertionError(f"{name} at T={tokens} H={hidden}: new residual differs")
+        if not torch.allclose(xx.float(), ref_n.float(), rtol=2**-7, atol=2**-7):
+            raise AssertionError(f"{name} at T={tokens} H={hidden}: norm differs beyond a rounding")
+        runs[name] = functools.partial(fused_add_rmsnorm, xx, rr, gamma, EPS, out=xx, residual_out=rr, **options)
+    times = time_side_by_side(runs, iters if tokens * hidden <= 1024 * 8192 else max(2, iters // 4), repeats, rounds)
+    return {name: statistics.median(per_round) for name, per_round in times.items()}
+
+
+def suggest_bands(rows, kernels, margin: float = BAND_MARGIN) -> dict:
+    """A `tiling.ROWS_BANDS` table from timed rows ({hidden, tokens, us: {name: us}}): at each
+    token count the fastest of `kernels` where it beats the default tiling by more than `margin`,
+    runs of one kernel merged into a band [first, end) whose edges sit halfway to the
+    neighbouring counts (the last count's band ends at twice it). Widths without a winner get no
+    entry."""
+    bands = {}
+    for hidden in sorted({r["hidden"] for r in rows}):
+        mine = sorted((r for r in rows if r["hidden"] == hidden), key=lambda r: r["tokens"])
+        counts = [r["tokens"] for r in mine]
+        width_bands = []
+        for i, r in enumerate(mine):
+            timed = {k: r["us"][k] for k in kernels if k in r["us"]}
+            best = min(timed, key=timed.get) if timed else None
+            if best is None or timed[best] >= r["us"]["default"] * (1 - margin):
+                continue
+            first = 1 if i == 0 else (counts[i - 1] + counts[i] + 1) // 2
+            end = 2 * counts[i] if i + 1 == len(counts) else (counts[i] + counts[i + 1] + 1) // 2
+            if width_bands and width_bands[-1][2] == best and width_bands[-1][1] == first:
+                width_bands[-1][1] = end
+            else:
+                width_bands.append([first, end, best])
+        if width_bands:
+            bands[hidden] = width_bands
+    return bands
+
+
+def measure_bands(widths, tokens, kernels, iters: int, repeats: int, rounds: int) -> dict:
+    """`time_kernels` at every (T, H) of the grid, a line each, and the bands they suggest."""
+    rows = []
+    for hidden in widths:
+        for t in tokens:
+            us = time_kernels(t, hidden, kernels, iters, repeats, rounds)
+            rows.append(dict(tokens=t, hidden=hidden, rounds=rounds, us=us))
+            cells = "  ".join(f"{name} {v / us['default']:5.2f}" for name, v in us.items() if name != "default")
+            print(f"T={t:6d} H={hidden}: default {us['default']:7.2f} us; kernel/default: {cells}", flush=True)
+    return dict(rows=rows, bands=suggest_bands(rows, kernels))
 
 
 def table(results) -> str:
@@ -383,6 +474,30 @@ def shape(text: str) -> tuple:
     return int(tokens), int(hidden)
 
 
+def check_band_args(parser, args) -> tuple:
+    """(kernels, widths, token counts) of `--bands-out`, or the command line refused: band options
+    without --bands-out, --bands-out with --shapes, a band kernel that is not a kernel name or is
+    `auto`, a width the kernels cannot take."""
+    band_options = [f"--{name.replace('_', '-')}" for name in ("band_kernels", "band_widths", "band_tokens") if getattr(args, name)]
+    if not args.bands_out:
+        if band_options:
+            parser.error(f"{' '.join(band_options)} choose what --bands-out times: add --bands-out FILE")
+        return (), (), ()
+    if args.shapes:
+        parser.error("--bands-out times the band grid (--band-widths x --band-tokens), not --shapes")
+    kernels = tuple(args.band_kernels or BAND_KERNELS)
+    check_candidates(parser, kernels)
+    if AUTO in kernels:
+        parser.error(f"a band names a kernel, not {AUTO!r}")
+    widths = tuple(args.band_widths or BAND_WIDTHS)
+    for hidden in widths:
+        try:
+            check_hidden(hidden, DT)
+        except ValueError as exc:
+            parser.error(f"--band-widths: {exc}")
+    return kernels, widths, tuple(args.band_tokens or BAND_TOKENS)
+
+
 def main(argv=None):
     ap = OneLineParser(prog="layer-boundary bench cutedsl", description=__doc__.split("\n\n")[0])
     ap.add_argument("--out", default="", help="write the results as JSON here")
@@ -392,7 +507,7 @@ def main(argv=None):
     ap.add_argument("--repeats", type=positive_int, default=50, help="graph replays timed (median taken)")
     ap.add_argument("--budget-s", type=positive_float, default=270, help="wall-clock budget; flashinfer gets what is left")
     ap.add_argument("--kernel", default="auto",
-                    help="the add + RMSNorm kernel timed, by the layout sweep's name: auto (a plain call's: chosen by the "
+                    help="the add + RMSNorm kernel timed, by name: auto (a plain call's: chosen by the "
                          "token count), default (the width's tiling at every count), 256x1, 64x2+s+l1+late+g, ...")
     ap.add_argument("--rounds", type=positive_int, default=ROUNDS,
                     help="rounds ours and FlashInfer's are timed in, side by side in one process (ours/fi: medians)")
@@ -400,11 +515,16 @@ def main(argv=None):
                     help="pairs of buffers they are timed on, --rounds rounds each (where buffers sit moves the time)")
     ap.add_argument("--shapes", nargs="+", type=shape, metavar="TxH",
                     help="time only these add + RMSNorm shapes (tokens x hidden, e.g. 1024x4096) and no MoE finalize")
+    ap.add_argument("--bands-out", default="", metavar="FILE",
+                    help="time the band kernels against the default tiling over the band grid and write the ROWS_BANDS "
+                         "table they suggest here (JSON; LAYER_BOUNDARY_CUTEDSL_ADD_NORM_BANDS=FILE makes plain calls use it)")
+    ap.add_argument("--band-kernels", nargs="+", metavar="NAME", help=f"with --bands-out: the kernels a band may name ({' '.join(BAND_KERNELS)})")
+    ap.add_argument("--band-widths", nargs="+", type=positive_int, metavar="H", help="with --bands-out: the widths (default: 2048 4096 7168 8192)")
+    ap.add_argument("--band-tokens", nargs="+", type=positive_int, metavar="T", help="with --bands-out: the token counts")
     ap.add_argument("--flashinfer-child", nargs=2, metavar=("IN", "OUT"), help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
-    from .add_norm_sweep import check_candidates  # imports this module: not at the top
-
     (kernel_options,) = check_candidates(ap, [args.kernel])
+    band_kernels, band_widths, band_tokens = check_band_args(ap, args)
     if args.flashinfer_child:
         with open(args.flashinfer_child[0]) as f:
             job = json.load(f)
@@ -414,6 +534,14 @@ def main(argv=None):
     if not torch.cuda.is_available():
         print("no CUDA device: nothing to benchmark", file=sys.stderr)
         return 2
+    if args.bands_out:
+        iters, repeats = (10, 20) if args.quick else (args.iters, args.repeats)
+        payload = dict(device=torch.cuda.get_device_name(), torch=torch.__version__, iters=iters, repeats=repeats)
+        payload.update(measure_bands(band_widths, band_tokens, band_kernels, iters, repeats, args.rounds))
+        write(args.bands_out, {str(h): b for h, b in payload["bands"].items()})
+        write(args.out, payload)
+        print(f"bands (ROWS_BANDS form) written to {args.bands_out}: {payload['bands']}", flush=True)
+        return 0
     t_start = time.time()
     iters, repeats = (10, 20) if args.quick else (args.iters, args.repeats)
     torch.cuda.manual_seed(0)

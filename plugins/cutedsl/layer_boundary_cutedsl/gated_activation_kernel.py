@@ -14,17 +14,14 @@ inside a CUDA-graph capture. Under torch.compile a call is the custom op
 
 from __future__ import annotations
 
-import logging
 from typing import Optional
 
 import torch
 
-from .kernel_set import model_kernel_reason
+from .kernel_set import model_kernel_reason, trial_factory
 from .kernels.gated_activation import ACTIVATIONS, gated_activation, prepare_gated_activation
 
 __all__ = ["CuteGatedActivation", "factory", "reason"]
-
-log = logging.getLogger("layer_boundary.cutedsl")
 
 
 def reason(request) -> Optional[str]:
@@ -53,24 +50,18 @@ class CuteGatedActivation:
         return f"CuteGatedActivation({self.activation})"
 
 
+def _trial(request) -> CuteGatedActivation:
+    prepare_gated_activation(request.dtype, request.activation, request.intermediate, request.device)
+    kernel = CuteGatedActivation(request.activation)
+    out = kernel(torch.zeros(1, 2 * request.intermediate, dtype=request.dtype, device=request.device))
+    if out.shape != (1, request.intermediate):
+        raise RuntimeError(f"returned {tuple(out.shape)}")
+    return kernel
+
+
 def factory(request) -> Optional[CuteGatedActivation]:
     """The record's factory: the compiled kernel and one trial launch of a row."""
-    why = reason(request)
-    if why is not None:
-        log.debug("cutedsl.gated_activation declines: %s", why)
-        return None
-    try:
-        prepare_gated_activation(request.dtype, request.activation, request.intermediate, request.device)
-        kernel = CuteGatedActivation(request.activation)
-        out = kernel(torch.zeros(1, 2 * request.intermediate, dtype=request.dtype, device=request.device))
-        torch.cuda.synchronize(request.device)
-        if out.shape != (1, request.intermediate):
-            raise RuntimeError(f"returned {tuple(out.shape)}")
-    except Exception as exc:  # noqa: BLE001 - a kernel that cannot run here declines
-        log.warning("cutedsl.gated_activation declines %s %s on %s: %s: %s", request.activation, request.dtype, request.device,
-                    type(exc).__name__, exc)
-        return None
-    return kernel
+    return trial_factory("cutedsl.gated_activation", request, reason(request), lambda: _trial(request), f"{request.activation} {request.dtype}")
 
 
 # the custom op torch.compile traces ---------------------------------------------------------------

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import functools
 import importlib.util
+import logging
 from dataclasses import dataclass
 from typing import Callable, Optional
 
@@ -24,7 +25,9 @@ from .kernels import fused_add_rmsnorm, moe_finalize, moe_finalize_add_rmsnorm, 
 from .kernels.tiling import MAX_HIDDEN, SUPPORTED_DTYPES
 from .oneshot import CUDA_ONESHOT, OneShotKernels
 
-__all__ = ["KernelSet", "CUTEDSL_KERNELS", "kernels_available", "model_kernel_reason", "MoeShape"]
+__all__ = ["KernelSet", "CUTEDSL_KERNELS", "kernels_available", "model_kernel_reason", "trial_factory", "MoeShape"]
+
+log = logging.getLogger("layer_boundary.cutedsl")
 
 
 @dataclass(frozen=True)
@@ -93,6 +96,23 @@ def model_kernel_reason(request, shape_reason=None):
     if not kernels_available():
         return "nvidia-cutlass-dsl or CUDA missing"
     return None
+
+
+def trial_factory(record: str, request, why: Optional[str], build: Callable, what: str):
+    """A model-wide kernel record's factory: None when `why` says the kernel cannot run `request`
+    (logged at debug level) or when `build()` (compile, load, one trial launch, synchronized)
+    raises (a warning naming the record, `what` and the device); else the kernel `build` made, so
+    that a later call may run inside a CUDA-graph capture."""
+    if why is not None:
+        log.debug("%s declines: %s", record, why)
+        return None
+    try:
+        kernel = build()
+        torch.cuda.synchronize(request.device)
+    except Exception as exc:  # noqa: BLE001 - a kernel that cannot run here declines
+        log.warning("%s declines %s on %s: %s: %s", record, what, request.device, type(exc).__name__, exc)
+        return None
+    return kernel
 
 
 def _prepare_cutedsl(dtype, hidden, device, add_norm_offsets, moe_shapes) -> None:

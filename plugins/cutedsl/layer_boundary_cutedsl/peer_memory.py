@@ -10,7 +10,7 @@ peer's buffer with `cuIpcOpenMemHandle`. The same code serves both worlds the pl
   mapping is a second virtual address of the same device memory in another process.
 
 It is the mechanism FlashInfer's `trtllm` workspace uses (cudaIpc*, the runtime's wrappers of
-these calls), which was measured working in both worlds. It needs no process-group backend
+these calls), and it works in both worlds. It needs no process-group backend
 feature (the 64-byte handles travel through `Collectives.all_gather` as int64 words) and no
 particular torch version. The driver is reached through ctypes (`libcuda.so.1`), whose C ABI is
 stable, rather than a Python binding whose struct wrappers change between releases.

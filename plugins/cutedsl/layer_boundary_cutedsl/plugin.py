@@ -48,45 +48,40 @@ def layer_boundary_fusion_providers():
     )
 
 
-def _add_norm_factory(request):
-    from .local_add_norm import factory
+class _Lazy:
+    """A record factory that imports its module of this package on the first call (the registry
+    loads this module without the kernels' code)."""
 
-    return factory(request)
+    def __init__(self, module: str):
+        self.module = module
+
+    def __call__(self, request):
+        import importlib
+
+        return importlib.import_module(f"{__package__}.{self.module}").factory(request)
 
 
 @hookimpl
 def layer_boundary_add_norm_kernels():
     yield AddNormKernel(
-        name="cutedsl.add_rmsnorm", factory=_add_norm_factory, priority=Priority.ARCH_SPECIFIC,
+        name="cutedsl.add_rmsnorm", factory=_Lazy("local_add_norm"), priority=Priority.ARCH_SPECIFIC,
         contract_preparation="layer_boundary_cutedsl.local_add_norm:contract_factory",
         description="residual add + RMSNorm (and Gemma's) in one CuTe DSL kernel, out of place; CUDA bf16/fp16 rows",
     )
 
 
-def _qk_norm_rope_factory(request):
-    from .qk_norm_rope_kernel import factory
-
-    return factory(request)
-
-
 @hookimpl
 def layer_boundary_qk_norm_rope_kernels():
     yield QKNormRopeKernel(
-        name="cutedsl.qk_norm_rope", factory=_qk_norm_rope_factory, priority=Priority.ARCH_SPECIFIC,
+        name="cutedsl.qk_norm_rope", factory=_Lazy("qk_norm_rope_kernel"), priority=Priority.ARCH_SPECIFIC,
         description="qwen3's per-head q/k RMSNorms and the rope in one CuTe DSL kernel; CUDA bf16/fp16, head_dim 64/128/256",
     )
-
-
-def _gated_activation_factory(request):
-    from .gated_activation_kernel import factory
-
-    return factory(request)
 
 
 @hookimpl
 def layer_boundary_gated_activation_kernels():
     yield GatedActivationKernel(
-        name="cutedsl.gated_activation", factory=_gated_activation_factory, priority=Priority.ARCH_SPECIFIC,
+        name="cutedsl.gated_activation", factory=_Lazy("gated_activation_kernel"), priority=Priority.ARCH_SPECIFIC,
         description="act(gate) * up (silu, gelu_tanh, gelu) in one CuTe DSL kernel, a token's row over many CTAs; CUDA bf16/fp16",
     )
 

@@ -33,32 +33,38 @@ from .kernel_set import CUTEDSL_KERNELS, KernelSet, kernels_available
 __all__ = ["CuteDSLFusion", "kernels_available"]
 
 
-def finalize_add_norm(provider: "CuteDSLFusion", norm, owed, residual, forward=None):
-    """Candidate for a `MoeFinalizeHandoff`: (normed, new_residual), or None to decline."""
-    fused = oneshot.finalize_candidate(provider.service, norm, owed, residual)  # one launch under TP
+def _candidate(provider: "CuteDSLFusion", oneshot_candidate, unfused, norm, owed, residual):
+    """One launch of the one-shot kernel when the service's workspace takes `owed` (under TP),
+    else `unfused(provider, kernels, owed, residual, gamma, offset, eps)` when the kernels compute
+    what `norm` does, else None (decline)."""
+    fused = oneshot_candidate(provider.service, norm, owed, residual)
     if fused is not None:
         return fused
     kernels = provider.kernels
     args = fused_paths.norm_args(kernels, norm, residual)
     if args is None:
         return None
-    gamma, offset, eps = args
+    return unfused(provider, kernels, owed, residual, *args)
+
+
+def _finalize(provider, kernels, owed, residual, gamma, offset, eps):
     service = provider.service
     partial_out = service.partial_buffer(residual) if service is not None else None
     return fused_paths.finalize_add_norm(kernels, owed, residual, gamma, offset, eps, partial_out=partial_out)
 
 
+def _all_reduce(provider, kernels, owed, residual, gamma, offset, eps):
+    return fused_paths.all_reduce_add_norm(kernels, owed, residual, gamma, offset, eps)
+
+
+def finalize_add_norm(provider: "CuteDSLFusion", norm, owed, residual, forward=None):
+    """Candidate for a `MoeFinalizeHandoff`: (normed, new_residual), or None to decline."""
+    return _candidate(provider, oneshot.finalize_candidate, _finalize, norm, owed, residual)
+
+
 def all_reduce_add_norm(provider: "CuteDSLFusion", norm, owed, residual, forward=None):
     """Candidate for an `UnreducedOutput`: its all-reduce, then the fused add + norm."""
-    fused = oneshot.all_reduce_candidate(provider.service, norm, owed, residual)  # one launch under TP
-    if fused is not None:
-        return fused
-    kernels = provider.kernels
-    args = fused_paths.norm_args(kernels, norm, residual)
-    if args is None:
-        return None
-    gamma, offset, eps = args
-    return fused_paths.all_reduce_add_norm(kernels, owed, residual, gamma, offset, eps)
+    return _candidate(provider, oneshot.all_reduce_candidate, _all_reduce, norm, owed, residual)
 
 
 class CuteDSLFusion:

@@ -15,19 +15,16 @@ launch directly.
 
 from __future__ import annotations
 
-import logging
 from typing import Optional
 
 import torch
 
 from layer_boundary.plugin import rope_cos_sin_table
 
-from .kernel_set import model_kernel_reason
+from .kernel_set import model_kernel_reason, trial_factory
 from .kernels.qk_norm_rope import HEAD_DIMS, fused_qk_norm_rope, prepare_qk_norm_rope
 
 __all__ = ["CuteQKNormRope", "factory", "reason"]
-
-log = logging.getLogger("layer_boundary.cutedsl")
 
 
 def reason(request) -> Optional[str]:
@@ -52,25 +49,20 @@ class CuteQKNormRope:
         return f"CuteQKNormRope(max_positions={self.table.shape[0]}, head_dim={self.table.shape[1]}, eps={self.eps})"
 
 
+def _trial(request) -> CuteQKNormRope:
+    prepare_qk_norm_rope(request.dtype, request.head_dim, request.heads, request.kv_heads, request.device)
+    kernel = CuteQKNormRope(rope_cos_sin_table(request.head_dim, request.theta, request.max_positions, request.device), request.eps)
+    D = request.head_dim
+    q = torch.ones(1, request.heads, D, dtype=request.dtype, device=request.device)
+    k = torch.ones(1, request.kv_heads, D, dtype=request.dtype, device=request.device)
+    weight = torch.ones(D, dtype=request.dtype, device=request.device)
+    kernel(q, k, torch.zeros(1, dtype=torch.long, device=request.device), weight, weight)
+    return kernel
+
+
 def factory(request) -> Optional[CuteQKNormRope]:
     """The record's factory: the table, the compiled kernel, one trial launch."""
-    why = reason(request)
-    if why is not None:
-        log.debug("cutedsl.qk_norm_rope declines: %s", why)
-        return None
-    try:
-        prepare_qk_norm_rope(request.dtype, request.head_dim, request.heads, request.kv_heads, request.device)
-        kernel = CuteQKNormRope(rope_cos_sin_table(request.head_dim, request.theta, request.max_positions, request.device), request.eps)
-        D = request.head_dim
-        q = torch.ones(1, request.heads, D, dtype=request.dtype, device=request.device)
-        k = torch.ones(1, request.kv_heads, D, dtype=request.dtype, device=request.device)
-        weight = torch.ones(D, dtype=request.dtype, device=request.device)
-        kernel(q, k, torch.zeros(1, dtype=torch.long, device=request.device), weight, weight)
-        torch.cuda.synchronize(request.device)
-    except Exception as exc:  # noqa: BLE001 - a kernel that cannot run here declines
-        log.warning("cutedsl.qk_norm_rope declines %s on %s: %s: %s", request.dtype, request.device, type(exc).__name__, exc)
-        return None
-    return kernel
+    return trial_factory("cutedsl.qk_norm_rope", request, reason(request), lambda: _trial(request), f"{request.dtype}")
 
 
 # the custom op torch.compile traces ---------------------------------------------------------------

@@ -1,4 +1,4 @@
-"""The one-shot all-reduce GPU tests' table, printed at the end of a session that ran them."""
+"""The one-shot all-reduce GPU tests' table, printed at the end of a pytest run that ran them."""
 
 import sys
 

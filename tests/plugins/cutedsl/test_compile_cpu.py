@@ -43,7 +43,7 @@ def _compile(variant, ptx_dir):
     """Compile for sm_90a and lint the PTX for what would hang a launch (ptx_lint.py): a
     barrier or warp shuffle under thread-divergent code, a block size other than the launch's."""
     from layer_boundary_cutedsl.kernels.compiler import compile_variant
-    from layer_boundary_cutedsl.kernels.ptx_lint import lint
+    from .ptx_lint import lint
 
     compiled = compile_variant(variant, "sm_90a", keep_ptx_dir=str(ptx_dir))
     assert compiled.has_gpu_module and len(compiled.kernel_info) == 1, variant
@@ -102,7 +102,7 @@ def test_ctas_per_sm_caps_the_registers():
     """The re-read kernel at H=4096 (four vectors a thread) takes more than 64 registers on its
     own (6 CTAs an SM); asked for 8 CTAs of 128 threads an SM, ptxas fits it in 64 (65536 /
     (8 * 128)), spilling a little. The default kernel holds 4: T=1024 takes two waves."""
-    from layer_boundary_cutedsl.occupancy import add_norm_occupancy
+    from .occupancy import add_norm_occupancy
 
     default = add_norm_occupancy("default", 4096)
     free = add_norm_occupancy("default+s+r", 4096)
@@ -111,6 +111,18 @@ def test_ctas_per_sm_caps_the_registers():
     assert (default.ctas_per_sm, free.ctas_per_sm, capped.ctas_per_sm) == (4, 6, 8)
     assert default.local_bytes == free.local_bytes == 0
     assert round(default.waves(1024), 2) == 1.94 and capped.waves(1024) < 1
+
+
+def test_the_band_kernels_hold_more_rows_an_sm():
+    """Why the bands pick the kernels without a grid-stride loop: at H=4096 the default kernel
+    takes 100 registers (4 rows an SM, T=1024 in 1.94 waves), without the loop 70 (7 rows), and
+    reading gamma late as well 64 (8 rows: T=1024 in one wave, as FlashInfer's kernel)."""
+    from .occupancy import add_norm_occupancy
+
+    rows = {name: add_norm_occupancy(name, 4096) for name in ("default", "default+late+nl", "default+late+g+nl", "128x1+s+l1+late+g+nl")}
+    assert [occ.rows_per_sm for occ in rows.values()] == [4, 7, 8, 8], rows
+    assert all(occ.local_bytes == 0 for occ in rows.values())
+    assert rows["default+late+g+nl"].waves(1024) < 1 < rows["default+late+nl"].waves(1024)
 
 
 def test_a_one_warp_row_needs_no_barrier(tmp_path):
@@ -234,19 +246,3 @@ GATED = [GatedActivationVariant(dtype, act, d, pdl) for dtype, act, d, pdl in (
 @pytest.mark.parametrize("variant", GATED, ids=lambda v: v.name)
 def test_gated_activation_compiles(variant, tmp_path):
     _compile(variant, tmp_path)
-
-
-def test_occupancy_joins_a_sweeps_ratios(tmp_path):
-    """`occupancy --join`: each kernel of a sweep's JSON this version can build, with its measured
-    ratios to FlashInfer, sorted by rows an SM; options this version lacks are left out."""
-    import json
-
-    from layer_boundary_cutedsl.occupancy import join_sweep
-
-    rows = [dict(tokens=t, hidden=4096, flashinfer_us=2.0, us={"default": 2.2, "default+s+r+o8": 1.8, "default+s+w2": 2.0}) for t in (512, 1024)]
-    sweep = tmp_path / "sweep.json"
-    sweep.write_text(json.dumps(dict(rows=rows)))
-    joined = join_sweep(str(sweep), [1024, 4096])
-    assert [(h, name) for h, name, _, _ in joined] == [(4096, "default"), (4096, "default+s+r+o8")]
-    assert [occ.rows_per_sm for _, _, occ, _ in joined] == [4, 8]
-    assert joined[0][3] == {1024: 2.2 / 2.0} and joined[1][3] == {1024: 1.8 / 2.0}

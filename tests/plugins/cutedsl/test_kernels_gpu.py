@@ -100,7 +100,7 @@ def test_many_rows_and_ctas_looping_over_rows(hidden, max_ctas, monkeypatch):
 
 
 #: multi-row CTAs (threads per row, rows per CTA): a one-warp row (no barrier), two- and four-warp
-#: rows, two and four rows a CTA; the layout sweep's candidates come from this set
+#: rows, two and four rows a CTA
 LAYOUTS = [(32, 4), (64, 2), (64, 4), (128, 1), (128, 2), (256, 1)]
 
 

@@ -129,7 +129,7 @@ def test_cuda_graph_decode_with_the_plugin(setup):
 
 
 def _tp_rank(parallel, state, prompts, decode, plugin):
-    from layer_boundary_cutedsl.gpu_world import use_rank_device
+    from .allreduce_checks import use_rank_device
 
     device = use_rank_device(parallel)
     counts = {}

@@ -2,7 +2,7 @@
 
 import pytest
 
-from layer_boundary_cutedsl.occupancy import SM90, KernelOccupancy, ctas_per_sm, main
+from .occupancy import SM90, KernelOccupancy, ctas_per_sm
 
 
 @pytest.mark.parametrize(
@@ -24,9 +24,3 @@ def test_ctas_per_sm(registers, threads, shared, want):
 def test_waves_count_rows_against_the_resident_ones():
     occ = KernelOccupancy("k", registers=100, local_bytes=0, cta_threads=128, rows_per_cta=1, shared_bytes=32, ctas_per_sm=4)
     assert occ.rows_per_sm == 4 and occ.waves(4 * SM90.sms) == 1.0
-
-
-def test_bad_candidate_names_are_refused(capsys):
-    with pytest.raises(SystemExit):
-        main(["--candidates", "default+r"])
-    assert "needs +s" in capsys.readouterr().err

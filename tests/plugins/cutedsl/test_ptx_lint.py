@@ -1,13 +1,14 @@
-"""The PTX lint finds the hang the first H200 run hit, and the other ways a CTA can wait forever.
+"""The PTX lint finds a CTA that waits forever: a collective under thread-divergent code, a block
+size other than the launch's.
 
-`data/hung_add_rmsnorm_bf16_h1024.ptx` is the PTX of the add + RMSNorm kernel as first written: a
-full-mask `shfl.sync.idx` (from `cute.arch.warp_idx()`) inside `if lane == 0:`, before the CTA
-barrier. Every launch of it hung on the H200.
+`data/hung_add_rmsnorm_bf16_h1024.ptx` is an add + RMSNorm kernel whose block reduction calls
+`cute.arch.warp_idx()` (a full-mask `shfl.sync.idx`) inside `if lane == 0:`, before the CTA
+barrier: every launch of it hangs on an H200.
 """
 
 from pathlib import Path
 
-from layer_boundary_cutedsl.kernels.ptx_lint import divergent_collectives, lint, parse_body, required_threads
+from .ptx_lint import divergent_collectives, lint, parse_body, required_threads
 
 HUNG = (Path(__file__).parent / "data" / "hung_add_rmsnorm_bf16_h1024.ptx").read_text()
 

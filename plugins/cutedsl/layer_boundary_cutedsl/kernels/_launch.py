@@ -17,7 +17,10 @@ import torch
 
 from .tiling import default_grid
 
-__all__ = ["BoundKernel", "executor_for", "launch", "launch_args", "check_all", "rows_ok", "explain_rows", "DEBUG", "FastCall", "pack_kinds"]
+__all__ = [
+    "BoundKernel", "executor_for", "launch", "launch_args", "check_all", "check_rows", "rows_ok", "explain_rows", "address", "DEBUG",
+    "FastCall", "pack_kinds", "routing_weights",
+]
 
 #: host-side checks that need a device sync (indices in range): LAYER_BOUNDARY_DEBUG=1
 DEBUG = os.environ.get("LAYER_BOUNDARY_DEBUG", "").strip().lower() in ("1", "true", "yes", "on")
@@ -191,3 +194,22 @@ def check_all(named: tuple) -> None:
     for name, t, shape, dtype, device in named:
         if not rows_ok(t, shape, dtype, device):
             explain_rows(name, t, shape, dtype, device)
+
+
+def check_rows(dtype: torch.dtype, device: torch.device, shape, **named) -> None:
+    """`check_all` of the named tensors in order (None: an absent optional one): rows of `shape`,
+    except `gamma`, one row of the width."""
+    check_all(tuple((name, t, (shape[-1],) if name == "gamma" else shape, dtype, device) for name, t in named.items() if t is not None))
+
+
+def address(t) -> int:
+    """The device address a kernel argument passes for tensor `t`; 0 for an absent one (None)."""
+    return 0 if t is None else t.data_ptr()
+
+
+def routing_weights(weights: torch.Tensor) -> torch.Tensor:
+    """MoE routing weights [T, top_k] as the kernels read them: fp32, contiguous (a copy of a small
+    tensor when they are not)."""
+    if weights.dtype != torch.float32 or not weights.is_contiguous():
+        weights = weights.to(torch.float32).contiguous()  # small [T, k]: a copy is cheap
+    return weights

@@ -10,7 +10,7 @@ from typing import Optional
 
 import torch
 
-from ._launch import check_all, executor_for, launch, rows_ok
+from ._launch import check_rows, executor_for, launch, rows_ok
 from .tiling import AUTO, ROWS_BANDS, AddNormVariant, check_hidden, parse_candidate, pick_band
 
 __all__ = ["fused_add_rmsnorm", "prepare_add_rmsnorm"]
@@ -85,7 +85,7 @@ def fused_add_rmsnorm(
     elsewhere); any option given runs exactly that kernel, `layout=None` being the default tiling.
     `pdl=False` launches the kernel as an ordinary one (benchmarks compare the two);
     `layout=(threads per row, rows per CTA)` overrides the width's tiling and `staged=True` loads
-    through shared memory (cp.async): the layout sweep compares them. `late_trigger=True` (PDL)
+    through shared memory (cp.async): docs/kernels.md compares them. `late_trigger=True` (PDL)
     lets the next kernel launch at the end instead of at the start (with `no_loop`, what the bands
     run: an early trigger lets the next launch's CTAs hold SM slots while they wait).
     `reread=True` (with `staged`) keeps the staged row in shared
@@ -107,15 +107,7 @@ def fused_add_rmsnorm(
         and rows_ok(gamma, (hidden,), dtype, device)
     ):
         check_hidden(hidden, dtype)
-        check_all(
-            (
-                ("x", x, shape, dtype, device),
-                ("residual", residual, shape, dtype, device),
-                ("out", out, shape, dtype, device),
-                ("residual_out", residual_out, shape, dtype, device),
-                ("gamma", gamma, (hidden,), dtype, device),
-            )
-        )
+        check_rows(dtype, device, shape, x=x, residual=residual, out=out, residual_out=residual_out, gamma=gamma)
     rows = x.numel() // hidden if hidden else 0
     if rows == 0:
         return out, residual_out

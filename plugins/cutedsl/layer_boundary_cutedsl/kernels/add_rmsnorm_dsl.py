@@ -14,7 +14,7 @@ import cutlass
 import cutlass.cute as cute
 from cutlass import Float32, Int32, Int64, const_expr
 
-from .dsl_rows import RowKernel
+from .dsl_rows import RowKernel, launch_indices
 from .tiling import AddNormVariant
 
 __all__ = ["AddRMSNormKernel"]
@@ -28,9 +28,7 @@ class AddRMSNormKernel(RowKernel):
     by the same thread)."""
 
     def __init__(self, variant: AddNormVariant):
-        super().__init__(variant.dtype, variant.tiling())
-        self.variant = variant
-        self.weight_offset = float(variant.weight_offset)
+        super().__init__(variant)
         self.pdl = bool(variant.pdl)
         self.staged = bool(variant.staged)
         self.late_trigger = bool(variant.late_trigger)
@@ -41,26 +39,15 @@ class AddRMSNormKernel(RowKernel):
         self.no_loop = bool(variant.no_loop)
 
     @cute.jit
-    def __call__(
-        self,
-        x: Int64,
-        residual: Int64,
-        gamma: Int64,
-        residual_out: Int64,
-        out: Int64,
-        rows: Int32,
-        eps: Float32,
-        grid: Int32,
-        stream: cuda.CUstream,
-    ):
+    def __call__(self, x: Int64, residual: Int64, gamma: Int64, residual_out: Int64, out: Int64, rows: Int32, eps: Float32, grid: Int32,
+                 stream: cuda.CUstream):
         occupancy = {}
         if const_expr(self.staged or self.ctas_per_sm > 0):
             # all of the SM's unified memory as shared memory: left to the driver, the carveout
-            # a staged kernel gets depends on what ran before in the process (session 12: the
-            # same 64x2 staged kernel at T=1024 H=4096 read 1.00 of FlashInfer's time in the
-            # sweep, where FlashInfer's kernel runs alongside, and 1.20 in the bench, where it
-            # does not: 3 CTAs an SM instead of 4). Named outright, it also spares the DSL
-            # asking a device for its shared memory, so compilation needs none.
+            # a staged kernel gets depends on what ran before in the process (the same 64x2
+            # staged kernel at T=1024 H=4096 then holds 3 CTAs an SM instead of 4 and runs 1.2x
+            # slower). Named outright, it also spares the DSL asking a device for its shared
+            # memory, so compilation needs none.
             occupancy = dict(preferred_smem_carveout=100)
         if const_expr(self.ctas_per_sm > 0):
             occupancy["min_blocks_per_mp"] = self.ctas_per_sm
@@ -170,9 +157,7 @@ class AddRMSNormKernel(RowKernel):
 
     @cute.kernel
     def kernel(self, x: Int64, residual: Int64, gamma: Int64, residual_out: Int64, out: Int64, rows: Int32, eps: Float32):
-        tidx, _, _ = cute.arch.thread_idx()
-        bidx, _, _ = cute.arch.block_idx()
-        gdim, _, _ = cute.arch.grid_dim()
+        tidx, bidx, gdim = launch_indices()
         red = self.alloc_reduction()
         staging = (self.alloc_staging(), self.alloc_staging()) if const_expr(self.staged) else None
         if const_expr(self.rows_per_cta == 1):

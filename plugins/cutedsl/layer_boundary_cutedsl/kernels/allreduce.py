@@ -14,7 +14,7 @@ from typing import Optional
 
 import torch
 
-from ._launch import _raw_stream, check_all, executor_for
+from ._launch import _raw_stream, address, check_all, check_rows, executor_for, routing_weights
 from .allreduce_layout import ENTRY_KINDS, MAX_WORLD, N_ADDRESSES, AllReduceVariant
 from .tiling import MAX_TOP_K
 
@@ -83,15 +83,7 @@ def allreduce_add_rmsnorm(
     dtype, device = residual.dtype, residual.device
     out, residual_out = _outputs(residual, out, residual_out)
     shape = residual.shape
-    check_all(
-        (
-            ("partial", partial, shape, dtype, device),
-            ("residual", residual, shape, dtype, device),
-            ("out", out, shape, dtype, device),
-            ("residual_out", residual_out, shape, dtype, device),
-            ("gamma", gamma, (hidden,), dtype, device),
-        )
-    )
+    check_rows(dtype, device, shape, partial=partial, residual=residual, out=out, residual_out=residual_out, gamma=gamma)
     if tokens == 0:
         return out, residual_out
     variant = AllReduceVariant(dtype, hidden, peers.world, float(weight_offset))
@@ -100,19 +92,9 @@ def allreduce_add_rmsnorm(
     return out, residual_out
 
 
-def moe_finalize_allreduce_add_rmsnorm(
-    peers,
-    rows: torch.Tensor,
-    weights: torch.Tensor,
-    residual: torch.Tensor,
-    gamma: torch.Tensor,
-    eps: float,
-    *,
-    shared: Optional[torch.Tensor] = None,
-    weight_offset: float = 0.0,
-    out=None,
-    residual_out=None,
-):
+def moe_finalize_allreduce_add_rmsnorm(peers, rows: torch.Tensor, weights: torch.Tensor, residual: torch.Tensor, gamma: torch.Tensor,
+                                       eps: float, *, shared: Optional[torch.Tensor] = None, weight_offset: float = 0.0, out=None,
+                                       residual_out=None):
     """The same with this rank's partial = sum_k weights[t, k] * rows[t, k] (+ shared[t]) in fp32,
     rounded once: rows [T, top_k, H] (dense, a core handoff's layout), weights [T, top_k] (used
     in fp32; other dtypes and layouts are converted, a small copy)."""
@@ -125,32 +107,14 @@ def moe_finalize_allreduce_add_rmsnorm(
         raise ValueError(f"top_k {top_k} must be in 1..{MAX_TOP_K}")
     if tuple(weights.shape) != (tokens, top_k) or weights.device != device or not weights.is_floating_point():
         raise ValueError(f"weights must be floating point [{tokens}, {top_k}] on {device}, got {weights.dtype} {tuple(weights.shape)}")
-    if weights.dtype != torch.float32 or not weights.is_contiguous():
-        weights = weights.to(torch.float32).contiguous()  # small [T, k]: a copy is cheap
+    weights = routing_weights(weights)
     out, residual_out = _outputs(residual, out, residual_out)
-    shape = residual.shape
-    named = [
-        ("rows", rows, (tokens, top_k, hidden), dtype, device),
-        ("residual", residual, shape, dtype, device),
-        ("out", out, shape, dtype, device),
-        ("residual_out", residual_out, shape, dtype, device),
-        ("gamma", gamma, (hidden,), dtype, device),
-    ]
-    if shared is not None:
-        named.append(("shared", shared, shape, dtype, device))
-    check_all(tuple(named))
+    check_all((("rows", rows, (tokens, top_k, hidden), dtype, device),))
+    check_rows(dtype, device, residual.shape, residual=residual, out=out, residual_out=residual_out, gamma=gamma, shared=shared)
     if tokens == 0:
         return out, residual_out
     variant = AllReduceVariant(dtype, hidden, peers.world, float(weight_offset), top_k=top_k, shared=shared is not None)
-    tensors = [
-        rows.data_ptr(),
-        weights.data_ptr(),
-        0 if shared is None else shared.data_ptr(),
-        residual.data_ptr(),
-        gamma.data_ptr(),
-        residual_out.data_ptr(),
-        out.data_ptr(),
-    ]
+    tensors = [address(t) for t in (rows, weights, shared, residual, gamma, residual_out, out)]
     _launch(variant, peers, tokens, tensors, eps, device)
     return out, residual_out
 

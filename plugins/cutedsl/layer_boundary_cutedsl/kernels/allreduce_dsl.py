@@ -31,7 +31,7 @@ from cutlass._mlir.dialects import llvm
 from cutlass.cutlass_dsl import dsl_user_op
 
 from .allreduce_layout import FLAG_BYTES, N_ADDRESSES, AllReduceVariant
-from .dsl_rows import RowKernel
+from .dsl_rows import RowKernel, launch_indices, load_scalar
 
 __all__ = ["AllReduceAddRMSNormKernel", "N_ADDRESSES"]
 
@@ -43,42 +43,16 @@ def _trap(*, loc=None, ip=None):
 
 class AllReduceAddRMSNormKernel(RowKernel):
     def __init__(self, variant: AllReduceVariant):
-        super().__init__(variant.dtype, variant.tiling())
-        self.variant = variant
+        super().__init__(variant)
         self.world = variant.world
         self.top_k = variant.top_k
         self.has_shared = variant.shared
-        self.weight_offset = float(variant.weight_offset)
         self.row_stride = variant.row_stride
 
     @cute.jit
-    def __call__(
-        self,
-        src: Int64,
-        weights: Int64,
-        shared: Int64,
-        residual: Int64,
-        gamma: Int64,
-        residual_out: Int64,
-        out: Int64,
-        state: Int64,
-        diag: Int64,
-        own: Int64,
-        b0: Int64,
-        b1: Int64,
-        b2: Int64,
-        b3: Int64,
-        b4: Int64,
-        b5: Int64,
-        b6: Int64,
-        b7: Int64,
-        rows: Int32,
-        rank: Int32,
-        capacity: Int32,
-        eps: Float32,
-        grid: Int32,
-        stream: cuda.CUstream,
-    ):
+    def __call__(self, src: Int64, weights: Int64, shared: Int64, residual: Int64, gamma: Int64, residual_out: Int64, out: Int64,
+                 state: Int64, diag: Int64, own: Int64, b0: Int64, b1: Int64, b2: Int64, b3: Int64, b4: Int64, b5: Int64, b6: Int64,
+                 b7: Int64, rows: Int32, rank: Int32, capacity: Int32, eps: Float32, grid: Int32, stream: cuda.CUstream):
         self.kernel(
             src, weights, shared, residual, gamma, residual_out, out, state, diag, own,
             b0, b1, b2, b3, b4, b5, b6, b7, rows, rank, capacity, eps,
@@ -103,11 +77,6 @@ class AllReduceAddRMSNormKernel(RowKernel):
         return cute.make_ptr(Int64, addr, cute.AddressSpace.gmem, assumed_align=8)
 
     @cute.jit
-    def _weight(self, weights: Int64, index: Int64) -> Float32:
-        w_ptr = cute.make_ptr(Float32, weights + index * 4, cute.AddressSpace.gmem, assumed_align=4)
-        return cute.make_tensor(w_ptr, cute.make_layout((1,)))[0]
-
-    @cute.jit
     def _partial(self, src: Int64, weights: Int64, shared: Int64, row: Int32, row_elem: Int64, tidx: Int32):
         """This rank's partial row in fp32: the input row, or sum_k w[t,k] * rows[t,k] (+ shared)."""
         if const_expr(self.top_k == 0):
@@ -123,17 +92,11 @@ class AllReduceAddRMSNormKernel(RowKernel):
             wts = cute.make_rmem_tensor((top_k,), Float32)
             base = Int64(row) * top_k
             for k in cutlass.range_constexpr(top_k):
-                wts[k] = self._weight(weights, base + k)
-            ef = cute.make_rmem_tensor((self.vec, self.vpt, top_k), self.dtype)
-            ef.fill(0.0)
+                wts[k] = load_scalar(Float32, weights + (base + k) * 4, 4)
+            ef = self.new_frags(top_k)
             for k in cutlass.range_constexpr(top_k):
                 self.load_row(src, (base + k) * self.hidden, ef[None, None, k], tidx)
-            acc = ef[None, None, 0].load().to(Float32) * wts[0]
-            for k in cutlass.range_constexpr(1, top_k):
-                acc = acc + ef[None, None, k].load().to(Float32) * wts[k]
-            if const_expr(self.has_shared):
-                acc = acc + sf.load().to(Float32)
-            return acc
+            return self.sum_frags(ef, top_k, wts, sf)
 
     @cute.jit
     def _wait(self, flag: Int64, epoch: Int64, timeout: Int64, diag: Int64, rank: Int32, peer: Int32, row: Int32):
@@ -159,34 +122,10 @@ class AllReduceAddRMSNormKernel(RowKernel):
 
     # -------------------------------------------------------------------------------- kernel
     @cute.kernel
-    def kernel(
-        self,
-        src: Int64,
-        weights: Int64,
-        shared: Int64,
-        residual: Int64,
-        gamma: Int64,
-        residual_out: Int64,
-        out: Int64,
-        state: Int64,
-        diag: Int64,
-        own: Int64,
-        b0: Int64,
-        b1: Int64,
-        b2: Int64,
-        b3: Int64,
-        b4: Int64,
-        b5: Int64,
-        b6: Int64,
-        b7: Int64,
-        rows: Int32,
-        rank: Int32,
-        capacity: Int32,
-        eps: Float32,
-    ):
-        tidx, _, _ = cute.arch.thread_idx()
-        bidx, _, _ = cute.arch.block_idx()
-        gdim, _, _ = cute.arch.grid_dim()
+    def kernel(self, src: Int64, weights: Int64, shared: Int64, residual: Int64, gamma: Int64, residual_out: Int64, out: Int64,
+               state: Int64, diag: Int64, own: Int64, b0: Int64, b1: Int64, b2: Int64, b3: Int64, b4: Int64, b5: Int64, b6: Int64,
+               b7: Int64, rows: Int32, rank: Int32, capacity: Int32, eps: Float32):
+        tidx, bidx, gdim = launch_indices()
         world = self.world
         bases = [b0, b1, b2, b3, b4, b5, b6, b7][:world]
         red = self.alloc_reduction()
@@ -222,14 +161,10 @@ class AllReduceAddRMSNormKernel(RowKernel):
                 flag_in = own + (Int64(peer) * cap + Int64(row)) * FLAG_BYTES
                 self._wait(flag_in, epoch, timeout, diag, rank, peer, row)
             cute.arch.sync_threads()  # every peer's row t is published
-            peers = cute.make_rmem_tensor((self.vec, self.vpt, world), self.dtype)
-            peers.fill(0.0)
+            peers = self.new_frags(world)
             for r in cutlass.range_constexpr(world):
                 self._load_peer_row(bases[r] + staged, peers[None, None, r], tidx)
-            total = peers[None, None, 0].load().to(Float32)
-            for r in cutlass.range_constexpr(1, world):
-                total = total + peers[None, None, r].load().to(Float32)
-            total = total + rf.load().to(Float32)
+            total = self.sum_frags(peers, world, extra=rf)
             self.norm_and_store(total, gam, eps, red, red_parity, residual_out, out, row_elem, tidx, tidx)
             red_parity = 1 - red_parity
         # the last CTA out stores the epoch for the next launch (every CTA read it before this)

@@ -12,9 +12,7 @@ import cutlass.cute as cute
 import torch
 from cutlass import Float32, Int32, Int64, const_expr
 
-from .tiling import RowTiling
-
-__all__ = ["RowKernel", "cutlass_dtype"]
+__all__ = ["RowKernel", "cutlass_dtype", "launch_indices", "gmem_vector", "vector_atom", "load_scalar"]
 
 try:  # 4.8 moved it; the old name still works there but warns
     from cutlass.memory import SmemAllocator as _SmemAllocator
@@ -26,10 +24,38 @@ def cutlass_dtype(dtype: torch.dtype):
     return {torch.bfloat16: cutlass.BFloat16, torch.float16: cutlass.Float16}[dtype]
 
 
-class RowKernel:
-    """Per-row helpers for a kernel whose CTA holds one row in registers (see tiling.py)."""
+def launch_indices():
+    """(this thread's index in its CTA, the CTA's index, the grid's CTAs), along x."""
+    tidx, _, _ = cute.arch.thread_idx()
+    bidx, _, _ = cute.arch.block_idx()
+    gdim, _, _ = cute.arch.grid_dim()
+    return tidx, bidx, gdim
 
-    def __init__(self, dtype: torch.dtype, tiling: RowTiling):
+
+def vector_atom(dtype):
+    """A copy of one 16-byte vector of `dtype` (`ld/st.global.v4.b32` in global memory)."""
+    return cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), dtype, num_bits_per_copy=128)
+
+
+def gmem_vector(dtype, addr: Int64, elems: int):
+    """The `elems` values of `dtype` at global address `addr`, known to be 16-byte aligned."""
+    ptr = cute.make_ptr(dtype, addr, cute.AddressSpace.gmem, assumed_align=16)
+    return cute.make_tensor(ptr, cute.make_layout((elems,)))
+
+
+def load_scalar(dtype, addr: Int64, nbytes: int):
+    """One `nbytes`-byte value of `dtype` at global address `addr` (aligned to its size)."""
+    ptr = cute.make_ptr(dtype, addr, cute.AddressSpace.gmem, assumed_align=nbytes)
+    return cute.make_tensor(ptr, cute.make_layout((1,)))[0]
+
+
+class RowKernel:
+    """Per-row helpers for a kernel whose CTA holds one row in registers (see tiling.py), built
+    from its variant: `dtype`, `tiling()` and (norm kernels) `weight_offset`, gamma's norm
+    multiplier being `w + weight_offset`."""
+
+    def __init__(self, variant):
+        dtype, tiling = variant.dtype, variant.tiling()
         self.torch_dtype = dtype
         self.dtype = cutlass_dtype(dtype)
         self.ebytes = torch.empty((), dtype=dtype).element_size()
@@ -43,21 +69,48 @@ class RowKernel:
         self.cta_threads = tiling.cta_threads
         #: the staged copies allocate in L1 (`.ca`) instead of reading from L2 alone (`.cg`)
         self.l1_staging = False
-        #: gamma's norm multiplier is `w + weight_offset` (a subclass with Gemma norms sets it)
-        self.weight_offset = 0.0
+        self.weight_offset = float(getattr(variant, "weight_offset", 0.0))
 
     def _atom(self):
-        return cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), self.dtype, num_bits_per_copy=128)
+        return vector_atom(self.dtype)
 
     def _vec_tensor(self, addr: Int64, elem: Int64):
-        ptr = cute.make_ptr(self.dtype, addr + elem * self.ebytes, cute.AddressSpace.gmem, assumed_align=16)
-        return cute.make_tensor(ptr, cute.make_layout((self.vec,)))
+        return gmem_vector(self.dtype, addr + elem * self.ebytes, self.vec)
 
     def new_frag(self):
         """Registers for this thread's share of one row: (vec, vpt), zero-filled."""
         frag = cute.make_rmem_tensor((self.vec, self.vpt), self.dtype)
         frag.fill(0.0)
         return frag
+
+    def new_frags(self, count: int):
+        """Registers for this thread's shares of `count` rows: (vec, vpt, count), zero-filled."""
+        frags = cute.make_rmem_tensor((self.vec, self.vpt, count), self.dtype)
+        frags.fill(0.0)
+        return frags
+
+    @cute.jit
+    def sum_frags(self, frags: cute.Tensor, count: cutlass.Constexpr, weights=None, extra=None):
+        """The fp32 sum of the `count` rows of `frags` (`new_frags`) in order 0..count-1, each
+        times `weights[k]` when given (a MoE finalize), then plus the fragment `extra` when given."""
+        acc = frags[None, None, 0].load().to(Float32)
+        if const_expr(weights is not None):
+            acc = acc * weights[0]
+        for k in cutlass.range_constexpr(1, count):
+            if const_expr(weights is not None):
+                acc = acc + frags[None, None, k].load().to(Float32) * weights[k]
+            else:
+                acc = acc + frags[None, None, k].load().to(Float32)
+        if const_expr(extra is not None):
+            acc = acc + extra.load().to(Float32)
+        return acc
+
+    @cute.jit
+    def store_rounded(self, addr: Int64, row_elem: Int64, values, tidx: Int32):
+        """fp32 `values` (this thread's share of a row) rounded once to the row's dtype and stored."""
+        frag = cute.make_rmem_tensor((self.vec, self.vpt), self.dtype)
+        frag.store(values.to(self.dtype))
+        self.store_row(addr, row_elem, frag, tidx)
 
     @cute.jit
     def load_row(self, addr: Int64, row_elem: Int64, frag: cute.Tensor, tidx: Int32):
@@ -123,7 +176,7 @@ class RowKernel:
         The warp and lane numbers are plain arithmetic on `tidx`, never `cute.arch.warp_idx()`:
         that one is marked warp-uniform with a full-mask `shfl.sync`, and a full-mask shuffle
         executed by lane 0 alone (inside the `lane == 0` branch) waits forever for lanes
-        1..31, which wait at the barrier below: the whole CTA deadlocks (the H200 hang)."""
+        1..31, which wait at the barrier below: the whole CTA deadlocks (docs/kernels.md)."""
         value = cute.arch.warp_reduction_sum(value)
         total = value
         if const_expr(self.warps > 1):

@@ -16,7 +16,7 @@ import cutlass
 import cutlass.cute as cute
 from cutlass import Float32, Int32, Int64, const_expr
 
-from .dsl_rows import cutlass_dtype
+from .dsl_rows import cutlass_dtype, gmem_vector, launch_indices, vector_atom
 
 __all__ = ["GatedActivationKernel"]
 
@@ -43,8 +43,7 @@ class GatedActivationKernel:
         self.kernel(gate_up, out, vectors).launch(grid=[grid, 1, 1], block=[self.cta_threads, 1, 1], stream=stream, use_pdl=self.pdl)
 
     def _vector(self, addr: Int64):
-        ptr = cute.make_ptr(self.dtype, addr, cute.AddressSpace.gmem, assumed_align=16)
-        return cute.make_tensor(ptr, cute.make_layout((ELEMS,)))
+        return gmem_vector(self.dtype, addr, ELEMS)
 
     @cute.jit
     def _act(self, g):
@@ -59,10 +58,8 @@ class GatedActivationKernel:
 
     @cute.kernel
     def kernel(self, gate_up: Int64, out: Int64, vectors: Int32):
-        tidx, _, _ = cute.arch.thread_idx()
-        bidx, _, _ = cute.arch.block_idx()
-        gdim, _, _ = cute.arch.grid_dim()
-        atom = cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), self.dtype, num_bits_per_copy=128)
+        tidx, bidx, gdim = launch_indices()
+        atom = vector_atom(self.dtype)
         if const_expr(self.pdl):
             # gate_up comes from the GEMM before: wait for it, then let the next kernel prologue
             cute.arch.griddepcontrol_wait()

@@ -11,7 +11,7 @@ from typing import Optional
 
 import torch
 
-from ._launch import DEBUG, check_all, executor_for, explain_rows, launch, rows_ok
+from ._launch import DEBUG, address, check_rows, executor_for, explain_rows, launch, routing_weights, rows_ok
 from .tiling import MAX_TOP_K, MoeVariant, check_hidden
 
 __all__ = ["moe_finalize_add_rmsnorm", "moe_finalize", "prepare_moe_finalize", "handoff_args", "finalize_handoff_add_rmsnorm"]
@@ -53,8 +53,7 @@ def _routing(routed, indices, weights):
         explain_rows("routed", routed, routed.shape, routed.dtype, device)
     if weights.device != device:
         raise ValueError(f"weights are on {weights.device}, routed rows on {device}")
-    if weights.dtype != torch.float32 or not weights.is_contiguous():
-        weights = weights.to(torch.float32).contiguous()  # small [T, k]: a copy is cheap
+    weights = routing_weights(weights)
     if indices is None:
         if n_rows < tokens * top_k:
             raise ValueError(f"dense routed rows need {tokens}*{top_k} rows, got {n_rows}")
@@ -70,19 +69,15 @@ def _routing(routed, indices, weights):
     return indices, weights, tokens, top_k, hidden
 
 
-def moe_finalize_add_rmsnorm(
-    routed: torch.Tensor,
-    indices: Optional[torch.Tensor],
-    weights: torch.Tensor,
-    residual: torch.Tensor,
-    gamma: torch.Tensor,
-    eps: float,
-    *,
-    shared: Optional[torch.Tensor] = None,
-    weight_offset: float = 0.0,
-    out: Optional[torch.Tensor] = None,
-    residual_out: Optional[torch.Tensor] = None,
-):
+def _launch_moe(entry, tokens, routed, indices, weights, shared, residual, gamma, residual_out, out, eps, device) -> None:
+    """The MoE finalize kernel's launch: its eight addresses (0 for what the variant does not read)."""
+    tensors = (routed, indices, weights, shared, residual, gamma, residual_out, out)
+    launch(entry, tokens, [address(t) for t in tensors], eps, device)
+
+
+def moe_finalize_add_rmsnorm(routed: torch.Tensor, indices: Optional[torch.Tensor], weights: torch.Tensor, residual: torch.Tensor,
+                             gamma: torch.Tensor, eps: float, *, shared: Optional[torch.Tensor] = None, weight_offset: float = 0.0,
+                             out: Optional[torch.Tensor] = None, residual_out: Optional[torch.Tensor] = None):
     """(normed, new_residual) of finalize + residual add + RMSNorm in one pass.
 
     total = sum_k weights[t,k] * routed[indices[t,k]] + shared[t] + residual[t] (fp32, never
@@ -95,42 +90,18 @@ def moe_finalize_add_rmsnorm(
     shape = torch.Size((tokens, hidden))
     out = torch.empty_like(residual) if out is None else out
     residual_out = torch.empty_like(residual) if residual_out is None else residual_out
-    named = [
-        ("residual", residual, shape, dtype, device),
-        ("out", out, shape, dtype, device),
-        ("residual_out", residual_out, shape, dtype, device),
-        ("gamma", gamma, (hidden,), dtype, device),
-    ]
-    if shared is not None:
-        named.append(("shared", shared, shape, dtype, device))
-    check_all(named)
+    check_rows(dtype, device, shape, residual=residual, out=out, residual_out=residual_out, gamma=gamma, shared=shared)
     if tokens == 0:
         return out, residual_out
     if out.data_ptr() == residual_out.data_ptr():
         raise ValueError("out and residual_out must not be the same memory")
     entry = _entry(dtype, hidden, top_k, indices is not None, shared is not None, True, weight_offset, device)
-    addresses = [
-        routed.data_ptr(),
-        0 if indices is None else indices.data_ptr(),
-        weights.data_ptr(),
-        0 if shared is None else shared.data_ptr(),
-        residual.data_ptr(),
-        gamma.data_ptr(),
-        residual_out.data_ptr(),
-        out.data_ptr(),
-    ]
-    launch(entry, tokens, addresses, eps, device)
+    _launch_moe(entry, tokens, routed, indices, weights, shared, residual, gamma, residual_out, out, eps, device)
     return out, residual_out
 
 
-def moe_finalize(
-    routed: torch.Tensor,
-    indices: Optional[torch.Tensor],
-    weights: torch.Tensor,
-    *,
-    shared: Optional[torch.Tensor] = None,
-    out: Optional[torch.Tensor] = None,
-) -> torch.Tensor:
+def moe_finalize(routed: torch.Tensor, indices: Optional[torch.Tensor], weights: torch.Tensor, *, shared: Optional[torch.Tensor] = None,
+                 out: Optional[torch.Tensor] = None) -> torch.Tensor:
     """finalized[t] = round(sum_k weights[t,k] * routed[indices[t,k]] + shared[t]), [T, H].
 
     For tensor parallelism without the fused collective: finalize, all-reduce, then
@@ -139,24 +110,11 @@ def moe_finalize(
     dtype, device = routed.dtype, routed.device
     shape = torch.Size((tokens, hidden))
     out = torch.empty(shape, dtype=dtype, device=device) if out is None else out
-    named = [("out", out, shape, dtype, device)]
-    if shared is not None:
-        named.append(("shared", shared, shape, dtype, device))
-    check_all(named)
+    check_rows(dtype, device, shape, out=out, shared=shared)
     if tokens == 0:
         return out
     entry = _entry(dtype, hidden, top_k, indices is not None, shared is not None, False, 0.0, device)
-    addresses = [
-        routed.data_ptr(),
-        0 if indices is None else indices.data_ptr(),
-        weights.data_ptr(),
-        0 if shared is None else shared.data_ptr(),
-        0,
-        0,
-        0,
-        out.data_ptr(),
-    ]
-    launch(entry, tokens, addresses, 0.0, device)
+    _launch_moe(entry, tokens, routed, indices, weights, shared, None, None, None, out, 0.0, device)
     return out
 
 

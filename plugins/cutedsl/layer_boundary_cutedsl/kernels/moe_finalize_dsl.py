@@ -13,7 +13,7 @@ import cutlass
 import cutlass.cute as cute
 from cutlass import Float32, Int32, Int64, const_expr
 
-from .dsl_rows import RowKernel
+from .dsl_rows import RowKernel, launch_indices, load_scalar
 from .tiling import MoeVariant
 
 __all__ = ["MoeFinalizeKernel"]
@@ -26,30 +26,15 @@ class MoeFinalizeKernel(RowKernel):
     unused arguments may be 0."""
 
     def __init__(self, variant: MoeVariant):
-        super().__init__(variant.dtype, variant.tiling())
-        self.variant = variant
+        super().__init__(variant)
         self.top_k = variant.top_k
         self.indexed = variant.indexed
         self.has_shared = variant.shared
         self.norm = variant.norm
-        self.weight_offset = float(variant.weight_offset)
 
     @cute.jit
-    def __call__(
-        self,
-        routed: Int64,
-        indices: Int64,
-        weights: Int64,
-        shared: Int64,
-        residual: Int64,
-        gamma: Int64,
-        residual_out: Int64,
-        out: Int64,
-        rows: Int32,
-        eps: Float32,
-        grid: Int32,
-        stream: cuda.CUstream,
-    ):
+    def __call__(self, routed: Int64, indices: Int64, weights: Int64, shared: Int64, residual: Int64, gamma: Int64, residual_out: Int64,
+                 out: Int64, rows: Int32, eps: Float32, grid: Int32, stream: cuda.CUstream):
         self.kernel(routed, indices, weights, shared, residual, gamma, residual_out, out, rows, eps).launch(
             grid=[grid, 1, 1], block=[self.threads, 1, 1], stream=stream
         )
@@ -61,11 +46,9 @@ class MoeFinalizeKernel(RowKernel):
         All 2 * top_k scalar loads are issued before any is used (no branch between them)."""
         base = Int64(row) * self.top_k
         for k in cutlass.range_constexpr(self.top_k):
-            w_ptr = cute.make_ptr(Float32, weights + (base + k) * 4, cute.AddressSpace.gmem, assumed_align=4)
-            wts[k] = cute.make_tensor(w_ptr, cute.make_layout((1,)))[0]
+            wts[k] = load_scalar(Float32, weights + (base + k) * 4, 4)
             if const_expr(self.indexed):
-                i_ptr = cute.make_ptr(Int32, indices + (base + k) * 4, cute.AddressSpace.gmem, assumed_align=4)
-                src[k] = cute.make_tensor(i_ptr, cute.make_layout((1,)))[0]
+                src[k] = load_scalar(Int32, indices + (base + k) * 4, 4)
             else:
                 src[k] = Int32(base + k)
         if const_expr(self.indexed):
@@ -74,22 +57,9 @@ class MoeFinalizeKernel(RowKernel):
                 wts[k] = Float32(cutlass.select_(src[k] >= 0, wts[k], Float32(0.0)))
 
     @cute.kernel
-    def kernel(
-        self,
-        routed: Int64,
-        indices: Int64,
-        weights: Int64,
-        shared: Int64,
-        residual: Int64,
-        gamma: Int64,
-        residual_out: Int64,
-        out: Int64,
-        rows: Int32,
-        eps: Float32,
-    ):
-        tidx, _, _ = cute.arch.thread_idx()
-        bidx, _, _ = cute.arch.block_idx()
-        gdim, _, _ = cute.arch.grid_dim()
+    def kernel(self, routed: Int64, indices: Int64, weights: Int64, shared: Int64, residual: Int64, gamma: Int64, residual_out: Int64,
+               out: Int64, rows: Int32, eps: Float32):
+        tidx, bidx, gdim = launch_indices()
         top_k = self.top_k
         red = None
         gam = None
@@ -112,24 +82,17 @@ class MoeFinalizeKernel(RowKernel):
             wts = cute.make_rmem_tensor((top_k,), Float32)
             self._routing(indices, weights, row, src, wts)
             # every expert row of this token in flight at once (top_k * vpt vectors per thread)
-            ef = cute.make_rmem_tensor((self.vec, self.vpt, top_k), self.dtype)
-            ef.fill(0.0)
+            ef = self.new_frags(top_k)
             for k in cutlass.range_constexpr(top_k):
                 if const_expr(self.indexed):
                     if src[k] >= 0:
                         self.load_row(routed, Int64(src[k]) * self.hidden, ef[None, None, k], tidx)
                 else:
                     self.load_row(routed, Int64(src[k]) * self.hidden, ef[None, None, k], tidx)
-            acc = ef[None, None, 0].load().to(Float32) * wts[0]
-            for k in cutlass.range_constexpr(1, top_k):
-                acc = acc + ef[None, None, k].load().to(Float32) * wts[k]
-            if const_expr(self.has_shared):
-                acc = acc + sf.load().to(Float32)
+            acc = self.sum_frags(ef, top_k, wts, sf)
             if const_expr(self.norm):
                 total = acc + rf.load().to(Float32)
                 self.norm_and_store(total, gam, eps, red, parity, residual_out, out, row_elem, tidx, tidx)
             else:
-                of = cute.make_rmem_tensor((self.vec, self.vpt), self.dtype)
-                of.store(acc.to(self.dtype))
-                self.store_row(out, row_elem, of, tidx)
+                self.store_rounded(out, row_elem, acc, tidx)
             parity = 1 - parity

@@ -22,7 +22,7 @@ import cutlass
 import cutlass.cute as cute
 from cutlass import Float32, Int32, Int64, const_expr
 
-from .dsl_rows import cutlass_dtype
+from .dsl_rows import cutlass_dtype, gmem_vector, launch_indices, load_scalar, vector_atom
 
 __all__ = ["QKNormRopeKernel"]
 
@@ -50,55 +50,34 @@ class QKNormRopeKernel:
         self.offsets = [self.lanes >> (i + 1) for i in range(self.lanes.bit_length() - 1)]
 
     @cute.jit
-    def __call__(
-        self,
-        q: Int64,
-        k: Int64,
-        q_weight: Int64,
-        k_weight: Int64,
-        table: Int64,
-        positions: Int64,
-        q_out: Int64,
-        k_out: Int64,
-        tokens: Int32,
-        q_stride: Int32,
-        k_stride: Int32,
-        eps: Float32,
-        grid: Int32,
-        stream: cuda.CUstream,
-    ):
+    def __call__(self, q: Int64, k: Int64, q_weight: Int64, k_weight: Int64, table: Int64, positions: Int64, q_out: Int64, k_out: Int64,
+                 tokens: Int32, q_stride: Int32, k_stride: Int32, eps: Float32, grid: Int32, stream: cuda.CUstream):
         self.kernel(q, k, q_weight, k_weight, table, positions, q_out, k_out, tokens, q_stride, k_stride, eps).launch(
             grid=[grid, 1, 1], block=[self.cta_threads, 1, 1], stream=stream, use_pdl=self.pdl
         )
 
-    def _vector(self, dtype, addr: Int64, elems: int):
-        ptr = cute.make_ptr(dtype, addr, cute.AddressSpace.gmem, assumed_align=16)
-        return cute.make_tensor(ptr, cute.make_layout((elems,)))
-
     @cute.jit
     def _load_half(self, addr: Int64):
         """8 elements of the model dtype at `addr` (16-byte aligned), as float32."""
-        atom = cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), self.dtype, num_bits_per_copy=128)
         frag = cute.make_rmem_tensor((ELEMS,), self.dtype)
-        cute.copy(atom, self._vector(self.dtype, addr, ELEMS), frag)
+        cute.copy(vector_atom(self.dtype), gmem_vector(self.dtype, addr, ELEMS), frag)
         return frag.load().to(Float32)
 
     @cute.jit
     def _load_f32(self, addr: Int64):
         """8 float32 at `addr` (16-byte aligned): two 16-byte loads."""
-        atom = cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), Float32, num_bits_per_copy=128)
+        atom = vector_atom(Float32)
         frag = cute.make_rmem_tensor((ELEMS,), Float32)
         halves = cute.zipped_divide(frag, (4,))  # ((4), (2)): the two 16-byte vectors
         for i in cutlass.range_constexpr(2):
-            cute.copy(atom, self._vector(Float32, addr + i * 16, 4), halves[None, i])
+            cute.copy(atom, gmem_vector(Float32, addr + i * 16, 4), halves[None, i])
         return frag.load()
 
     @cute.jit
     def _store_half(self, values, addr: Int64):
-        atom = cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), self.dtype, num_bits_per_copy=128)
         frag = cute.make_rmem_tensor((ELEMS,), self.dtype)
         frag.store(values.to(self.dtype))
-        cute.copy(atom, frag, self._vector(self.dtype, addr, ELEMS))
+        cute.copy(vector_atom(self.dtype), frag, gmem_vector(self.dtype, addr, ELEMS))
 
     @cute.jit
     def _group_sum(self, value: Float32) -> Float32:
@@ -119,24 +98,9 @@ class QKNormRopeKernel:
         return theirs.load()
 
     @cute.kernel
-    def kernel(
-        self,
-        q: Int64,
-        k: Int64,
-        q_weight: Int64,
-        k_weight: Int64,
-        table: Int64,
-        positions: Int64,
-        q_out: Int64,
-        k_out: Int64,
-        tokens: Int32,
-        q_stride: Int32,
-        k_stride: Int32,
-        eps: Float32,
-    ):
-        tidx, _, _ = cute.arch.thread_idx()
-        bidx, _, _ = cute.arch.block_idx()
-        gdim, _, _ = cute.arch.grid_dim()
+    def kernel(self, q: Int64, k: Int64, q_weight: Int64, k_weight: Int64, table: Int64, positions: Int64, q_out: Int64, k_out: Int64,
+               tokens: Int32, q_stride: Int32, k_stride: Int32, eps: Float32):
+        tidx, bidx, gdim = launch_indices()
         lane = tidx % self.lanes
         slot = tidx // self.lanes
         col = lane * ELEMS
@@ -170,8 +134,7 @@ class QKNormRopeKernel:
                 weight = q_weight + col * self.ebytes
             x = self._load_half(src)
             w = self._load_half(weight)
-            pos_ptr = cute.make_ptr(Int64, positions + Int64(token) * 8, cute.AddressSpace.gmem, assumed_align=8)
-            position = cute.make_tensor(pos_ptr, cute.make_layout((1,)))[0]
+            position = load_scalar(Int64, positions + Int64(token) * 8, 8)
             angles = table + (position * self.head_dim + freq) * 4
             cos = self._load_f32(angles)
             sin = self._load_f32(angles + half * 4)

@@ -42,7 +42,6 @@ __all__ = [
     "load_bands",
     "rows_kernel",
     "pick_band",
-    "candidate_name",
     "parse_candidate",
 ]
 
@@ -152,8 +151,8 @@ class AddNormVariant:
     #: launched as a programmatic dependent (PDL): the CTAs start while the previous kernel on
     #: the stream drains, load gamma (a weight, never produced there), then wait for it
     pdl: bool = True
-    #: (threads per row, rows per CTA); None: `row_tiling`'s one row of 128+ threads a CTA (the
-    #: layout sweep, `add_norm_sweep --layouts`, found no width where another layout pays)
+    #: (threads per row, rows per CTA); None: `row_tiling`'s one row of 128+ threads a CTA (no
+    #: other layout is faster at any width: docs/kernels.md)
     layout: Optional[tuple] = None
     #: x and the residual come in through shared memory (cp.async, L2 only) instead of straight
     #: into registers (FlashInfer's norms load so)
@@ -288,36 +287,19 @@ def all_moe_variants(
 #: `fused_add_rmsnorm(layout=AUTO)`, its default: the kernel is chosen by the call's token count
 AUTO = "auto"
 
-#: the sweep names' on/off flags, in the order a name lists them -> `fused_add_rmsnorm` options
+#: a kernel name's on/off flags, in the order a name lists them -> `fused_add_rmsnorm` options
 #: (+s staged, +l1 staged through L1, +late the late PDL trigger, +r re-read from shared memory,
 #: then +oN N CTAs an SM, then +g gamma read late, +nl no grid-stride loop)
 _FLAGS_BEFORE_O = (("s", "staged"), ("l1", "l1_staging"), ("late", "late_trigger"), ("r", "reread"))
 _FLAGS_AFTER_O = (("g", "late_gamma"), ("nl", "no_loop"))
 
 
-def candidate_name(
-    layout,
-    staged: bool = False,
-    late: bool = False,
-    reread: bool = False,
-    ctas_per_sm: int = 0,
-    late_gamma: bool = False,
-    l1_staging: bool = False,
-    no_loop: bool = False,
-) -> str:
-    """The sweep's name of a kernel option set, e.g. `default`, `64x2+s+late`, `default+s+r+o8`
-    (`_FLAGS_BEFORE_O`, `+oN`, `_FLAGS_AFTER_O`)."""
-    on = dict(staged=staged, l1_staging=l1_staging, late_trigger=late, reread=reread, late_gamma=late_gamma, no_loop=no_loop)
-    name = "default" if layout is None else f"{layout[0]}x{layout[1]}"
-    name += "".join(f"+{flag}" for flag, option in _FLAGS_BEFORE_O if on[option])
-    name += f"+o{ctas_per_sm}" if ctas_per_sm else ""
-    name += "".join(f"+{flag}" for flag, option in _FLAGS_AFTER_O if on[option])
-    return name
-
-
 def parse_candidate(name: str) -> dict:
-    """`fused_add_rmsnorm`'s options for a `candidate_name` (ValueError for a malformed one);
-    `auto` is the by-token-count choice (`rows_kernel`), what a plain call runs."""
+    """`fused_add_rmsnorm`'s options for a kernel name (ValueError for a malformed one): the
+    layout (`default`, the width's `row_tiling`, or THREADSxROWS), then its flags
+    (`_FLAGS_BEFORE_O`, `+oN`, `_FLAGS_AFTER_O`), e.g. `default`, `64x2+s+late`,
+    `default+s+r+o8`, `128x1+s+l1+late+g+nl`. `auto` is the by-token-count choice (`rows_kernel`),
+    what a plain call runs."""
     if name == AUTO:
         return dict(layout=AUTO)
     head, *flags = name.split("+")
@@ -343,51 +325,24 @@ def parse_candidate(name: str) -> dict:
     return options
 
 
-#: Per width, the token counts [first, end) where a kernel other than the default tiling runs,
-#: by the layout sweep's name. Written by `add_norm_sweep --bands-out` from session 13's
-#: `sweep-rounds` on an H200 (every kernel and FlashInfer's timed side by side, 5 rounds, 15 token
-#: counts a width), then `bench cutedsl` measured with exactly this table: 0.67-1.00 of
-#: FlashInfer's time at every (T, H) of its table. The kernels: the default tiling without its
-#: grid-stride loop and with the PDL trigger at the end (`default+late+nl`: 70 registers instead
-#: of 100 at H=4096, 7 rows an SM instead of 4), the same reading gamma after the PDL wait
-#: (`+g`: 64 registers, 8 rows an SM: T=1024 H=4096 in one wave, as FlashInfer's kernel), and
-#: FlashInfer's own form (`128x1+s+l1+late+g+nl`). Only kernels that trigger at the end are
-#: chosen: with the trigger at the start, the next launch's CTAs hold SM slots while they wait,
-#: and one-wave grids then spike (`default+nl` 1.42-1.46 at T=512 H=4096). Neighbouring bands
-#: naming different kernels are near-ties (within ~2%) the sweep's medians split.
-#: benchmarks/results/gpu_shared_world/session13/README.md has the numbers.
-#: `ROWS_BANDS_ENV` (a JSON file, `add_norm_sweep --bands-out`'s) replaces the table at import.
+#: the kernels the shipped bands name: the default tiling without its grid-stride loop and with
+#: the PDL trigger at the end (`default+late+nl`: 70 registers instead of 100 at H=4096, 7 rows
+#: an SM instead of 4), the same reading gamma after the PDL wait (`+g`: 64 registers, 8 rows an
+#: SM: T=1024 H=4096 in one wave), and FlashInfer's own form (`128x1+s+l1+late+g+nl`)
+_LATE, _LATE_G, _FI_FORM = "default+late+nl", "default+late+g+nl", "128x1+s+l1+late+g+nl"
+
+#: Per width, the token counts [first, end) where a kernel other than the default tiling runs, by
+#: kernel name (`parse_candidate`): the output of `layer-boundary bench cutedsl -- --bands-out`
+#: on an H200 (each kernel timed side by side with the default tiling, 5 rounds, 15 token counts
+#: a width). Only kernels whose PDL trigger sits at the end are chosen (docs/kernels.md says why);
+#: neighbouring bands naming different kernels are near-ties (within ~2%). `ROWS_BANDS_ENV` (a
+#: JSON file of the same form) replaces the table at import.
 SHIPPED_ROWS_BANDS: dict = {
-    2048: (
-        (72, 192, "default+late+g+nl"),
-        (320, 448, "default+late+g+nl"),
-        (448, 1792, "default+late+nl"),
-        (2560, 3584, "default+late+g+nl"),
-        (3584, 6144, "default+late+nl"),
-    ),
-    4096: (
-        (1, 320, "default+late+nl"),
-        (320, 576, "128x1+s+l1+late+g+nl"),
-        (576, 896, "default+late+nl"),
-        (896, 1152, "default+late+g+nl"),
-        (1152, 1408, "default+late+nl"),
-        (1408, 1792, "128x1+s+l1+late+g+nl"),
-        (1792, 2560, "default+late+g+nl"),
-        (2560, 16384, "default+late+nl"),
-    ),
-    7168: (
-        (9, 576, "default+late+nl"),
-        (576, 704, "128x1+s+l1+late+g+nl"),
-        (704, 1152, "default+late+g+nl"),
-        (1152, 16384, "default+late+nl"),
-    ),
-    8192: (
-        (72, 448, "default+late+nl"),
-        (448, 576, "default+late+g+nl"),
-        (576, 896, "default+late+nl"),
-        (896, 2560, "default+late+g+nl"),
-        (3584, 16384, "default+late+g+nl"),
-    ),
+    2048: ((72, 192, _LATE_G), (320, 448, _LATE_G), (448, 1792, _LATE), (2560, 3584, _LATE_G), (3584, 6144, _LATE)),
+    4096: ((1, 320, _LATE), (320, 576, _FI_FORM), (576, 896, _LATE), (896, 1152, _LATE_G), (1152, 1408, _LATE),
+           (1408, 1792, _FI_FORM), (1792, 2560, _LATE_G), (2560, 16384, _LATE)),
+    7168: ((9, 576, _LATE), (576, 704, _FI_FORM), (704, 1152, _LATE_G), (1152, 16384, _LATE)),
+    8192: ((72, 448, _LATE), (448, 576, _LATE_G), (576, 896, _LATE), (896, 2560, _LATE_G), (3584, 16384, _LATE_G)),
 }
 
 
@@ -422,7 +377,7 @@ def check_bands(bands: dict, source: str = "ROWS_BANDS") -> dict:
 
 
 def load_bands(path: str) -> dict:
-    """The band table in the JSON file `path` (`add_norm_sweep --bands-out` writes one), checked."""
+    """The band table in the JSON file `path` (`bench cutedsl -- --bands-out` writes one), checked."""
     with open(path) as f:
         return check_bands(json.load(f), f"{ROWS_BANDS_ENV}={path}")
 
@@ -445,7 +400,7 @@ def pick_band(bands, rows: int, default):
 
 
 def rows_kernel(hidden: int, rows: int) -> str:
-    """The sweep name of the kernel `layout=AUTO` runs for `rows` rows of `hidden`."""
+    """The name of the kernel `layout=AUTO` runs for `rows` rows of `hidden`."""
     return pick_band(ROWS_BANDS.get(hidden, ()), rows, "default")
 
 

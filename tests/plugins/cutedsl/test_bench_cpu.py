@@ -1,28 +1,24 @@
-"""The layout sweep's kernel names (no GPU, no cutlass): `--candidates` takes names as the sweep
-prints them, so every printed name must parse back to the options that built it."""
+"""`layer-boundary bench cutedsl`'s command line and pure logic (no GPU, no cutlass): kernel
+names (`--kernel`, `--band-kernels`, a band table's) parse to the options that build them, bad
+arguments are refused before any GPU work, and `--bands-out` turns timings into a
+`tiling.ROWS_BANDS` table."""
+
+import json
+import re
 
 import pytest
 import torch
 
-from layer_boundary_cutedsl.add_norm_sweep import candidate_layouts, candidate_name, main, parse_candidate
-from layer_boundary_cutedsl.kernels.tiling import AddNormVariant
+from layer_boundary_cutedsl import bench
+from layer_boundary_cutedsl.kernels import tiling
+from layer_boundary_cutedsl.kernels.tiling import AddNormVariant, parse_candidate
 
 
-@pytest.mark.parametrize("hidden", [2048, 4096, 7168, 8192])
-def test_every_candidate_name_parses_back_and_builds(hidden):
-    names = candidate_layouts(hidden)
-    assert len(names) == len(set(names))
-    for name in names:
-        options = parse_candidate(name)
-        late = options.pop("late_trigger")
-        assert candidate_name(late=late, **options) == name
-        AddNormVariant(torch.bfloat16, hidden, late_trigger=late, **options)  # fits the width
-
-
-def test_the_reread_kernels_are_candidates_where_their_rows_fit_shared_memory():
-    assert {"default+s+r", "default+s+r+o8", "128x2+s+r+o4", "64x2+s+r+o4"} <= set(candidate_layouts(4096))
-    # two rows of 7168 staged for 256 threads take 57 KiB: over what a CTA gets without opting in
-    assert "128x2+s+r+o4" not in candidate_layouts(7168)
+@pytest.mark.parametrize("hidden", bench.BAND_WIDTHS)
+def test_every_band_kernel_name_parses_and_builds(hidden):
+    names = set(bench.BAND_KERNELS) | {name for bands in tiling.SHIPPED_ROWS_BANDS.values() for _, _, name in bands}
+    for name in sorted(names):
+        AddNormVariant(torch.bfloat16, hidden, **parse_candidate(name))  # fits the width
 
 
 def test_parse_candidate_options_and_errors():
@@ -31,8 +27,8 @@ def test_parse_candidate_options_and_errors():
     assert parse_candidate("default") == plain
     flashinfer_like = dict(layout=(64, 2), staged=True, l1_staging=True, late_trigger=True, late_gamma=True)
     assert parse_candidate("64x2+s+l1+late+g") == {**plain, **flashinfer_like}
-    assert candidate_name(**{k: v for k, v in flashinfer_like.items() if k != "late_trigger"}, late=True) == "64x2+s+l1+late+g"
-    assert parse_candidate("default+nl") == {**plain, "no_loop": True} and candidate_name(None, no_loop=True) == "default+nl"
+    assert parse_candidate("default+nl") == {**plain, "no_loop": True}
+    assert parse_candidate("auto") == dict(layout="auto")
     with pytest.raises(ValueError, match="needs \\+s"):
         parse_candidate("default+r")
     with pytest.raises(ValueError, match="needs \\+s"):
@@ -41,15 +37,6 @@ def test_parse_candidate_options_and_errors():
         parse_candidate("default+x")
     with pytest.raises(ValueError, match="THREADSxROWS"):
         parse_candidate("wide+s")
-
-
-def test_candidates_need_layouts_and_good_names(capsys):
-    with pytest.raises(SystemExit):
-        main(["--candidates", "default"])
-    assert "add --layouts" in capsys.readouterr().err
-    with pytest.raises(SystemExit):
-        main(["--layouts", "--candidates", "default+r"])
-    assert "needs +s" in capsys.readouterr().err
 
 
 def test_bench_cutedsl_refuses_a_bad_kernel_name_before_any_gpu_work(capsys):
@@ -61,8 +48,6 @@ def test_bench_cutedsl_refuses_a_bad_kernel_name_before_any_gpu_work(capsys):
 
 
 def test_side_by_side_rounds_rotate_the_order_and_ratios_pair_rounds(monkeypatch):
-    from layer_boundary_cutedsl import bench
-
     order = []
     clock = iter(range(1, 100))
 
@@ -117,7 +102,7 @@ def test_bench_table_shows_the_side_by_side_ratio_and_its_spread():
 
 
 def test_suggested_bands_merge_each_kernels_winning_counts():
-    from layer_boundary_cutedsl.add_norm_sweep import suggest_bands
+    suggest_bands = bench.suggest_bands
 
     def row(t, default, a, b):
         return dict(hidden=4096, tokens=t, us={"default": default, "a+late": a, "b+late": b, "fast": 0.1})
@@ -130,10 +115,6 @@ def test_suggested_bands_merge_each_kernels_winning_counts():
 
 
 def test_a_band_file_replaces_the_shipped_table_and_bad_ones_are_refused(tmp_path, monkeypatch):
-    import json
-
-    from layer_boundary_cutedsl.kernels import tiling
-
     good = tmp_path / "bands.json"
     good.write_text(json.dumps({"4096": [[384, 1024, "default+late+nl"], [1024, 2048, "128x1+s+l1+late+g+nl"]]}))
     monkeypatch.setenv(tiling.ROWS_BANDS_ENV, str(good))
@@ -145,3 +126,51 @@ def test_a_band_file_replaces_the_shipped_table_and_bad_ones_are_refused(tmp_pat
             tiling._rows_bands()
     monkeypatch.delenv(tiling.ROWS_BANDS_ENV)
     assert tiling._rows_bands() == tiling.check_bands(tiling.SHIPPED_ROWS_BANDS)
+
+
+def test_the_shipped_bands_are_a_band_grid_output():
+    """Every shipped band names a `BAND_KERNELS` kernel and has its edges where `suggest_bands`
+    puts them for `BAND_TOKENS`: halfway between neighbouring counts, 1, or twice the last."""
+    counts = bench.BAND_TOKENS
+    edges = {1, 2 * counts[-1]} | {(a + b + 1) // 2 for a, b in zip(counts, counts[1:])}
+    assert set(tiling.SHIPPED_ROWS_BANDS) == set(bench.BAND_WIDTHS)
+    for hidden, bands in tiling.SHIPPED_ROWS_BANDS.items():
+        for first, end, name in bands:
+            assert name in bench.BAND_KERNELS and first in edges and end in edges, (hidden, first, end, name)
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--band-kernels", "default+late+nl"], "add --bands-out"),
+    (["--band-widths", "4096", "--band-tokens", "8"], "add --bands-out"),
+    (["--bands-out", "b.json", "--shapes", "1x2048"], "not --shapes"),
+    (["--bands-out", "b.json", "--band-kernels", "auto"], "names a kernel"),
+    (["--bands-out", "b.json", "--band-kernels", "default+r"], "needs \\+s"),
+    (["--bands-out", "b.json", "--band-widths", "4095"], "hidden size"),
+])
+def test_band_options_are_checked_before_any_gpu_work(argv, message, capsys):
+    with pytest.raises(SystemExit):
+        bench.main(argv)
+    assert re.search(message, capsys.readouterr().err)
+
+
+def test_bands_out_times_the_grid_and_writes_the_table(tmp_path, monkeypatch, capsys):
+    """`--bands-out`: every (T, H) of the grid timed once, a line each, the suggested table in
+    the file (the ROWS_BANDS form a band file takes) and the timings in --out."""
+    timed = []
+
+    def fake_time_kernels(tokens, hidden, names, iters, repeats, rounds):
+        timed.append((tokens, hidden, tuple(names), rounds))
+        return {"default": 1.0, "default+late+nl": 0.9 if tokens >= 100 else 1.0}
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda *a: "fake")
+    monkeypatch.setattr(bench, "time_kernels", fake_time_kernels)
+    bands, out = tmp_path / "bands.json", tmp_path / "out.json"
+    argv = ["--bands-out", str(bands), "--out", str(out), "--band-kernels", "default+late+nl", "--band-widths", "4096",
+            "--band-tokens", "16", "128", "256", "--rounds", "3"]
+    assert bench.main(argv) == 0
+    assert timed == [(t, 4096, ("default+late+nl",), 3) for t in (16, 128, 256)]
+    assert json.loads(bands.read_text()) == {"4096": [[72, 512, "default+late+nl"]]}
+    assert tiling.load_bands(str(bands)) == {4096: ((72, 512, "default+late+nl"),)}
+    assert [r["tokens"] for r in json.loads(out.read_text())["rows"]] == [16, 128, 256]
+    assert capsys.readouterr().out.count("H=4096: default") == 3

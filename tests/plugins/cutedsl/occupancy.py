@@ -1,16 +1,11 @@
 """How many rows of an add + RMSNorm kernel an H100/H200 SM holds at once, read off the sm_90a
 cubin on any machine (no GPU): the registers ptxas gave a thread, the CTA's threads and shared
-memory, hence CTAs an SM, rows an SM and the waves a token count takes.
+memory, hence CTAs an SM, rows an SM and the waves a token count takes (test support:
+test_occupancy_cpu.py, test_compile_cpu.py).
 
-    python -m layer_boundary_cutedsl.occupancy --widths 4096 --candidates default default+s+r+o8
-    python -m layer_boundary_cutedsl.occupancy --join add_norm_layouts.json --tokens 512 1024 2048
-
-Why it matters: at T=1024 H=4096 a replayed call's 16 MiB stay in L2, so the time is set by
-how much each SM keeps in flight and by how many waves of CTAs run one after the other. The
-default kernel takes 100 registers (4 CTAs, 4 rows an SM: 528 rows a wave, T=1024 in 2 waves);
-FlashInfer 0.7.2's CuTe DSL kernel, compiled the same way, takes 124 registers for 2 rows a CTA
-of 128 threads (8 rows an SM: T=1024 in one wave). The candidates are the sweep's names
-(`add_norm_sweep.candidate_name`).
+At T=1024 H=4096 a replayed call's 16 MiB stay in L2, so the time is set by how much each SM
+keeps in flight and by how many waves of CTAs run one after the other: residency is what the
+band kernels of `tiling.ROWS_BANDS` buy (docs/kernels.md).
 """
 
 from __future__ import annotations
@@ -18,17 +13,14 @@ from __future__ import annotations
 import math
 import pathlib
 import struct
-import sys
 import tempfile
 from dataclasses import dataclass
 
 import torch
 
-from layer_boundary.cli.args import OneLineParser, positive_int
+from layer_boundary_cutedsl.kernels.tiling import AddNormVariant, parse_candidate
 
-from .kernels.tiling import AddNormVariant
-
-__all__ = ["SM90", "cubin_kernel_attributes", "cubin_registers", "ctas_per_sm", "KernelOccupancy", "add_norm_occupancy", "main"]
+__all__ = ["SM90", "cubin_kernel_attributes", "cubin_registers", "ctas_per_sm", "KernelOccupancy", "add_norm_occupancy"]
 
 
 @dataclass(frozen=True)
@@ -121,12 +113,11 @@ def _shared_bytes(variant: AddNormVariant) -> int:
 
 
 def add_norm_occupancy(name: str, hidden: int, dtype: torch.dtype = torch.bfloat16, sm: SmLimits = SM90) -> KernelOccupancy:
-    """Compile the sweep's kernel `name` at `hidden` for sm_90a (CPU is enough; needs
-    nvidia-cutlass-dsl) and work out its occupancy from the cubin."""
+    """Compile the kernel `name` (`tiling.parse_candidate`'s names) at `hidden` for sm_90a (CPU
+    is enough; needs nvidia-cutlass-dsl) and work out its occupancy from the cubin."""
     import cutlass.cute as cute
 
-    from .kernels.tiling import parse_candidate
-    from .kernels import compiler
+    from layer_boundary_cutedsl.kernels import compiler
 
     variant = AddNormVariant(dtype, hidden, **parse_candidate(name))
     with tempfile.TemporaryDirectory() as dump:
@@ -154,72 +145,3 @@ def add_norm_occupancy(name: str, hidden: int, dtype: torch.dtype = torch.bfloat
         ctas_per_sm=ctas_per_sm(registers, tiling.cta_threads, shared, sm),
         sms=sm.sms,
     )
-
-
-DEFAULT_CANDIDATES = ("default", "256x1", "default+s+r", "default+s+r+o8", "128x2+s+r+o4", "64x2+s+r+o4")
-
-
-def join_sweep(path: str, tokens) -> list:
-    """[(hidden, name, occupancy, {T: ours / FlashInfer})] for every kernel of a layout sweep's
-    JSON (`add_norm_sweep --layouts --out`) that this version can still build, sorted by width
-    and rows an SM: whether the measured ratios follow the residency."""
-    import json
-
-    from .kernels.tiling import parse_candidate
-
-    rows = json.loads(pathlib.Path(path).read_text())["rows"]
-    by_width: dict = {}
-    for row in rows:
-        if "flashinfer_us" in row:
-            by_width.setdefault(row["hidden"], {})[row["tokens"]] = row
-    joined = []
-    for hidden, at in sorted(by_width.items()):
-        names = next(iter(at.values()))["us"]
-        for name in names:
-            try:
-                parse_candidate(name)
-            except ValueError:  # an option this version no longer has
-                continue
-            occ = add_norm_occupancy(name, hidden)
-            ratios = {t: at[t]["us"][name] / at[t]["flashinfer_us"] for t in tokens if t in at and name in at[t]["us"]}
-            joined.append((hidden, name, occ, ratios))
-    return sorted(joined, key=lambda j: (j[0], j[2].rows_per_sm, j[2].registers))
-
-
-def main(argv=None) -> int:
-    ap = OneLineParser(prog="python -m layer_boundary_cutedsl.occupancy", description=__doc__.split("\n\n")[0])
-    ap.add_argument("--widths", type=positive_int, nargs="*", default=[2048, 4096, 7168, 8192])
-    ap.add_argument("--candidates", nargs="*", default=list(DEFAULT_CANDIDATES), help="the sweep's kernel names")
-    ap.add_argument("--tokens", type=positive_int, nargs="*", default=[512, 1024, 2048])
-    ap.add_argument("--join", default="", help="a layout sweep's JSON: print its measured ratios beside each kernel's occupancy")
-    args = ap.parse_args(argv)
-    from .add_norm_sweep import check_candidates
-
-    if args.join:
-        for hidden, name, occ, ratios in join_sweep(args.join, args.tokens):
-            cells = " ".join(f"T{t}:{v:.2f}" for t, v in ratios.items())
-            print(f"H={hidden} {name:20s} regs {occ.registers:3d} local {occ.local_bytes:3d} rows/SM {occ.rows_per_sm:2d} "
-                  f"waves@1024 {occ.waves(1024):4.2f} | ours/FlashInfer {cells}", flush=True)
-        return 0
-
-    check_candidates(ap, args.candidates)
-    waves = "  ".join(f"waves@{t}" for t in args.tokens)
-    print(f"{'H':>5} {'kernel':24s} {'regs':>4} {'local':>5} {'threads':>7} {'rows/CTA':>8} {'smem':>6} {'CTAs/SM':>7} {'rows/SM':>7}  {waves}")
-    for hidden in args.widths:
-        for name in args.candidates:
-            try:
-                occ = add_norm_occupancy(name, hidden)
-            except ValueError as exc:  # the layout does not fit this width
-                print(f"{hidden:5d} {name:24s} (not built: {exc})")
-                continue
-            cells = "  ".join(f"{occ.waves(t):{len('waves@') + len(str(t))}.2f}" for t in args.tokens)
-            print(
-                f"{hidden:5d} {name:24s} {occ.registers:4d} {occ.local_bytes:5d} {occ.cta_threads:7d} {occ.rows_per_cta:8d} "
-                f"{occ.shared_bytes:6d} {occ.ctas_per_sm:7d} {occ.rows_per_sm:7d}  {cells}",
-                flush=True,
-            )
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -1,6 +1,11 @@
 """GPU checks of the one-shot all-reduce kernels, run on every rank of a world (one process per
-rank; see gpu_world.py). Shared by tests/plugins/cutedsl/test_allreduce_gpu.py and the smoke
-script (`python -m layer_boundary_cutedsl.allreduce_smoke`).
+rank: the core's `gpu_world` fixture, `ProcessWorld(n, device="cuda")`). test_allreduce_gpu.py
+asserts them on the GPU; test_allreduce_cpu.py runs them dry on CPU ranks.
+
+The world: `layer_boundary.placement` places the ranks, NCCL with one GPU a rank, or round-robin
+on fewer GPUs with a gloo process group (NCCL refuses two ranks on one device). The one-shot
+kernels then exchange through CUDA IPC within the device and two processes' kernels time-slice:
+that world checks correctness only.
 
 Each check creates its own workspace over the world's TP group, makes every rank's inputs from
 the same seeds (so each rank can build the float64 reference of the whole group locally),
@@ -33,10 +38,9 @@ from typing import Optional
 
 import torch
 
-from .gpu_world import rank_device, use_rank_device
-from .kernels.allreduce_layout import DIAG_WORDS, STATE_WORDS, buffer_layout
-from .kernels.reference import moe_finalize_reference, moe_terms_abs_sum
-from .oneshot import CUDA_ONESHOT, ENV_MAX_TOKENS, create_workspace
+from layer_boundary_cutedsl.kernels.allreduce_layout import DIAG_WORDS, STATE_WORDS, buffer_layout
+from layer_boundary_cutedsl.kernels.reference import moe_finalize_reference, moe_terms_abs_sum
+from layer_boundary_cutedsl.oneshot import CUDA_ONESHOT, ENV_MAX_TOKENS, create_workspace
 
 __all__ = [
     "check_boundary",
@@ -46,6 +50,9 @@ __all__ = [
     "check_release",
     "check_timeout_single_process",
     "check_timeout_in_subprocess",
+    "rank_device",
+    "use_rank_device",
+    "world_note",
 ]
 
 U = {torch.bfloat16: 2.0**-8, torch.float16: 2.0**-11}
@@ -53,9 +60,39 @@ U32 = 2.0**-24
 ATOL = 1e-6
 EPS = 1e-6
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
-#: what the checks run on (the CPU dry run in tests/plugins/cutedsl/test_allreduce_cpu.py swaps
-#: in the float64 reference protocol over fake peer memory, CPU ranks and an eager "graph")
+#: what the checks run on (the CPU dry run in test_allreduce_cpu.py swaps in the float64
+#: reference protocol over fake peer memory, CPU ranks and an eager "graph")
 KERNELS = CUDA_ONESHOT
+
+
+def _placement(ranks: Optional[int] = None):
+    from layer_boundary.placement import current_placement, place_ranks
+
+    placement = current_placement()
+    if placement is not None and placement.on_gpu:
+        return placement
+    return place_ranks(ranks or 1, "cuda")
+
+
+def rank_device(rank: int) -> int:
+    """The GPU index of (local) rank `rank` in this world's placement."""
+    return _placement(rank + 1).device_of(rank)
+
+
+def use_rank_device(rank) -> torch.device:
+    """In a rank's process: its GPU, made current (the launcher has normally done so already).
+    `rank`: an int or a Parallel."""
+    rank = int(getattr(rank, "rank", rank))
+    device = torch.device("cuda", rank_device(rank))
+    torch.cuda.set_device(device)
+    return device
+
+
+def world_note(ranks: int) -> str:
+    """Where `ranks` GPU ranks run here, in words (one GPU each, or sharing: correctness only)."""
+    from layer_boundary.placement import place_ranks
+
+    return place_ranks(ranks, "cuda").describe()
 
 
 def _sync(device) -> None:
@@ -73,7 +110,7 @@ def _capture(step):
 
 def _unfused():
     """(fused_add_rmsnorm, moe_finalize): the three-launch path's kernels."""
-    from .kernels import fused_add_rmsnorm, moe_finalize
+    from layer_boundary_cutedsl.kernels import fused_add_rmsnorm, moe_finalize
 
     return fused_add_rmsnorm, moe_finalize
 
@@ -354,7 +391,7 @@ def check_timeout_single_process(timeout_s=2.0, hidden=1024, tokens=3, device_in
     """A 2-rank launch whose peer never publishes (its "buffer" is a second local one): the kernel
     must report what it waited for and trap after `timeout_s`, not hang. Poisons this process's
     CUDA context: run it in a process of its own."""
-    from .kernels.allreduce import allreduce_add_rmsnorm
+    from layer_boundary_cutedsl.kernels.allreduce import allreduce_add_rmsnorm
 
     device = torch.device("cuda", device_index)
     torch.cuda.set_device(device)
@@ -397,7 +434,7 @@ def check_timeout_in_subprocess(timeout_s: float = 2.0, limit: float = 120.0) ->
     import sys
 
     code = (
-        "import json, os; from layer_boundary_cutedsl.allreduce_checks import check_timeout_single_process as f; "
+        f"import json, os; from {__name__} import check_timeout_single_process as f; "
         f"print('RESULT ' + json.dumps(f({float(timeout_s)!r})), flush=True); os._exit(0)"
     )
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in sys.path if p))

@@ -3,9 +3,9 @@
 A CTA hangs when a collective instruction is reached by only some of the threads it waits for:
 `bar.sync` by part of the CTA, or a full-mask `shfl.sync`/`vote.sync` by part of a warp (on
 sm_70+ the executing lanes wait for the others named in the mask, which may be parked at a
-barrier waiting for them). The first H200 run of these kernels hung exactly so:
-`cute.arch.warp_idx()` emits a full-mask `shfl.sync.idx` (its warp-uniform hint) and was called
-inside `if lane == 0:`.
+barrier waiting for them). `cute.arch.warp_idx()` is such a trap: it emits a full-mask
+`shfl.sync.idx` (its warp-uniform hint), so called inside `if lane == 0:` before a CTA barrier it
+deadlocks the CTA (data/hung_add_rmsnorm_bf16_h1024.ptx is a kernel that does).
 
 `divergent_collectives` finds collectives inside thread-divergent control flow: a branch whose
 predicate depends (through registers, transitively) on the thread or lane index, or on a value
