@@ -91,7 +91,7 @@ class ColumnParallelLinear(nn.Module):
                 self.bias.copy_(shard_rows(bias[:, None], self.group.rank, self.group.size)[:, 0])
 
     def forward(self, x) -> torch.Tensor:
-        if isinstance(x, torch.Tensor):  # bias fused into the GEMM, as before FP8 inputs existed
+        if isinstance(x, torch.Tensor):  # a plain tensor: the bias fused into the GEMM
             return nn.functional.linear(x, self.weight, self.bias)
         y = linear(x, self.weight, self)
         return y if self.bias is None else y + self.bias
