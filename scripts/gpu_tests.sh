@@ -32,13 +32,7 @@
 #               prepare_model, a CUDA graph, torch.compile); the first run JIT-builds the three
 #               activation modules (not in fijit.tgz)
 #   bench-decode   `layer-boundary bench decode` (batch 1, 32: graph replay, kernels vs HF, floor)
-#   probe-attention FlashInfer's decode attention planned with and without tensor cores / split-kv
-#   probe-replay where a captured decode step's time beyond its kernels goes, per batch (synced, in place,
-#               back to back, the host launch, idle time by kernel pair, the graph's nodes), with the
-#               cutedsl kernels launched with and without PDL
 #   qk-norm-rope the CuTe DSL q/k norm + rope kernel's GPU tests alone (also in `cutedsl`)
-#   probe-qk-norm-rope one layer's q_norm + k_norm + rope (the model's chosen kernels) against the one
-#               fused q/k norm + rope launch (cutedsl.qk_norm_rope), graph replay
 #   bench-cutedsl  `layer-boundary bench cutedsl` (CuTe DSL add + RMSNorm vs FlashInfer, copy baseline)
 #   bench-cutedsl-cells  the same for CUTEDSL_SHAPES (default: T=1024 at each width) in CUTEDSL_CELL_RUNS (3)
 #               fresh processes, each with its buffers on other pages
@@ -180,14 +174,14 @@ run_check() {  # name timeout command...
 group() {
   case $1 in
     core) run_pytest core 560 tests/models/test_static_decode.py tests/models/test_fused_qkv.py tests/plugins/tbo ;;
-    # the CLI at TP=2 on the GPU against a single rank: its qwen3 bf16 run alone took 284 s (session 14)
+    # the CLI at TP=2 on the GPU against a single rank: its qwen3 bf16 run alone takes ~280 s
     core-ranks) run_pytest core_ranks 560 tests/models/test_gpu_ranks.py ;;
     cutedsl) run_pytest cutedsl 560 tests/plugins/cutedsl ;;
     # torch.compile: reduce-overhead decode vs CapturedStep and vs the Inductor step captured whole (timings
     # printed and in compile_gpu.json), TP=2 with the flashinfer plugin or the CuTe DSL fusion compiled fullgraph
     compile) LAYER_BOUNDARY_COMPILE_JSON="$OUT/compile_gpu.json" run_pytest compile 560 -s tests/models/test_compile_gpu.py ;;
-    # COMPILE_CPU_K: a -k filter (the cases that failed last time, say); the whole group runs ~400 s and
-    # has been seen to hang at pytest's exit until its time limit: run it filtered
+    # COMPILE_CPU_K: a -k filter; the whole group takes ~400 s and can hang at pytest's exit until
+    # its time limit: run it filtered
     compile-cpu) run_pytest compile_cpu "${COMPILE_CPU_TIMEOUT:-500}" -m "not gpu" --tb=short ${COMPILE_CPU_K:+-k "$COMPILE_CPU_K"} \
       tests/core/test_compile_core.py tests/models/test_compile.py tests/plugins/test_fused_ops_compile.py tests/models/test_compile_gpu.py ;;
     # the plugins' fused kernel ops: torch.library.opcheck (CuTe DSL MoE ops on one rank; FlashInfer's fused
@@ -204,10 +198,7 @@ group() {
     decode-kernels) run_pytest decode_kernels 560 -s tests/plugins/flashinfer/test_flashinfer_decode_kernels_gpu.py \
       tests/plugins/flashinfer/test_flashinfer_gated_activation_gpu.py ;;
     bench-decode) run_bench bench_decode 290 python3 -m layer_boundary bench decode -- --out "$OUT/decode.json" ;;
-    probe-attention) run_bench probe_attention 290 python3 benchmarks/decode_attention_probe.py --out "$OUT/decode_attention_probe.json" ;;
     qk-norm-rope) run_pytest qk_norm_rope 300 tests/plugins/cutedsl/test_qk_norm_rope_gpu.py ;;
-    probe-replay) run_bench probe_replay 300 python3 benchmarks/replay_probe.py --batches 1 8 16 32 --no-pdl --out "$OUT/replay_probe.json" ;;
-    probe-qk-norm-rope) run_bench probe_qk_norm_rope 200 python3 benchmarks/qk_norm_rope_probe.py --out "$OUT/qk_norm_rope_probe.json" ;;
     reread) run_pytest reread 200 tests/plugins/cutedsl/test_kernels_gpu.py -k "reread" ;;
     late-gamma) run_pytest late_gamma 200 tests/plugins/cutedsl/test_kernels_gpu.py -k "late_gamma or token_counts_kernel" ;;
     # the band grid timed (bench cutedsl --bands-out) and the ROWS_BANDS table it suggests
@@ -232,7 +223,7 @@ group() {
       run_check soak_kill 150 $soak --only kill --out "$OUT/soak_kill.json" || rc=1
       return $rc ;;
     contract) run_pytest contract 560 tests/plugins/test_contract_plugins.py tests/plugins/test_contract_suite.py tests/test_example_provider.py ;;
-    *) log "unknown group $1 (core core-ranks cutedsl flashinfer flashinfer4 contract soak compile compile-cpu compile-ops addnorm cutedsl-kernels decode-kernels bench-decode probe-attention probe-replay qk-norm-rope probe-qk-norm-rope cutedsl-allreduce bench-cutedsl bench-cutedsl-cells bands-cutedsl reread late-gamma addnorm-kernels)"; return 2 ;;
+    *) log "unknown group $1 (the groups are listed at the top of this script)"; return 2 ;;
   esac
 }
 

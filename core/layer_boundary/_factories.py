@@ -127,6 +127,23 @@ def _ops(residual: Optional[ResidualOps]) -> ResidualOps:
     return residual
 
 
+def _declaration(kind: StageKind, reduction, residual, read, update, output_transform, **facts) -> StageDeclaration:
+    """A stage of `kind` on the residual kind `residual` (plain when None); `read` and `update`
+    default to that kind's for the stage's role (an FFN's, or an attention's and a mixer's)."""
+    ops = _ops(residual)
+    ffn = kind is StageKind.FFN
+    return StageDeclaration(
+        kind=kind,
+        reduction=reduction,
+        read=(ops.ffn_read if ffn else ops.attn_read) if read is None else read,
+        update=(ops.ffn_update if ffn else ops.attn_update) if update is None else update,
+        residual=ops.name,
+        residual_ops=ops,
+        output_transform=output_transform,
+        **facts,
+    )
+
+
 def declare_attn(
     *,
     reduction: ProducerReduction = ProducerReduction.PARTIAL,
@@ -149,18 +166,9 @@ def declare_attn(
     reduction = ProducerReduction(reduction)
     if reduction is ProducerReduction.LOCAL_TAIL:
         raise ValueError(Messages.LOCAL_TAIL_ATTN)
-    ops = _ops(residual)
     kind = StageKind.ATTENTION if reduction is ProducerReduction.PARTIAL else StageKind.MIXER
-    return StageDeclaration(
-        kind=kind,
-        reduction=reduction,
-        read=ops.attn_read if read is None else read,
-        update=ops.attn_update if update is None else update,
-        residual=ops.name,
-        residual_ops=ops,
-        gathers_tp_input=gathers_tp_input,
-        takes_cp_shard=takes_cp_shard,
-        output_transform=output_transform,
+    return _declaration(
+        kind, reduction, residual, read, update, output_transform, gathers_tp_input=gathers_tp_input, takes_cp_shard=takes_cp_shard
     )
 
 
@@ -179,18 +187,7 @@ def declare_ffn(
     reduction = ProducerReduction(reduction)
     if reduction is ProducerReduction.PARTIAL:
         raise ValueError(Messages.PARTIAL_FFN)
-    ops = _ops(residual)
-    return StageDeclaration(
-        kind=StageKind.FFN,
-        reduction=reduction,
-        read=ops.ffn_read if read is None else read,
-        update=ops.ffn_update if update is None else update,
-        residual=ops.name,
-        residual_ops=ops,
-        sparse=sparse,
-        next_sparse=next_sparse,
-        output_transform=output_transform,
-    )
+    return _declaration(StageKind.FFN, reduction, residual, read, update, output_transform, sparse=sparse, next_sparse=next_sparse)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -11,7 +11,7 @@ from __future__ import annotations
 import contextlib
 import enum
 import threading
-from typing import Any, Iterator, Mapping, Optional, Sequence
+from typing import Any, ContextManager, Mapping, Optional, Sequence
 
 import attrs
 
@@ -244,6 +244,16 @@ class _ScopeState(threading.local):
         self.flags = _DEFAULT_FLAGS
         self.rows = None
 
+    @contextlib.contextmanager
+    def holding(self, name: str, value):
+        """Attribute `name` set to `value` for the block, the previous value restored after."""
+        previous = getattr(self, name)
+        setattr(self, name, value)
+        try:
+            yield value
+        finally:
+            setattr(self, name, previous)
+
 
 _SCOPE = _ScopeState()
 
@@ -262,15 +272,9 @@ def exit_scope_open() -> bool:
     return _SCOPE.flags is not _DEFAULT_FLAGS
 
 
-@contextlib.contextmanager
-def publish_flags(flags: ComputeFlags) -> Iterator[ComputeFlags]:
+def publish_flags(flags: ComputeFlags) -> ContextManager[ComputeFlags]:
     """Publish flags for the compute inside the block; restore the previous ones after."""
-    previous = _SCOPE.flags
-    _SCOPE.flags = flags
-    try:
-        yield flags
-    finally:
-        _SCOPE.flags = previous
+    return _SCOPE.holding("flags", flags)
 
 
 class RowLayout(enum.Enum):
@@ -362,12 +366,6 @@ def publish_compute_rows(rows: Optional[ComputeRows]) -> None:
     _SCOPE.rows = rows
 
 
-@contextlib.contextmanager
-def scoped_compute_rows(rows: ComputeRows) -> Iterator[ComputeRows]:
+def scoped_compute_rows(rows: ComputeRows) -> ContextManager[ComputeRows]:
     """Publish `rows` for the block only (compute that runs inside an input move)."""
-    previous = _SCOPE.rows
-    _SCOPE.rows = rows
-    try:
-        yield rows
-    finally:
-        _SCOPE.rows = previous
+    return _SCOPE.holding("rows", rows)

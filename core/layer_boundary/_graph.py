@@ -72,7 +72,7 @@ def graph_key(obj) -> str:
     """`obj`'s graph key, read from the object itself (traceable); an unregistered object is an
     error that names the fix."""
     # a plain attribute read: Dynamo (torch 2.11) fails inside `hasattr(obj, "__dict__")` on a
-    # slotted object (the H200 run of tests/models/test_compile_gpu.py), and both kinds store it
+    # slotted object, and both kinds store it
     key = getattr(obj, "_graph_key", None)
     if key is None:
         raise RuntimeError(

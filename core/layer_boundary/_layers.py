@@ -71,18 +71,24 @@ class Linear(nn.Linear):
         return y if self.bias is None else y + self.bias
 
 
+def _shard(features: int, name: str, group) -> int:
+    """This rank's share of `features` split evenly over `group` (refused when it does not divide)."""
+    if features % group.size:
+        raise ValueError(f"{name}={features} is not divisible by the {group.name} size {group.size}")
+    return features // group.size
+
+
 class ColumnParallelLinear(nn.Module):
     """y = x W^T with W's output features split over `group`; no communication."""
 
     def __init__(self, in_features: int, out_features: int, group, *, bias: bool = False, dtype=None, device=None):
         super().__init__()
-        if out_features % group.size:
-            raise ValueError(f"out_features={out_features} is not divisible by the {group.name} size {group.size}")
+        rows = _shard(out_features, "out_features", group)
         self.group = group
         self.in_features = in_features
         self.out_features = out_features
-        self.weight = nn.Parameter(torch.empty(out_features // group.size, in_features, dtype=dtype, device=device))
-        self.bias = nn.Parameter(torch.zeros(out_features // group.size, dtype=dtype, device=device)) if bias else None
+        self.weight = nn.Parameter(torch.empty(rows, in_features, dtype=dtype, device=device))
+        self.bias = nn.Parameter(torch.zeros(rows, dtype=dtype, device=device)) if bias else None
 
     def load_full(self, weight: torch.Tensor, bias: Optional[torch.Tensor] = None) -> None:
         with torch.no_grad():
@@ -91,7 +97,7 @@ class ColumnParallelLinear(nn.Module):
                 self.bias.copy_(shard_rows(bias[:, None], self.group.rank, self.group.size)[:, 0])
 
     def forward(self, x) -> torch.Tensor:
-        if isinstance(x, torch.Tensor):  # bias fused into the GEMM, as before FP8 inputs existed
+        if isinstance(x, torch.Tensor):  # a plain tensor: the bias fused into the GEMM
             return nn.functional.linear(x, self.weight, self.bias)
         y = linear(x, self.weight, self)
         return y if self.bias is None else y + self.bias
@@ -109,13 +115,12 @@ class RowParallelLinear(nn.Module):
 
     def __init__(self, in_features: int, out_features: int, group, *, bias: bool = False, reduce_results: bool = True, dtype=None, device=None):
         super().__init__()
-        if in_features % group.size:
-            raise ValueError(f"in_features={in_features} is not divisible by the {group.name} size {group.size}")
+        columns = _shard(in_features, "in_features", group)
         self.group = group
         self.in_features = in_features
         self.out_features = out_features
         self.reduce_results = reduce_results
-        self.weight = nn.Parameter(torch.empty(out_features, in_features // group.size, dtype=dtype, device=device))
+        self.weight = nn.Parameter(torch.empty(out_features, columns, dtype=dtype, device=device))
         self.bias = nn.Parameter(torch.zeros(out_features, dtype=dtype, device=device)) if bias else None
         self.shard_addend: Optional[nn.Module] = None
 

@@ -1,5 +1,5 @@
-"""The guide's remaining rules (issue 23): producer updates, the integration checklist enforced at
-construction, and the stream's less travelled paths. Each test failed before its rule existed."""
+"""The guide's rules on producer updates, the integration checklist enforced at construction, and
+the stream's less travelled paths."""
 
 import attrs
 import pytest

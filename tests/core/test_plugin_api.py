@@ -281,7 +281,7 @@ def test_deprecated_adapter_records_map_onto_their_extension_points(inline_plugi
     assert [r.name for r in registry.adapters] == ["old.batch", "old.overlap", "old.setup"]
     item = next(r for r in registry.token_mappings if r.name == "old.batch")
     assert item.plugin == "old" and item.record.factory(api.TokenMappingRequest(None, (2, 3))) == "mapping"
-    assert seen == [["device", "lengths", "order", "parallel"]]  # the old factory still gets its dict
+    assert seen == [["device", "lengths", "order", "parallel"]]  # a deprecated Adapter's factory gets a dict
     assert "old.overlap" in [r.name for r in registry.overlaps]
     assert "old.setup" in prepare_model(torch.nn.Module(), max_tokens=5)
     assert seen[-1] == ("prepare", 5)

@@ -1,4 +1,4 @@
-"""TPAttention's one q/k/v GEMM (issue 24): the fused weight holds exactly the rows the three
+"""TPAttention's one q/k/v GEMM: the fused weight holds exactly the rows the three
 projections held (q sharded by rows over attention TP, k and v at `kv_rows()`, replicated
 heads included), its output splits into the same q, k and v, and a quantized input goes
 through `linear` with the module that owns the fused weight."""

@@ -193,6 +193,27 @@ def _check_common(kind, streams, attn, ffn, head, rows: int, scales: int) -> Non
         raise ValueError(f"the {kind} mappings disagree on the hidden size: {sorted(hidden)}")
 
 
+def _streams_ops(name: str, read_type, update, head_fn, settings: _Settings, attn, ffn, head) -> ResidualOps:
+    """The residual kind `name` over `settings.streams` streams: both stages read with `read_type`
+    and update with `update`; the stack leaves through `head_fn` of the learned head, or the
+    streams' mean without one."""
+    weights = None
+    if head is not None:
+
+        def weights(x, _h=head, _s=settings, _f=head_fn):
+            return _f(x, _h.fn, _h.base, _h.scale, eps=_s.eps, rms_eps=_s.rms_eps)
+
+    return ResidualOps(
+        name=name,
+        attn_read=read_type(attn, settings, "attn"),
+        attn_update=update,
+        ffn_read=read_type(ffn, settings, "ffn"),
+        ffn_update=update,
+        supports_slices=True,
+        final_read=StreamsExitRead(settings.streams, weights, "head" if head is not None else "mean"),
+    )
+
+
 def build_mhc(
     *,
     streams: int,
@@ -215,21 +236,7 @@ def build_mhc(
         raise ValueError(f"mhc needs sinkhorn_iters >= 1, got {sinkhorn_iters!r}")
     _check_common("mhc", streams, attn, ffn, head, (2 + streams) * streams, 3)
     settings = _Settings(streams, float(eps), float(rms_eps), iters=sinkhorn_iters)
-    weights = None
-    if head is not None:
-
-        def weights(x, _h=head, _s=settings):
-            return head_weights(x, _h.fn, _h.base, _h.scale, eps=_s.eps, rms_eps=_s.rms_eps)
-
-    return ResidualOps(
-        name=MHC_NAME,
-        attn_read=MhcRead(attn, settings, "attn"),
-        attn_update=MHC_UPDATE,
-        ffn_read=MhcRead(ffn, settings, "ffn"),
-        ffn_update=MHC_UPDATE,
-        supports_slices=True,
-        final_read=StreamsExitRead(streams, weights, "head" if head is not None else "mean"),
-    )
+    return _streams_ops(MHC_NAME, MhcRead, MHC_UPDATE, head_weights, settings, attn, ffn, head)
 
 
 def build_ihc(
@@ -249,18 +256,4 @@ def build_ihc(
     """
     _check_common("ihc", streams, attn, ffn, head, 2 * streams, 2)
     settings = _Settings(streams, float(eps), float(rms_eps), magnitude=float(magnitude))
-    weights = None
-    if head is not None:
-
-        def weights(x, _h=head, _s=settings):
-            return independent_head_weights(x, _h.fn, _h.base, _h.scale, eps=_s.eps, rms_eps=_s.rms_eps)
-
-    return ResidualOps(
-        name=IHC_NAME,
-        attn_read=IhcRead(attn, settings, "attn"),
-        attn_update=IHC_UPDATE,
-        ffn_read=IhcRead(ffn, settings, "ffn"),
-        ffn_update=IHC_UPDATE,
-        supports_slices=True,
-        final_read=StreamsExitRead(streams, weights, "head" if head is not None else "mean"),
-    )
+    return _streams_ops(IHC_NAME, IhcRead, IHC_UPDATE, independent_head_weights, settings, attn, ffn, head)

@@ -5,7 +5,16 @@ Both are pure torch; CUDA streams are only touched when a batch lives on a GPU.
 
 import sys
 
-from layer_boundary.plugin import BranchProvider, OverlapProvider, Priority, disabled_plugins, get_registry, hookimpl, register_inline
+from layer_boundary.plugin import (
+    Benchmark,
+    BranchProvider,
+    OverlapProvider,
+    Priority,
+    disabled_plugins,
+    get_registry,
+    hookimpl,
+    register_inline,
+)
 
 
 def _overlap(request):
@@ -48,6 +57,14 @@ def layer_boundary_branches():
         factory=_branch,
         priority=Priority.REFERENCE,
         description="prepared branches: branch_input forks the stream, branch_output and merge_branch join it",
+    )
+
+
+@hookimpl
+def layer_boundary_benchmarks():
+    yield Benchmark.of_module(
+        "layer_boundary_tbo.bench", name="tbo.overlap", command="tbo", priority=Priority.REFERENCE,
+        description="a batch's step with two-batch overlap (one or two CUDA streams) against its microbatches run apart (GPUs)",
     )
 
 

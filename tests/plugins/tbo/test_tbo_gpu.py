@@ -1,6 +1,6 @@
 """TBO on CUDA: one stream per microbatch, still bit-exact; NCCL on two GPUs; the overlap script.
 
-Run on the GPU machine (see plugins/tbo/benchmarks/tbo_overlap.py for the setup):
+Run on the GPU machine (`layer-boundary bench tbo` is the overlap benchmark):
     python -m pytest -q -m gpu tests/plugins/tbo/test_tbo_gpu.py
 """
 
@@ -22,7 +22,6 @@ pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(),
 
 LAYERS = ("ffn", "moe", "moe")
 ROOT = Path(__file__).resolve().parents[3]
-SCRIPT = ROOT / "plugins" / "tbo" / "benchmarks" / "tbo_overlap.py"
 NCCL_ENV = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
 
 
@@ -168,7 +167,7 @@ def test_qwen3_moe_tp2_with_tbo_matches_the_whole_batch(tmp_path):
 
 def test_the_overlap_script_runs_and_checks_tbo(tmp_path):
     out = subprocess.run(
-        [sys.executable, str(SCRIPT), "--gpus", "2", "--hidden", "1024", "--heads", "8", "--kv-heads", "2",
+        [sys.executable, "-m", "layer_boundary", "bench", "tbo", "--", "--gpus", "2", "--hidden", "1024", "--heads", "8", "--kv-heads", "2",
          "--intermediate", "2048", "--layers", "2", "--requests", "4", "--tokens-per-request", "128",
          "--iters", "3", "--out", str(tmp_path / "r.json")],
         capture_output=True, text=True, timeout=600, env={**os.environ, **NCCL_ENV},

@@ -1,4 +1,5 @@
-"""Measure two-batch overlap (TBO) on GPUs: is a step faster than its two microbatches run apart?
+"""`layer-boundary bench tbo`: two-batch overlap (TBO) on GPUs: is a step faster than its two
+microbatches run apart?
 
 For one prefill-sized batch through a reference model (no KV cache) it times, per rank, with CUDA
 events (median of --iters after --warmup):
@@ -12,18 +13,16 @@ It first checks that TBO's logits match the whole batch's. Overlap shows as tbo-
 the serial sum (and below tbo-1stream). With --trace DIR, rank 0 also writes a Chrome trace of one
 tbo-2streams step (open it in chrome://tracing or Perfetto: the two streams' kernels interleave).
 
-On the GPU machine, from the project root (2 GPUs, TP=2 over NCCL):
+On a machine with 2 GPUs (TP=2 over NCCL):
 
-    export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
-    pip install --no-deps --no-build-isolation -e . -e plugins/tbo
-    python plugins/tbo/benchmarks/tbo_overlap.py --gpus 2 --out $OUT/tbo_overlap.json --trace $OUT
+    layer-boundary bench tbo -- --gpus 2 --trace $OUT
 
-`--device cpu` runs the same steps over gloo as a dry run (its timings mean nothing).
+`--device cpu` runs the same steps over gloo as a dry run (its timings mean nothing; the test
+suite runs it that way). JSON to --out.
 """
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import statistics
@@ -33,10 +32,7 @@ from pathlib import Path
 
 import torch
 
-HERE = Path(__file__).resolve()
-for extra in (HERE.parents[3] / "core", HERE.parents[1]):  # the core and this plugin, when not installed
-    if str(extra) not in sys.path:
-        sys.path.append(str(extra))
+from layer_boundary.cli.args import OneLineParser, non_negative_int, positive_int
 
 MODES = ("whole", "half0", "half1", "tbo-1stream", "tbo-2streams")
 
@@ -152,24 +148,24 @@ def _trace(fn, folder: str) -> str:
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--gpus", type=int, default=2, help="ranks (TP size); one GPU each")
+    p = OneLineParser(prog="layer-boundary bench tbo", description=__doc__.split("\n\n")[0])
+    p.add_argument("--gpus", type=positive_int, default=2, help="ranks (TP size); one GPU each")
     p.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
     p.add_argument("--model", default="qwen3", choices=["qwen3", "qwen3_moe"], help="qwen3's compute has no host syncs")
     p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
-    p.add_argument("--hidden", type=int, default=4096)
-    p.add_argument("--layers", type=int, default=8)
-    p.add_argument("--heads", type=int, default=32)
-    p.add_argument("--kv-heads", type=int, default=8)
-    p.add_argument("--intermediate", type=int, default=12288)
-    p.add_argument("--experts", type=int, default=16)
-    p.add_argument("--vocab", type=int, default=32000)
-    p.add_argument("--requests", type=int, default=8, help="even: the microbatches split at a request boundary")
-    p.add_argument("--tokens-per-request", type=int, default=512)
-    p.add_argument("--warmup", type=int, default=3)
-    p.add_argument("--iters", type=int, default=10)
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--out", help="write the per-rank results as JSON here")
+    p.add_argument("--hidden", type=positive_int, default=4096)
+    p.add_argument("--layers", type=positive_int, default=8)
+    p.add_argument("--heads", type=positive_int, default=32)
+    p.add_argument("--kv-heads", type=positive_int, default=8)
+    p.add_argument("--intermediate", type=positive_int, default=12288)
+    p.add_argument("--experts", type=positive_int, default=16)
+    p.add_argument("--vocab", type=positive_int, default=32000)
+    p.add_argument("--requests", type=positive_int, default=8, help="even: the microbatches split at a request boundary")
+    p.add_argument("--tokens-per-request", type=positive_int, default=512)
+    p.add_argument("--warmup", type=non_negative_int, default=3)
+    p.add_argument("--iters", type=positive_int, default=10)
+    p.add_argument("--seed", type=non_negative_int, default=0)
+    p.add_argument("--out", default="benchmarks/results/tbo.json", help="the per-rank results as JSON")
     p.add_argument("--trace", help="a folder for rank 0's Chrome trace of one tbo-2streams step")
     args = p.parse_args(argv)
     if args.requests % 2:
