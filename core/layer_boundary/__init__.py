@@ -35,7 +35,18 @@ from ._forward import (
     get_forward,
 )
 from ._fusions import FusionError
-from ._layers import ColumnParallelLinear, MoeFinalizeHandoff, RowParallelLinear, check_partial_producer, reduce_output, reduces_itself
+from ._layers import (
+    ColumnParallelLinear,
+    Linear,
+    MoeFinalizeHandoff,
+    RowParallelLinear,
+    check_partial_producer,
+    linear,
+    reduce_output,
+    reduces_itself,
+    shard_cols,
+    shard_rows,
+)
 from ._layout import Layout, SumGroup, TokenAxis
 from ._output import HandoffOutput, OutputTransform, UnreducedOutput
 from ._parallel import Parallel, Topology, TopologyError
@@ -62,6 +73,10 @@ __all__ = [
     "Collectives",
     "CollectiveCounter",
     "ColumnParallelLinear",
+    "Linear",
+    "linear",
+    "shard_rows",
+    "shard_cols",
     "ComputeFlags",
     "ComputeRows",
     "Contribution",
