@@ -2,7 +2,7 @@
 PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
-PLUGINS := flashinfer cutedsl mhc cp tbo lora
+PLUGINS := models flashinfer cutedsl mhc cp tbo lora
 STAMP := $(VENV)/.installed
 export HF_HUB_OFFLINE := 1
 export TRANSFORMERS_OFFLINE := 1

@@ -109,8 +109,8 @@ def sample(step: int, on_gpu: bool) -> dict:
 
 def _build(parallel, job: dict):
     """The model on this rank with random weights, every plugin prepared, and its static cache."""
-    from layer_boundary.models import build_model, family, model_config
-    from layer_boundary.models.weights import open_source
+    from layer_boundary_models import build_model, family, model_config
+    from layer_boundary.cli.sources import open_source
     from layer_boundary import prepare_model
 
     on_gpu = job["device"] == "cuda"
@@ -171,8 +171,8 @@ def _line(s: dict) -> str:
 @torch.inference_mode()
 def soak_rank(parallel, job: dict) -> dict:
     from layer_boundary.collectives import CollectiveCounter, CountingCollectives
-    from layer_boundary.models.decode import static_decode_step, static_prefill
-    from layer_boundary.progress import progress
+    from layer_boundary.cli.static_decode import static_decode_step, static_prefill
+    from layer_boundary.cli.progress import progress
     from layer_boundary import release_model
 
     counter = CollectiveCounter()
@@ -250,7 +250,7 @@ def _bounded_sync(device: str, deadline: float, rank: int, step: int) -> None:
 @torch.inference_mode()
 def kill_rank(parallel, job: dict) -> dict:
     """Decode steps until `kill_step`; there the last rank kills itself entering its middle layer."""
-    from layer_boundary.models.decode import static_decode_step, static_prefill
+    from layer_boundary.cli.static_decode import static_decode_step, static_prefill
 
     parallel, _ = _model_parallel(parallel, job)
     model, config, cache, device, _ = _build(parallel, job)
@@ -387,12 +387,12 @@ def _job(args) -> dict:
     if args.size == "wide":
         hf = dict(WIDE_CONFIG)
     else:
-        from layer_boundary.models import family
+        from layer_boundary_models import family
 
         hf = dict(family("qwen3").preset)
     layers = args.layers or (2 if on_gpu and args.size == "tiny" else hf["num_hidden_layers"])
     hf["num_hidden_layers"] = layers
-    from layer_boundary.progress import wanted
+    from layer_boundary.cli.progress import wanted
 
     return {
         "device": args.device,
@@ -412,7 +412,7 @@ def _job(args) -> dict:
 
 
 def _parser():
-    from layer_boundary.cli.args import OneLineParser, positive_float, positive_int
+    from layer_boundary._options import OneLineParser, positive_float, positive_int
 
     ap = OneLineParser(prog="gpu_soak.py", description=__doc__.split("\n\n")[0])
     ap.add_argument("--steps", type=positive_int, default=10_000, help="decode steps (default 10,000)")

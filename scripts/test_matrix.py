@@ -1,11 +1,14 @@
 #!/usr/bin/env python3
-"""Install-combination test matrix: the core alone, and each plugin alone on top of it.
+"""Install-combination test matrix: the core alone, the reference model families on top of it,
+each plugin with them, and a third party's model family without them.
 
 Environments (reused between runs; rebuilt when a pyproject changes):
 - `.venv-core`: torch 2.13 CPU + the core (`pip install -e .[test]`), no plugin;
 - `.venv-plugin-<name>`: a venv that layers on `.venv-core` (a .pth runs site.addsitedir on its
-  site-packages, so torch is shared, not reinstalled) plus `pip install -e plugins/<name>` and
-  that plugin's own third-party dependencies.
+  site-packages, so torch is shared, not reinstalled) plus `pip install -e` of its distributions
+  and their own third-party dependencies: `models` alone (layer-boundary-models), each plugin with
+  `models` (their tests drive the reference models), and `example_family` alone (the third-party
+  family in tests/example_family).
 
 Each environment runs the tests meant for it, with LAYER_BOUNDARY_EXPECT_PLUGINS naming what is
 installed (tests that need more skip with a reason only when that variable says so). Prints
@@ -24,6 +27,12 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 PLUGINS = ("flashinfer", "cutedsl", "mhc", "cp", "tbo", "lora")
+#: environment -> (its distributions' folders, the tests meant for it)
+ENVIRONMENTS = {
+    "models": (["plugins/models"], ["tests/models", "tests/install"]),
+    **{name: (["plugins/models", f"plugins/{name}"], [f"tests/plugins/{name}", "tests/install"]) for name in PLUGINS},
+    "example_family": (["tests/example_family"], ["tests/test_example_family.py", "tests/install"]),
+}
 PYTHON = os.environ.get("PYTHON", "python3")
 
 
@@ -73,14 +82,16 @@ def core_env() -> Path:
 
 def plugin_env(name: str, core: Path) -> Path:
     venv = ROOT / f".venv-plugin-{name}"
-    inputs = [ROOT / "pyproject.toml", ROOT / "plugins" / name / "pyproject.toml"]
+    folders = ENVIRONMENTS[name][0]
+    inputs = [ROOT / "pyproject.toml", *(ROOT / folder / "pyproject.toml" for folder in folders)]
     if stamp_ok(venv, inputs):
         return venv
     if not (venv / "bin/python").exists():
         sh([PYTHON, "-m", "venv", str(venv)])
     layer = Path(site_packages(venv)) / "_layer_boundary_core_env.pth"
     layer.write_text(f"import site; site.addsitedir({site_packages(core)!r})\n")
-    pip(venv, "-e", str(ROOT / "plugins" / name))
+    for folder in folders:
+        pip(venv, "-e", str(ROOT / folder))
     write_stamp(venv, inputs)
     return venv
 
@@ -107,18 +118,19 @@ def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--only", nargs="*", help="environments to run (core and/or plugin names)")
     args = ap.parse_args()
-    wanted = args.only or ["core", *PLUGINS]
+    wanted = args.only or ["core", *ENVIRONMENTS]
     core = core_env()
     rows = []
     if "core" in wanted:
-        ok, summary, took = run_tests(core, "", ["tests/core", "tests/models", "tests/install"])
-        rows.append(("core alone", "tests/core tests/models tests/install", ok, summary, took))
-    for name in PLUGINS:
+        ok, summary, took = run_tests(core, "", ["tests/core", "tests/install"])
+        rows.append(("core alone", "tests/core tests/install", ok, summary, took))
+    for name, (folders, tests) in ENVIRONMENTS.items():
         if name not in wanted:
             continue
         venv = plugin_env(name, core)
-        ok, summary, took = run_tests(venv, name, [f"tests/plugins/{name}", "tests/install"])
-        rows.append((f"core + {name}", f"tests/plugins/{name} tests/install", ok, summary, took))
+        expect = ",".join(Path(folder).name for folder in folders)  # the entry-point names: the folders' names
+        ok, summary, took = run_tests(venv, expect, tests)
+        rows.append((f"core + {' + '.join(Path(f).name for f in folders)}", " ".join(tests), ok, summary, took))
     print("\nenvironment matrix:")
     width = max(len(r[0]) for r in rows)
     for env, tests, ok, summary, took in rows:

@@ -22,8 +22,8 @@ import torch
 
 from layer_boundary import Priority, Topology
 from layer_boundary.launch import ProcessWorld
-from layer_boundary.models import family, model_config
-from layer_boundary.models.runner import RunJob, make_requests, run_rank
+from layer_boundary_models import family, model_config
+from layer_boundary.cli.runner import RunJob, make_requests, run_rank
 from layer_boundary.plugin import get_registry, reset_registry
 from layer_boundary.plugin import DISABLE_ENV
 from layer_boundary.testing.contract import DEVICE_FREE_CHECKS, FUSION_CHECKS
@@ -84,7 +84,7 @@ def test_installed_from_its_folder_and_found_through_its_entry_point(example_sit
     registry = get_registry()
     plugin = registry.plugin("example")
     assert plugin is not None and plugin.ok
-    assert (plugin.distribution, plugin.version) == ("layer-boundary-example", "0.1.0")
+    assert (plugin.distribution, plugin.version) == ("layer-boundary-example", "0.2.0")
     item = next(i for i in registry.fusion_providers if i.name == RECORD)
     assert item.plugin == "example" and item.priority > Priority.BUILTIN
     assert Path(inspect.getfile(item.record.factory)).is_relative_to(example_site)  # the installed copy, not the sources

@@ -51,23 +51,24 @@ from ._layout import Layout, SumGroup, TokenAxis
 from ._output import HandoffOutput, OutputTransform, UnreducedOutput
 from ._parallel import Parallel, Topology, TopologyError
 from .placement import RankPlacement, current_placement, place_ranks
-from .plugin import Adapter, FusionProvider, Priority, ResidualKind, get_registry, hookimpl
+from ._plugins.hookspecs import hookimpl
+from ._plugins.manager import get_registry
+from ._plugins.records import FusionProvider, Priority, ResidualKind
+from ._plugins import builtin as _builtin  # noqa: F401 - registers the built-in plugin "core"
 from ._policy import resolve_reduction, resolve_speculative_reduction
 from ._residual import ResidualOps, StageRead, StageUpdate, residual_kind
 from ._residual import batch as residual_batch
 from ._residual.add_norm import NORM_READ, PLAIN_ADD, PLAIN_RESIDUAL, GemmaRMSNorm, RMSNorm
 from ._residual.stream import Contribution, OwedOutput, ResidualStream, StreamState
 from ._lifecycle import prepare_model, release_model
-from .plugin._legacy import ModelSetup
 from ._stage import StageBoundary, boundaries_of
 
-__version__ = "0.1.0"
+__version__ = "0.2.0"
 
 __all__ = [
     "RankPlacement",
     "current_placement",
     "place_ranks",
-    "Adapter",
     "BatchFactsError",
     "BatchVariant",
     "Collectives",
@@ -113,7 +114,6 @@ __all__ = [
     "RowParallelLinear",
     "SingleRankCollectives",
     "StageBoundary",
-    "ModelSetup",
     "prepare_model",
     "release_model",
     "boundaries_of",

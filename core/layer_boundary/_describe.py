@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from ._forward import RowLayout
 from ._paths import EntryMode, ExitRole, Owed
-from ._residual.kernels import describe as describe_add_norm
+from ._residual.add_norm import describe_add_norm
 from ._row_publishers import describe_publication
 
 __all__ = ["plan", "entry", "exit"]

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-__all__ = ["MissingPluginError", "missing_feature", "FEATURE_DISTRIBUTIONS", "Messages"]
+__all__ = ["MissingPluginError", "FusionError", "missing_feature", "FEATURE_DISTRIBUTIONS", "Messages"]
 
 #: Which distribution provides a feature the core only names.
 FEATURE_DISTRIBUTIONS = {
@@ -14,6 +14,7 @@ FEATURE_DISTRIBUTIONS = {
     "lora": "layer-boundary-lora",
     "flashinfer": "layer-boundary-flashinfer",
     "cutedsl": "layer-boundary-cutedsl",
+    "models": "layer-boundary-models",
 }
 
 
@@ -23,6 +24,10 @@ class MissingPluginError(RuntimeError):
     def __init__(self, message: str, distribution: str | None):
         super().__init__(message)
         self.distribution = distribution
+
+
+class FusionError(RuntimeError):
+    """A fusion candidate or provider broke its contract or raised."""
 
 
 def missing_feature(what: str, key: str) -> MissingPluginError:

@@ -12,33 +12,48 @@ from __future__ import annotations
 import torch
 
 from ._errors import MissingPluginError, missing_feature
-from .plugin._manager import current_registry
-from .plugin._requests import BranchRequest, BranchTransport, Overlap, OverlapRequest
+from ._plugins.manager import current_registry
+from ._plugins.requests import BranchRequest, BranchTransport, Overlap, OverlapRequest
+from ._plugins.selection import select
 
 __all__ = ["two_batch_overlap", "branch_input", "branch_output", "merge_branch"]
 
 
-def _first(records, request, what: str, feature: str, capability):
-    """The object of the first record (by priority) whose factory accepts `request`.
+def _first(point: str, request, what: str, feature: str, capability):
+    """The object of the first record of `point` whose factory accepts `request`.
 
     No record raises `MissingPluginError` naming the distribution; records that all decline
     raise `NotImplementedError`."""
+    records = current_registry().records(point)
     if not records:
         raise missing_feature(what, feature)
-    for item in records:
-        found = item.record.factory(request)
-        if found is not None:
-            if not isinstance(found, capability):
-                raise TypeError(f"{item.name!r} returned {found!r}, which is not a {capability.__name__}")
-            return found
-    names = ", ".join(item.name for item in records)
-    raise NotImplementedError(f"no installed {feature} provider supports {what} here (tried {names})")
+    chosen = select(point, (request,), records=records, subject=what, check=capability, error_type=TypeError)
+    if chosen.chosen is None:
+        names = ", ".join(item.name for item in records)
+        raise NotImplementedError(f"no installed {feature} provider supports {what} here (tried {names})")
+    return chosen.value
+
+
+#: the overlap scheduler of the current registry, as [registry, overlap]: a plain module list a
+#: compiled region reads (and guards on); the selection runs once per registry, outside a trace
+_OVERLAP: list = []
+
+
+@torch._dynamo.assume_constant_result
+def _select_overlap() -> bool:
+    # inside a compiled region this runs once, while tracing (provider selection is host work)
+    registry = current_registry()
+    if not (_OVERLAP and _OVERLAP[0] is registry):
+        _OVERLAP[:] = [registry, _first("overlaps", OverlapRequest(), "two-batch overlap", "tbo", Overlap)]
+    return True
 
 
 def two_batch_overlap(forward) -> Overlap:
-    """The two-batch-overlap scheduler for this batch: `.run(stages, hidden_states, forward, ...)`
-    splits the batch into two microbatches, interleaves their stages and merges them back."""
-    return _first(current_registry().overlaps, OverlapRequest(forward), "two-batch overlap", "tbo", Overlap)
+    """The two-batch-overlap scheduler: `.run(stages, hidden_states, forward, ...)` splits this
+    batch into two microbatches, interleaves their stages and merges them back. Chosen once per
+    registry (every forward gets the same scheduler)."""
+    _select_overlap()
+    return _OVERLAP[1]
 
 
 #: the transports found so far, by key: a plain module dict a compiled region reads (and guards on)
@@ -49,7 +64,7 @@ _TRANSPORTS: dict = {}
 def _transport_key(boundary, what: str) -> str:
     # inside a compiled region this runs once, while tracing (provider lookup is host work), and
     # its result is a constant string of the graph; the transport itself is read from _TRANSPORTS
-    found = _first(current_registry().branches, BranchRequest(boundary), what, "branch", BranchTransport)
+    found = _first("branches", BranchRequest(boundary), what, "branch", BranchTransport)
     key = f"{type(found).__qualname__}@{id(found):x}"
     _TRANSPORTS[key] = found
     return key
@@ -61,7 +76,7 @@ def resolve_branch_transport(boundary) -> "BranchTransport | None":
     while tracing needs the boundary as a constant, which torch 2.11's Dynamo refuses. None
     when no installed plugin provides one: the call looks again, and raises what is missing."""
     try:
-        return _first(current_registry().branches, BranchRequest(boundary), "prepared branches (branch_input)", "branch", BranchTransport)
+        return _first("branches", BranchRequest(boundary), "prepared branches (branch_input)", "branch", BranchTransport)
     except (MissingPluginError, NotImplementedError):
         return None
 

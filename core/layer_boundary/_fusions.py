@@ -22,14 +22,12 @@ import attrs
 
 from . import _debug as debug
 from ._contracts import FusedMlpInput, StageKind
+from ._errors import FusionError
 from ._layout import SumGroup
-from .plugin._requests import AttentionInputFusion, FfnInputFusion
+from ._plugins.requests import AttentionInputFusion, FfnInputFusion
+from ._plugins.selection import select
 
 __all__ = ["Candidate", "FusionError", "build_providers", "consumer_candidates", "equivalent_groups"]
-
-
-class FusionError(RuntimeError):
-    """A fusion candidate or provider broke its contract or raised."""
 
 
 @attrs.frozen
@@ -47,23 +45,18 @@ class Candidate:
 
 def build_providers(explicit: Any, description, registry) -> list[tuple[Any, str]]:
     """(provider, source) pairs: the explicit provider, then every registry provider whose
-    factory accepts this stage, in (-priority, name) order."""
-    out: list[tuple[Any, str]] = []
-    if explicit is not None:
-        for p in explicit if isinstance(explicit, (list, tuple)) else (explicit,):
-            out.append((p, f"the stage's fusions= provider {type(p).__name__}"))
-    for item in registry.fusion_providers:
-        try:
-            provider = item.record.factory(description)
-        except Exception as exc:
-            raise FusionError(
-                f"fusion provider {item.name!r} of plugin {item.plugin!r} (distribution {item.distribution}) raised while "
-                f"building stage {description.label}: {type(exc).__name__}: {exc}; set LAYER_BOUNDARY_DISABLE_PLUGINS={item.plugin} "
-                "to run without it"
-            ) from exc
-        if provider is not None:
-            out.append((provider, f"record {item.name!r} of plugin {item.plugin!r} (distribution {item.distribution})"))
-    return out
+    factory accepts this stage, in the selection order."""
+    given = () if explicit is None else explicit if isinstance(explicit, (list, tuple)) else (explicit,)
+    chosen = select(
+        "fusion_providers",
+        (description,),
+        records=registry.fusion_providers,
+        explicit=[(p, f"the stage's fusions= provider {type(p).__name__}") for p in given],
+        first=False,
+        subject=f"building stage {description.label}",
+        error_type=FusionError,
+    )
+    return [(a.value, a.source) for a in chosen.accepted]
 
 
 def equivalent_groups(topology) -> dict[SumGroup, frozenset]:

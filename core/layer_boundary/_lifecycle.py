@@ -9,8 +9,8 @@ plugin-name order (release in reverse), identically on every rank.
 
 from __future__ import annotations
 
-from .plugin._manager import get_registry
-from .plugin._requests import PrepareRequest, ReleaseRequest
+from ._plugins.manager import get_registry
+from ._plugins.requests import PrepareRequest, ReleaseRequest
 
 __all__ = ["prepare_model", "release_model"]
 
@@ -19,18 +19,13 @@ def prepare_model(model, *, max_tokens: int = 2048, settings=None) -> list[str]:
     """Let every installed plugin prepare `model` for forwards of up to `max_tokens` tokens
     (collective: call on all ranks). `settings` maps a plugin's name to the engine's settings
     for it (for example `{"flashinfer": FlashInferSettings(...)}`), the same on every rank.
-    Returns the names of the plugins (and deprecated setup records) that ran, in order. Every
-    RMSNorm of the model chooses (compiles, loads) its add + norm kernel first, for its weight's
-    device and dtype, so no choice runs inside a capture; the reference attentions choose their
-    rope and decode-attention kernels and the gated MLPs their activation kernel (each agreed
-    across the TP group: collective)."""
-    from ._residual.kernels import prepare_norms
-    from .models.attention_kernels import prepare_attention_kernels
-    from .models.mlp_kernels import prepare_mlp_kernels
+    Returns the names of the plugins that ran, in order. Every RMSNorm of the model chooses
+    (compiles, loads) its add + norm kernel first, for its weight's device and dtype, so no
+    choice runs inside a capture; a model family's own kernels (the reference models' rope,
+    decode attention and gated activation) are chosen by its plugin's hook."""
+    from ._residual.add_norm import prepare_norms
 
     prepare_norms(model)
-    prepare_attention_kernels(model)
-    prepare_mlp_kernels(model)
     request = PrepareRequest(model, max_tokens, settings)
     done = []
     for name, hook in get_registry().prepare_hooks:
@@ -40,13 +35,7 @@ def prepare_model(model, *, max_tokens: int = 2048, settings=None) -> list[str]:
 
 
 def release_model(model) -> list[str]:
-    """Release what `prepare_model` created (collective: call on all ranks); the reference
-    attentions and gated MLPs return to their torch path."""
-    from .models.attention_kernels import release_attention_kernels
-    from .models.mlp_kernels import release_mlp_kernels
-
-    release_attention_kernels(model)
-    release_mlp_kernels(model)
+    """Release what `prepare_model` created (collective: call on all ranks)."""
     request = ReleaseRequest(model)
     done = []
     for name, hook in get_registry().release_hooks:

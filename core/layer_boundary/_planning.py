@@ -29,7 +29,8 @@ from ._paths import (
 )
 from ._residual.add_norm import GemmaRMSNorm, NormRead, is_rms_norm
 from ._row_publishers import bind_row_publishers, rows_in_scope
-from .plugin._requests import CpPathRequest, DefersAllReduce, DefersFinalize
+from ._plugins.requests import CpPathRequest, DefersAllReduce, DefersFinalize
+from ._plugins.selection import RETURNED_NONE, select
 
 __all__ = ["Stage", "StagePlan", "plan_stages", "arriving_sum", "output_sum_group"]
 
@@ -397,20 +398,16 @@ def _context_parallel(stage: Stage, ordinary: StagePath, registry) -> tuple[Opti
     providers = registry.cp_paths
     if not providers:
         raise missing_feature(f"context parallel (attn_cp={stage.parallel.topology.attn_cp})", "cp")
-    request = CpPathRequest(stage, ordinary)
-    reasons = []
-    for item in providers:
-        try:
-            path = item.record.factory(request)
-        except NotImplementedError as exc:
-            reasons.append(f"{item.name}: {exc}")
-            continue
-        if path is not None:
-            if not isinstance(path, StagePath) or path.variant is not variant:
-                raise TypeError(f"CP path provider {item.name!r} must return a StagePath for {variant!r}, got {path!r}")
-            return path, None
-        reasons.append(f"{item.name} does not apply")
-    return None, "; ".join(reasons)
+    def is_cp_path(path) -> bool:
+        """a StagePath for the CONTEXT_PARALLEL variant"""
+        return isinstance(path, StagePath) and path.variant is variant
+
+    chosen = select("cp_paths", (CpPathRequest(stage, ordinary),), records=providers, subject=f"planning stage {stage.label}",
+                    check=is_cp_path, error_type=TypeError)
+    if chosen.chosen is not None:
+        return chosen.value, None
+    return None, "; ".join(f"{a.candidate} does not apply" if a.reason == RETURNED_NONE else f"{a.candidate}: {a.reason}"
+                           for a in chosen.declined)
 
 
 def _plan(stage: Stage, registry) -> StagePlan:

@@ -11,7 +11,8 @@ from __future__ import annotations
 from ._contracts import StageKind
 from ._errors import missing_feature
 from ._forward import ComputeRows, RowLayout, publish_compute_rows, scoped_compute_rows
-from .plugin._requests import PublishesRows, RowPublisherRequest
+from ._plugins.requests import PublishesRows, RowPublisherRequest
+from ._plugins.selection import select
 
 __all__ = ["bind_row_publishers", "compute_rows", "publish_rows", "rows_in_scope", "describe_publication"]
 
@@ -38,12 +39,12 @@ def bind_row_publishers(stage, registry) -> tuple[tuple, bool]:
         records = registry.row_publishers_of(kind)
         if not records:
             raise missing_feature(f"the {kind!r} row adapter that stage {stage.label} asks for ({OPTION}=)", kind)
-        publisher = next((p for p in (item.record.factory(request) for item in records) if p is not None), None)
+        chosen = select("row_publishers", (request,), records=records, subject=f"planning stage {stage.label}",
+                        check=PublishesRows, error_type=TypeError)
+        publisher = chosen.value
         if publisher is None:
             names = ", ".join(item.name for item in records)
             raise NotImplementedError(f"stage {stage.label}: no {kind!r} row adapter ({names}) supports this stage")
-        if not isinstance(publisher, PublishesRows):
-            raise TypeError(f"row publisher {records[0].name!r} returned {publisher!r}, which has no publish(layout, forward)")
         bound.append((kind, publisher))
         if stage.kind is StageKind.FFN and getattr(publisher, "fused_consumer_only", False):
             fused_only = True

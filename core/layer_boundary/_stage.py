@@ -18,7 +18,7 @@ from ._planning import StagePlan, arriving_sum, plan_stages
 from ._prepare import run_entry, run_local
 from ._residual.stream import ResidualStream
 from ._row_publishers import publish_rows
-from .plugin._manager import get_registry
+from ._plugins.manager import get_registry
 
 ATTENTION_ROWS = RowLayout.DP_LOCAL
 _DP_LOCAL = RowLayout.DP_LOCAL

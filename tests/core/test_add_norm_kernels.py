@@ -4,12 +4,15 @@ boundaries and the final norm run it, and that it never writes what the caller h
 import copy
 
 import pytest
+
+from layer_boundary.testing import requires_plugins
 import torch
 
 from layer_boundary import Forward, GemmaRMSNorm, Parallel, RMSNorm, declare_attn, declare_ffn, layer_stack, make_stages, residual_batch
 from layer_boundary.plugin import AddNormKernel, AddNormRequest, add_rms_norm, get_registry, hookimpl, reset_registry
 
 from layer_boundary._residual import kernels
+from layer_boundary._residual.add_norm import describe_add_norm, prepare_norms
 
 
 def torch_kernel(calls, name):
@@ -120,6 +123,7 @@ def test_none_accepts_runs_the_torch_path(kernels_of):
     assert plugin.calls == []
 
 
+@requires_plugins("models")
 def test_opt_out_and_own_math_never_ask_a_kernel(kernels_of):
     plugin = kernels_of(("a.k", 300, always))
 
@@ -134,12 +138,12 @@ def test_opt_out_and_own_math_never_ask_a_kernel(kernels_of):
         assert torch.equal(got[0], want[0])
         assert norm.add_norm_kernel() == kernels.TORCH
     assert plugin.requests == [] and plugin.calls == []
-    assert "kernels=False" in kernels.describe(RMSNorm(16, kernels=False))
-    from layer_boundary.models.nemotron_h import NemotronHRMSNorm  # its scale is the kernels': asked
+    assert "kernels=False" in describe_add_norm(RMSNorm(16, kernels=False))
+    from layer_boundary_models.nemotron_h import NemotronHRMSNorm  # its scale is the kernels': asked
 
     NemotronHRMSNorm(16).fused_add_forward(c, r)
     assert plugin.calls == ["a.k"]
-    assert "overrides" in kernels.describe(Custom(16))
+    assert "overrides" in describe_add_norm(Custom(16))
 
 
 def test_disabled_plugin_and_reset_registry_forget_the_choice(kernels_of, monkeypatch):
@@ -256,7 +260,7 @@ def test_every_boundary_and_the_final_norm_run_the_kernel_at_tp1(kernels_of, nor
 
 
 def test_norm_read_after_an_unfused_sum_runs_the_kernel(kernels_of):
-    from layer_boundary._builtin.plugin import _complete_then_read
+    from layer_boundary._plugins.builtin import _complete_then_read
     from layer_boundary._residual.add_norm import NORM_READ
 
     plugin = kernels_of(("a.k", 300, always))
@@ -444,7 +448,7 @@ def test_plain_norm_runs_the_first_record_with_a_norm_factory(fresh_registry, in
     choice = kernels.choose_norm(norm, x.device, x.dtype)
     assert choice.name == "b.norm" and choice.declined[0] == "a.nonorm"  # then any installed plugin above b
     torch.testing.assert_close(got, norm.torch_forward(x), rtol=1e-6, atol=1e-6)
-    assert kernels.prepare_norms(torch.nn.Sequential(norm)) == [("0", kernels.TORCH), ("0 (no add)", "b.norm")]
+    assert prepare_norms(torch.nn.Sequential(norm)) == [("0", kernels.TORCH), ("0 (no add)", "b.norm")]
 
 
 def test_plain_norm_without_any_norm_factory_runs_torch(fresh_registry, inline_plugin):

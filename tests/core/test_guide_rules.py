@@ -3,6 +3,8 @@ the stream's less travelled paths."""
 
 import attrs
 import pytest
+
+from layer_boundary.testing import requires_plugins
 import torch
 
 from layer_boundary import (
@@ -493,10 +495,11 @@ def test_the_producer_check_is_offered_for_a_model_s_own_modules():
         check_partial_producer(custom, reduces=lambda m: getattr(m, "all_reduces", False))
 
 
+@requires_plugins("models")
 def test_the_reference_models_check_their_attention_at_construction(monkeypatch):
     """The core's reference decoder passes its attention as the stage's producer: an output
     projection built reducing (the silent double sum at TP=2) fails at construction."""
-    from layer_boundary.models import attention as attention_module
+    from layer_boundary_models import attention as attention_module
 
     original = attention_module.TPAttention.__init__
 
@@ -505,7 +508,7 @@ def test_the_reference_models_check_their_attention_at_construction(monkeypatch)
         original(self, *args, **kwargs)
 
     monkeypatch.setattr(attention_module.TPAttention, "__init__", reducing)
-    from layer_boundary.models import build_model, model_config
+    from layer_boundary_models import build_model, model_config
 
     parallel = Parallel.create(Topology(tp=2), 0, _planning_groups)
     with pytest.raises(ValueError, match=r"reduces its own output in o_proj"):

@@ -73,7 +73,7 @@ def test_cpu_ranks_get_their_placement():
 def test_a_shared_setting_is_applied_by_the_first_rank_in_and_restored_by_the_last_out(monkeypatch):
     import threading
 
-    from layer_boundary.testing.shared import shared_env
+    from layer_boundary.testing import shared_env
 
     monkeypatch.delenv("LB_SHARED_TEST", raising=False)
     changes = []

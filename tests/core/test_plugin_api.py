@@ -1,16 +1,13 @@
-"""The public plugin API: what plugins may import, how the manager treats a broken plugin,
-inline registration, the life-cycle hooks, and the compatibility of the deprecated forms."""
+"""The public plugin API: how the manager treats a broken plugin, inline registration, the
+life-cycle hooks, the fusion-provider contract as documented, and the removed legacy hook."""
 
-import ast
 import warnings
-from pathlib import Path
 
 import pytest
 import torch
 
 import layer_boundary
 from layer_boundary import (
-    Adapter,
     BatchVariant,
     RMSNorm,
     Topology,
@@ -37,37 +34,6 @@ from layer_boundary.plugin import (
 from layer_boundary.testing.threaded import run_threaded
 
 from fake_dists import make_dist
-
-ROOT = Path(__file__).resolve().parents[2]
-
-
-# --- plugins import only the public API ----------------------------------------------------------
-
-
-def _core_imports(path: Path):
-    """(module, names) of every `layer_boundary` import in a file (names: those taken from it)."""
-    for node in ast.walk(ast.parse(path.read_text())):
-        if isinstance(node, ast.Import):
-            for alias in node.names:
-                if alias.name.split(".")[0] == "layer_boundary":
-                    yield alias.name, ()
-        elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module and node.module.split(".")[0] == "layer_boundary":
-            yield node.module, tuple(a.name for a in node.names)
-
-
-def test_plugins_import_only_public_modules_and_names():
-    public = {"layer_boundary": set(layer_boundary.__all__) | {"residual_batch"}, "layer_boundary.plugin": set(api.__all__)}
-    offenders = []
-    for path in sorted((ROOT / "plugins").rglob("*.py")):
-        for module, names in _core_imports(path):
-            where = f"{path.relative_to(ROOT)}: {module}"
-            if any(part.startswith("_") for part in module.split(".")):
-                offenders.append(f"{where} is a private module")
-            private = [n for n in names if n.startswith("_") or (module in public and n not in public[module])]
-            if private:
-                offenders.append(f"{where} imports {private}, which it does not export")
-    assert not offenders, "\n".join(offenders)
-
 
 def test_the_api_exports_what_it_lists():
     for module in (layer_boundary, api):
@@ -264,27 +230,23 @@ def test_a_fusion_provider_of_the_old_contract_works_unchanged(tmp_path, monkeyp
     assert names[0] == "legacy.fused" and acme_legacy_plugin.CALLS == [3, 3]  # both ranks' FFN input
 
 
-def test_deprecated_adapter_records_map_onto_their_extension_points(inline_plugin, fresh_registry):
-    seen = []
+LEGACY_ADAPTERS = '''
+from layer_boundary.plugin import hookimpl
 
-    class Legacy:
-        @hookimpl
-        def layer_boundary_adapters(self):
-            yield Adapter(name="old.batch", kind="cp_batch", factory=lambda req: seen.append(sorted(req)) or "mapping")
-            yield Adapter(name="old.overlap", kind="tbo", factory=lambda fwd: None)
-            yield Adapter(name="old.setup", kind="setup", factory=lambda req: seen.append((req.phase, req.max_tokens)))
+@hookimpl
+def layer_boundary_adapters():   # the catch-all hook of 0.1, removed in 0.2
+    yield from ()
+'''
 
-    inline_plugin(Legacy(), name="old")
-    with pytest.warns(DeprecationWarning, match="'old.batch' of kind 'cp_batch' .* use TokenMappingProvider records from "
-                      "layer_boundary_token_mappings instead"):
-        registry = get_registry()
-    assert [r.name for r in registry.adapters] == ["old.batch", "old.overlap", "old.setup"]
-    item = next(r for r in registry.token_mappings if r.name == "old.batch")
-    assert item.plugin == "old" and item.record.factory(api.TokenMappingRequest(None, (2, 3))) == "mapping"
-    assert seen == [["device", "lengths", "order", "parallel"]]  # a deprecated Adapter's factory gets a dict
-    assert "old.overlap" in [r.name for r in registry.overlaps]
-    assert "old.setup" in prepare_model(torch.nn.Module(), max_tokens=5)
-    assert seen[-1] == ("prepare", 5)
+
+def test_the_removed_adapters_hook_is_an_unknown_hook(tmp_path, monkeypatch, fresh_registry):
+    make_dist(tmp_path, "acme-old", "acme_old_plugin", LEGACY_ADAPTERS, entry="old")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.setenv("LAYER_BOUNDARY_STRICT_PLUGINS", "1")
+    reset_registry()
+    with pytest.raises(PluginLoadError, match="plugin 'old' .* unknown hook 'layer_boundary_adapters'"):
+        get_registry()
+    assert not hasattr(layer_boundary, "Adapter") and not hasattr(api, "Adapter") and not hasattr(layer_boundary, "ModelSetup")
 
 
 # --- one rule, one parser ----------------------------------------------------------------------------------

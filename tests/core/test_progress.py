@@ -4,7 +4,7 @@ import io
 
 import pytest
 
-from layer_boundary.progress import Progress, progress, wanted
+from layer_boundary.cli.progress import Progress, progress, wanted
 
 
 class Terminal(io.StringIO):

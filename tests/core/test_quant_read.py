@@ -5,6 +5,8 @@ import subprocess
 import sys
 
 import pytest
+
+from layer_boundary.testing import requires_plugins
 import torch
 
 from layer_boundary import Forward, FusedMlpInput, GemmaRMSNorm, RMSNorm, SumGroup, Topology, declare_attn, declare_ffn, make_stages, residual_batch
@@ -132,6 +134,7 @@ def test_fp8_reads_give_the_same_bits_on_every_layout(fmt, topology, counts, sp)
 
 
 @pytest.mark.gloo
+@requires_plugins("models")
 def test_run_with_fp8_reads_stays_within_the_documented_tolerance():
     out = subprocess.run(
         [sys.executable, "-m", "layer_boundary", "run", "--model", "qwen3", "--tp", "2", "--fp8", "dynamic", "--json", "--decode-steps", "2"],

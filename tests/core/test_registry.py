@@ -5,7 +5,7 @@ import sys
 import pytest
 
 from layer_boundary.plugin import (
-    Adapter,
+    CpPathProvider,
     FusionProvider,
     PluginError,
     PluginLoadError,
@@ -71,17 +71,17 @@ def test_record_names_must_be_prefixed_and_dotted():
     with pytest.raises(ValueError, match="dotted lowercase"):
         FusionProvider(name="nodot", factory=lambda s: None)
     with pytest.raises(TypeError, match="callable"):
-        Adapter(name="x.y", kind="cp", factory=None)
+        CpPathProvider(name="x.y", factory=None)
 
 
 def test_wrong_record_type_is_an_error(fresh_registry, inline_plugin):
     class Bad:
         @hookimpl
-        def layer_boundary_adapters(self):
+        def layer_boundary_cp_paths(self):
             yield _provider("bad.provider")
 
     inline_plugin(Bad(), name="bad")
-    with pytest.raises(PluginError, match="yielded FusionProvider from layer_boundary_adapters"):
+    with pytest.raises(PluginError, match="yielded FusionProvider from layer_boundary_cp_paths; expected CpPathProvider"):
         get_registry()
 
 

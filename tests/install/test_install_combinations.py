@@ -39,26 +39,38 @@ FEATURES = {
 def test_a_feature_without_its_plugin_names_the_distribution(plugin):
     if plugin in expected_plugins():
         pytest.skip(f"layer-boundary-{plugin} is installed here")
+    # without a model family the run stops first at that (the next test), naming its distribution
+    missing = plugin if "models" in expected_plugins() else "models"
     out = cli("run", "--model", "qwen3_moe", "--tp", "2", *FEATURES[plugin])
     lines = [line for line in out.stderr.splitlines() if line.strip()]
     assert out.returncode == 2 and len(lines) == 1, out.stderr
-    assert f"pip install layer-boundary-{plugin}" in lines[0]
+    assert f"pip install layer-boundary-{missing}" in lines[0]
+
+
+@pytest.mark.parametrize("command", [["run"], ["plan"], ["run", "--check", "single", "--tp", "1"]])
+def test_without_a_model_family_the_commands_name_the_distribution(command):
+    if "models" in expected_plugins():
+        pytest.skip("layer-boundary-models is installed here")
+    out = cli(*command, "--model", "qwen3")
+    lines = [line for line in out.stderr.splitlines() if line.strip()]
+    assert out.returncode == 2 and len(lines) == 1, out.stderr
+    assert "pip install layer-boundary-models" in lines[0] and "Traceback" not in out.stderr
 
 
 def test_models_that_need_a_missing_plugin_name_it():
+    if "models" not in expected_plugins():
+        pytest.skip("layer-boundary-models is not installed here")
     from layer_boundary._errors import FEATURE_DISTRIBUTIONS
-    from layer_boundary.models import MODELS, family
-
-    family("qwen3")  # loads every family
+    from layer_boundary_models import families
 
     def plugin_of(feature):
         return FEATURE_DISTRIBUTIONS[feature].removeprefix("layer-boundary-")
 
-    needy = [f for f in MODELS.values() if any(plugin_of(name) not in expected_plugins() for _, name in f.requires)]
+    needy = [f for f in families().values() if any(plugin_of(name) not in expected_plugins() for _, name in f.requires)]
     if not needy:
         pytest.skip("every model's plugins are installed here")
     for fam in needy:
-        out = cli("run", "--model", fam.name)
+        out = cli("run", "--model", fam.model)
         assert out.returncode == 2, out.stderr
         assert "pip install layer-boundary-" in out.stderr and "Traceback" not in out.stderr
 

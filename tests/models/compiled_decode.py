@@ -5,9 +5,9 @@ import torch
 
 from layer_boundary import Forward, ForwardMode, Parallel, prepare_model
 from layer_boundary.compiling import graph_breaks, reset_graph_breaks
-from layer_boundary.models.attention import DecodeLayout
-from layer_boundary.models.decode import static_decode_step, static_prefill
-from layer_boundary.models.runner import make_requests
+from layer_boundary.plugin import DecodeLayout
+from layer_boundary.cli.static_decode import static_decode_step, static_prefill
+from layer_boundary.cli.runner import make_requests
 
 
 def reset_compiler() -> None:

@@ -7,10 +7,10 @@ import torch
 from layer_boundary.testing import logits_rel_error
 
 from layer_boundary import Topology
-from layer_boundary.models import model_config
-from layer_boundary.models.oracle import hf_from_state, hf_logits
-from layer_boundary.models.runner import RunJob, make_requests
-from layer_boundary.models import family
+from layer_boundary_models import model_config
+from layer_boundary.cli.oracle import hf_from_state, hf_logits
+from layer_boundary.cli.runner import RunJob, make_requests
+from layer_boundary_models import family
 
 DTYPES = {"float32": torch.float32, "float64": torch.float64}
 TOLERANCE = {"float64": 1e-10, "float32": 1e-4}

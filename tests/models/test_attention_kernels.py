@@ -7,11 +7,11 @@ import pytest
 import torch
 
 from layer_boundary import Parallel, Topology, prepare_model, release_model
-from layer_boundary.models import build_model, family, model_config
-from layer_boundary.models.attention_kernels import TORCH, describe
-from layer_boundary.models.decode import static_decode_step, static_prefill
-from layer_boundary.models.runner import make_requests
-from layer_boundary.models.weights import StateDictSource
+from layer_boundary_models import build_model, family, model_config
+from layer_boundary_models.attention_kernels import TORCH, describe
+from layer_boundary.cli.static_decode import static_decode_step, static_prefill
+from layer_boundary.cli.runner import make_requests
+from layer_boundary.plugin import StateDictSource
 from layer_boundary.plugin import DecodeAttentionKernel, DecodeAttentionRequest, RopeKernel, RopeRequest, get_registry, hookimpl
 from layer_boundary.testing.threaded import run_threaded
 
@@ -199,7 +199,7 @@ def test_a_step_bound_kernel_writes_the_cache_itself_and_binds_once_per_step(fre
 
 
 def test_a_step_bound_kernel_fills_the_cache_the_torch_path_fills(fresh_registry, inline_plugin):
-    from layer_boundary.models.attention import DecodeLayout
+    from layer_boundary.plugin import DecodeLayout
 
     config, model = _model()
     cache = model.new_static_cache(3, 16)
@@ -217,7 +217,7 @@ def test_a_step_bound_kernel_fills_the_cache_the_torch_path_fills(fresh_registry
 
 def test_the_growing_cache_keeps_the_torch_path(fresh_registry, inline_plugin):
     from layer_boundary import Forward, ForwardMode
-    from layer_boundary.models.attention import StepLayout
+    from layer_boundary.plugin import StepLayout
 
     stub = inline_plugin(StubKernels(), name="stub")
     _, model = _model()

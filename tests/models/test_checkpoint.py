@@ -9,10 +9,11 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from layer_boundary.models import ConfigError, family, model_config
-from layer_boundary.models.checkpoint import INDEX_FILE, CheckpointError, check_checkpoint
-from layer_boundary.models.oracle import hf_from_state
-from layer_boundary.models.weights import CheckpointSource
+from layer_boundary.plugin import ConfigError
+from layer_boundary_models import family, model_config
+from layer_boundary.cli.checkpoint import INDEX_FILE, CheckpointError, check_checkpoint
+from layer_boundary.cli.oracle import hf_from_state
+from layer_boundary.cli.sources import CheckpointSource
 
 
 def _saved(tmp_path_factory, model, **save):

@@ -7,9 +7,9 @@ import sys
 import pytest
 import torch
 
-from layer_boundary.models import model_config
-from layer_boundary.models.oracle import hf_from_state
-from layer_boundary.models import family
+from layer_boundary_models import model_config
+from layer_boundary.cli.oracle import hf_from_state
+from layer_boundary_models import family
 
 
 def cli(*args, timeout=300):

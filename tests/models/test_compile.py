@@ -17,9 +17,9 @@ from layer_boundary.testing import requires_plugins
 import torch
 
 from layer_boundary import Parallel, Topology
-from layer_boundary.models import family, model_config
-from layer_boundary.models.runner import RunJob, make_requests
-from layer_boundary.testing.compiled import compiled_vs_eager
+from layer_boundary_models import family, model_config
+from layer_boundary.cli.runner import RunJob, make_requests
+from compiled_eager import compiled_vs_eager
 
 #: the smallest configs that still reach every kind of layer of each family
 SMALL = {

@@ -27,11 +27,11 @@ import torch
 
 from layer_boundary import Forward, ForwardMode, Parallel, Topology
 from layer_boundary.compiling import CountingBackend, graph_breaks, reset_graph_breaks
-from layer_boundary.models import build_model, family, model_config
-from layer_boundary.models.attention import DecodeLayout
-from layer_boundary.models.decode import static_prefill
-from layer_boundary.models.runner import make_requests
-from layer_boundary.models.weights import StateDictSource
+from layer_boundary_models import build_model, family, model_config
+from layer_boundary.plugin import DecodeLayout
+from layer_boundary.cli.static_decode import static_prefill
+from layer_boundary.cli.runner import make_requests
+from layer_boundary.plugin import StateDictSource
 
 needs_gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 

@@ -19,9 +19,9 @@ import pytest
 import torch
 
 from layer_boundary import Parallel
-from layer_boundary.models import build_model, family, model_config
-from layer_boundary.models.decode import static_decode_step, static_prefill
-from layer_boundary.models.weights import StateDictSource
+from layer_boundary_models import build_model, family, model_config
+from layer_boundary.cli.static_decode import static_decode_step, static_prefill
+from layer_boundary.plugin import StateDictSource
 
 #: ops that only make views (no launch)
 VIEWS = {"aten::view", "aten::slice", "aten::select", "aten::unsqueeze", "aten::transpose", "aten::reshape", "aten::split",

@@ -14,9 +14,10 @@ import attrs
 import pytest
 
 from layer_boundary import MissingPluginError, Parallel, Topology
-from layer_boundary.models import ConfigError, build_model, model_config
-from layer_boundary.models.deepseek_v4_family import FLOAT64_TOLERANCE, PRESET
-from layer_boundary.models.runner import run_rank
+from layer_boundary.plugin import ConfigError
+from layer_boundary_models import build_model, model_config
+from layer_boundary_models.deepseek_v4_family import FLOAT64_TOLERANCE, PRESET
+from layer_boundary.cli.runner import run_rank
 from layer_boundary.plugin import reset_registry
 from layer_boundary.testing.threaded import run_threaded
 

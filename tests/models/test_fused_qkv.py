@@ -10,8 +10,8 @@ from layer_boundary import Parallel, Topology
 from layer_boundary._layers import shard_rows
 from layer_boundary._residual.quant import quantize_fp8
 from layer_boundary.cli.plan_cmd import PlanningCollectives
-from layer_boundary.models import model_config
-from layer_boundary.models.attention import TPAttention
+from layer_boundary_models import model_config
+from layer_boundary_models.attention import TPAttention
 
 
 def _attention(tp: int, rank: int, dtype=torch.float64, device=None):

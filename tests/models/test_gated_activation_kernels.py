@@ -8,13 +8,13 @@ import torch
 from torch import nn
 
 from layer_boundary import Parallel, Topology, prepare_model, release_model
-from layer_boundary.models import build_model, family, model_config
-from layer_boundary.models.decode import static_decode_step, static_prefill
-from layer_boundary.models.kernel_choice import TORCH
-from layer_boundary.models.mlp import TPGatedMLP
-from layer_boundary.models.mlp_kernels import describe
-from layer_boundary.models.runner import make_requests
-from layer_boundary.models.weights import StateDictSource
+from layer_boundary_models import build_model, family, model_config
+from layer_boundary.cli.static_decode import static_decode_step, static_prefill
+from layer_boundary_models.kernel_choice import TORCH
+from layer_boundary_models.mlp import TPGatedMLP
+from layer_boundary_models.mlp_kernels import describe
+from layer_boundary.cli.runner import make_requests
+from layer_boundary.plugin import StateDictSource
 from layer_boundary.plugin import GATED_ACTIVATIONS, GatedActivationKernel, GatedActivationRequest, get_registry, hookimpl
 from layer_boundary.testing.threaded import run_threaded
 
@@ -175,7 +175,7 @@ def test_the_request_names_the_activation(fresh_registry, inline_plugin):
 
 @pytest.mark.parametrize("targets", [("gate_proj", "up_proj", "down_proj"), ("down_proj",)], ids=["gate_up_deltas", "down_only"])
 def test_the_lora_mlp_adds_its_deltas_before_the_kernel(fresh_registry, inline_plugin, targets):
-    from layer_boundary.models.lora_layers import LoraGatedMLP, random_lora_spec
+    from layer_boundary_models.lora_layers import LoraGatedMLP, random_lora_spec
 
     stub = inline_plugin(StubActivation(), name="stub")
     group = Parallel.single().groups["tp"]

@@ -4,7 +4,7 @@ import attrs
 import pytest
 
 from layer_boundary import Parallel, Topology
-from layer_boundary.models.runner import run_rank
+from layer_boundary.cli.runner import run_rank
 
 from model_cases import TOLERANCE, rel_error, setup
 

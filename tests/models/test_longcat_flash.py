@@ -10,8 +10,9 @@ import attrs
 import pytest
 
 from layer_boundary import Parallel, Topology
-from layer_boundary.models import ConfigError, family, model_config
-from layer_boundary.models.runner import run_rank
+from layer_boundary.plugin import ConfigError
+from layer_boundary_models import family, model_config
+from layer_boundary.cli.runner import run_rank
 
 from model_cases import setup
 
@@ -76,7 +77,7 @@ def test_matches_hf_in_float32_under_attention_dp(gloo_world, weights_dir):
 
 def test_a_dropped_shortcut_fails_the_check(weights_dir, monkeypatch):
     """The oracle comparison sees the branch: a layer that skipped its shortcut FFN would fail."""
-    from layer_boundary.models import longcat
+    from layer_boundary_models import longcat
 
     job, ref = setup(MODEL, "float64", weights_dir, steps=2)
     monkeypatch.setattr(longcat.TPGatedMLP, "forward", lambda self, x: x.new_zeros(x.shape))

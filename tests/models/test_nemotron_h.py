@@ -17,10 +17,10 @@ from layer_boundary import Parallel, Topology
 from layer_boundary.cli.plan_cmd import PlanningCollectives
 from layer_boundary.plugin import Owed
 from layer_boundary import BatchVariant
-from layer_boundary.models import build_model, family, model_config
-from layer_boundary.models.pipeline import pipeline_layers
-from layer_boundary.models.oracle import hf_from_state, hf_logits
-from layer_boundary.models.runner import RunJob, make_requests, run_rank
+from layer_boundary_models import build_model, family, model_config
+from layer_boundary_models.pipeline import pipeline_layers
+from layer_boundary.cli.oracle import hf_from_state, hf_logits
+from layer_boundary.cli.runner import RunJob, make_requests, run_rank
 from layer_boundary import boundaries_of
 from layer_boundary.testing.threaded import run_threaded
 
@@ -37,7 +37,7 @@ def weights_dir(tmp_path_factory):
 @functools.lru_cache(maxsize=None)
 def _custom(weights_dir: str, dtype: str, prompt: int, **changes):
     """(job, HF logits) for the preset with `changes` to its Hugging Face config."""
-    raw = {**family("nemotron_h").preset, **changes}
+    raw = {**family("nemotron_h").preset(), **changes}
     config = model_config("nemotron_h", raw)
     state = family("nemotron_h").random_weights(config, DTYPES[dtype], seed=5)
     path = f"{weights_dir}/nemotron-{dtype}-{abs(hash(tuple(sorted(changes.items()))))}-{prompt}.pt"
@@ -132,7 +132,7 @@ def test_pipeline_stages_cover_every_layer_once():
 
 
 def _plans(topology, rank=0, pattern=None):
-    raw = dict(family("nemotron_h").preset)
+    raw = dict(family("nemotron_h").preset())
     if pattern:
         raw["hybrid_override_pattern"] = pattern
     config = model_config("nemotron_h", raw)
@@ -211,7 +211,7 @@ def test_plan_shows_each_layer_with_its_neighbours():
 @pytest.mark.parametrize(
     "args, message",
     [
-        (["--model", "nemotron_h", "--tp", "4", "--hf-config", json.dumps({**family("nemotron_h").preset, "n_groups": 2})], "n_groups=2 is not divisible by attention TP 4"),
+        (["--model", "nemotron_h", "--tp", "4", "--hf-config", json.dumps({**family("nemotron_h").preset(), "n_groups": 2})], "n_groups=2 is not divisible by attention TP 4"),
         (["--model", "deepseek_v4", "--tp", "1", "--pp", "2"], "deepseek_v4 runs without pipeline stages"),
         (["--model", "qwen3", "--pp", "5"], "--pp 5 is more than the 4 layers"),
         (["--model", "nemotron_h", "--pp", "12"], "more than the 11 layers"),

@@ -10,7 +10,7 @@ import pytest
 
 from layer_boundary import Topology
 from layer_boundary.cli.plan_cmd import build_plans
-from layer_boundary.models.runner import run_rank
+from layer_boundary.cli.runner import run_rank
 from layer_boundary.testing.threaded import run_threaded
 
 from model_cases import TOLERANCE, rel_error, setup

@@ -11,12 +11,12 @@ import pytest
 import torch
 
 from layer_boundary import Parallel, Topology, prepare_model, release_model
-from layer_boundary.models import build_model, family, model_config
-from layer_boundary.models import kernel_choice
-from layer_boundary.models.attention import KernelRope, RotaryEmbedding, TPAttention, apply_rotary
-from layer_boundary.models.attention_kernels import TORCH, describe
-from layer_boundary.models.decode import static_prefill
-from layer_boundary.models.weights import StateDictSource
+from layer_boundary_models import build_model, family, model_config
+from layer_boundary_models import kernel_choice
+from layer_boundary_models.attention import KernelRope, RotaryEmbedding, TPAttention, apply_rotary
+from layer_boundary_models.attention_kernels import TORCH, describe
+from layer_boundary.cli.static_decode import static_prefill
+from layer_boundary.plugin import StateDictSource
 from layer_boundary.plugin import QKNormRopeKernel, QKNormRopeRequest, get_registry, hookimpl
 from layer_boundary.testing.threaded import run_threaded
 
@@ -235,10 +235,11 @@ def test_a_kernel_rope_without_a_rope_kernel_rotates_with_the_cache_table(fresh_
 def test_the_choice_is_agreed_across_the_tp_group_in_one_all_reduce(fresh_registry, inline_plugin, monkeypatch):
     """A record only rank 1 accepts runs on no rank; one both accept runs on both; the rope,
     decode and fused kinds are agreed by one all_reduce per rank (one `choose` of three asks)."""
-    from layer_boundary.models import attention_kernels
+    from layer_boundary._plugins import selection
+    from layer_boundary_models import attention_kernels
 
     ranks, agreements, rounds = {}, [], []
-    agree, choose = kernel_choice._agree, attention_kernels.choose
+    agree, choose = selection._agree, attention_kernels.choose
 
     def counted_agree(flags, group, device):
         agreements.append(threading.get_ident())
@@ -250,7 +251,7 @@ def test_the_choice_is_agreed_across_the_tp_group_in_one_all_reduce(fresh_regist
         rounds.append((ranks[threading.get_ident()], len(asks), agreements.count(threading.get_ident()) - before))
         return out
 
-    monkeypatch.setattr(kernel_choice, "_agree", counted_agree)
+    monkeypatch.setattr(selection, "_agree", counted_agree)
     monkeypatch.setattr(attention_kernels, "choose", counted_choose)
 
     def run(parallel):

@@ -5,17 +5,17 @@ import pytest
 import torch
 
 from layer_boundary import Parallel
-from layer_boundary.models import build_model, family, model_config
-from layer_boundary.models.decode import static_decode_step, static_prefill
-from layer_boundary.models.oracle import hf_from_state, hf_logits
-from layer_boundary.models.runner import make_requests
+from layer_boundary_models import build_model, family, model_config
+from layer_boundary.cli.static_decode import static_decode_step, static_prefill
+from layer_boundary.cli.oracle import hf_from_state, hf_logits
+from layer_boundary.cli.runner import make_requests
 
 
 def _model(name, dtype, device="cpu"):
     config = model_config(name)
     state = family(name).random_weights(config, dtype, seed=5)
     model = build_model(config, Parallel.single(), dtype=dtype, device=device)
-    from layer_boundary.models.weights import StateDictSource
+    from layer_boundary.plugin import StateDictSource
 
     family(name).load_weights(model, StateDictSource(state))
     return config, state, model.eval()

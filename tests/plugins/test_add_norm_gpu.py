@@ -137,7 +137,7 @@ def test_kernels_run_inside_a_cuda_graph():
 
 def _qwen3(layers=2):
     from layer_boundary.bench.decode import REALISTIC, _random_init
-    from layer_boundary.models import build_model, model_config
+    from layer_boundary_models import build_model, model_config
 
     config = model_config("qwen3", dict(REALISTIC, num_hidden_layers=layers))
     model = build_model(config, Parallel.single(), dtype=torch.bfloat16, device="cuda")
@@ -156,7 +156,7 @@ def _use_kernels(model, on: bool) -> None:
 @torch.inference_mode()
 def test_qwen3_tp1_decode_step_launches_fewer_kernels_with_the_plugin(batch):
     from layer_boundary.bench.profile import profile_step
-    from layer_boundary.models.decode import static_decode_step, static_prefill
+    from layer_boundary.cli.static_decode import static_decode_step, static_prefill
 
     _needs("cutlass")
     config, model = _qwen3()

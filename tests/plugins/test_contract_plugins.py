@@ -8,7 +8,7 @@ import pytest
 from layer_boundary.testing.contract import ContractSettings
 
 from layer_boundary.plugin import get_registry
-from layer_boundary.plugin._manager import HOOKS
+from layer_boundary._plugins.manager import HOOKS
 from layer_boundary.testing.contract import contract_cases, contract_params
 
 PLUGIN_FOLDERS = sorted(p.name for p in (Path(__file__).parents[2] / "plugins").iterdir() if (p / "pyproject.toml").is_file())

@@ -17,8 +17,8 @@ import pytest
 import torch
 
 from layer_boundary import Topology, boundaries_of
-from layer_boundary.models import build_model, family, model_config
-from layer_boundary.models.weights import StateDictSource
+from layer_boundary_models import build_model, family, model_config
+from layer_boundary.plugin import StateDictSource
 
 needs_gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 needs_cutlass = pytest.mark.skipif(importlib.util.find_spec("cutlass") is None, reason="needs nvidia-cutlass-dsl")

@@ -90,16 +90,19 @@ class ResidualOps:
 def residual_kind(kind: str, **options) -> ResidualOps:
     """The residual semantics registered under `kind`, built with `options`.
 
-    The highest-priority registered record of that kind wins. A kind no installed plugin
-    provides raises an error naming the distribution to install.
+    The first record of that kind (in the selection order) whose factory accepts the options
+    wins. A kind no installed plugin provides raises an error naming the distribution to install.
     """
-    from ..plugin._manager import get_registry
     from .._errors import missing_feature
+    from .._plugins.manager import get_registry
+    from .._plugins.selection import select
 
     candidates = get_registry().residual_kinds_of(kind)
     if not candidates:
         raise missing_feature(f"residual kind {kind!r}", kind)
-    ops = candidates[0].record.factory(**options)
-    if not isinstance(ops, ResidualOps):
-        raise TypeError(f"residual kind {candidates[0].name!r} returned {type(ops).__name__}, expected ResidualOps")
-    return ops
+    chosen = select("residual_kinds", kwargs=options, records=candidates, subject=f"building residual kind {kind!r}",
+                    check=ResidualOps, error_type=None)
+    if chosen.chosen is None:
+        reasons = "; ".join(f"{a.candidate}: {a.reason}" for a in chosen.declined)
+        raise NotImplementedError(f"no installed residual kind {kind!r} takes these options ({reasons})")
+    return chosen.value

@@ -13,11 +13,12 @@ registers that accepts the norm's device and dtypes (one fused kernel), else `ad
 from __future__ import annotations
 
 import types
+from typing import Any, Optional
 
 import torch
 from torch import nn
 
-from . import ResidualOps
+from . import ResidualOps, kernels
 
 __all__ = [
     "RMSNorm",
@@ -30,6 +31,9 @@ __all__ = [
     "add_rms_norm",
     "add_norm",
     "is_rms_norm",
+    "kernel_refusal",
+    "describe_add_norm",
+    "prepare_norms",
 ]
 
 
@@ -81,9 +85,7 @@ class RMSNorm(nn.Module):
         has a `norm_factory` that accepts this device and dtype, else `torch_forward`."""
         run = self._norm_kernels.get((x.device, x.dtype))
         if run is None:
-            from .kernels import first_norm_call
-
-            return first_norm_call(self, x)
+            return kernels.first_norm_call(self, x)
         return run(x)
 
     def torch_forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -106,19 +108,20 @@ class RMSNorm(nn.Module):
         tensors out; the inputs are never written."""
         run = self._add_norm_kernels.get((residual.device, residual.dtype, contribution.dtype))
         if run is None:
-            from .kernels import first_call
-
-            return first_call(self, contribution, residual)
+            return kernels.first_call(self, contribution, residual)
         return run(contribution, residual)
 
     def add_norm_kernel(self, device=None, dtype=None) -> str:
         """The name of the add + norm this norm runs on `device` for `dtype` rows (default: its
         weight's), choosing it now if no call has."""
-        from .kernels import choose
-
         device = self.weight.device if device is None else torch.device(device)
         dtype = self.weight.dtype if dtype is None else dtype
-        return choose(self, device, dtype, dtype).name
+        return kernels.choose(self, device, dtype, dtype).name
+
+    def kernel_refusal(self, plain: bool = False) -> str:
+        """Why plugin kernels may not stand in for this norm's add + norm (its plain norm when
+        `plain`), or "" (`kernel_refusal`)."""
+        return kernel_refusal(self, plain)
 
     def _apply(self, fn, recurse=True):
         self.__dict__.pop("_add_norm_kernels", None)  # moved or cast: choose again
@@ -220,3 +223,53 @@ NORM_READ = NormRead()
 PLAIN_RESIDUAL = ResidualOps(
     name="core.plain", attn_read=NORM_READ, attn_update=PLAIN_ADD, ffn_read=NORM_READ, ffn_update=PLAIN_ADD
 )
+
+
+def kernel_refusal(norm, plain: bool = False) -> str:
+    """Why `norm`'s add + norm (its plain norm when `plain`) is not the one kernels implement, or "":
+    the kernels' choice (`kernels.py`) asks no record for it then."""
+    cls = type(norm)
+    if not getattr(norm, "kernels", True):
+        return "kernels=False"
+    if plain and (cls.forward is not RMSNorm.forward or cls.torch_forward is not RMSNorm.torch_forward):
+        return f"{cls.__name__} overrides the norm"
+    if cls.add_forward is not RMSNorm.add_forward or cls._normalize is not RMSNorm._normalize:
+        return f"{cls.__name__} overrides the add + norm"
+    if getattr(cls, "scale_as_kernels", False) and cls.offset in (0.0, 1.0):
+        return ""  # its own scale is the kernels' (the weight in fp32, one rounding)
+    if cls._scale not in (RMSNorm._scale, GemmaRMSNorm._scale) or cls.offset not in (0.0, 1.0):
+        return f"{cls.__name__} scales its own way"
+    if (cls._scale is GemmaRMSNorm._scale) != (cls.offset == 1.0):
+        return f"{cls.__name__} mixes the Gemma scale and offset"
+    return ""
+
+
+def describe_add_norm(norm) -> Optional[str]:
+    """One line for plans: the chain and what this norm runs for its weight's device and dtype."""
+    if not is_rms_norm(norm):
+        return None
+    weight = norm.weight
+    chain = kernels.chain()
+    if weight.device.type == "meta":
+        return f"add + {type(norm).__name__}: chosen per device and dtype at the first call; chain: {' > '.join(chain)}"
+    choice = kernels.choose(norm, weight.device, weight.dtype, weight.dtype)
+    why = f" ({choice.reason})" if choice.reason else (f" ({', '.join(choice.declined)} declined)" if choice.declined else "")
+    return (
+        f"add + {type(norm).__name__}: {choice.name}{why} on {weight.device} {str(weight.dtype).replace('torch.', '')}; "
+        f"chain: {' > '.join(chain)}"
+    )
+
+
+def prepare_norms(model: Any) -> list[tuple[str, str]]:
+    """Choose (and so compile or load) the kernels of every RMSNorm in `model` for its weight's
+    device and dtype, before the first forward and any CUDA-graph capture: (module name, kernel)
+    for the add + norm and ("<module name> (no add)", kernel) for the plain norm."""
+    if not isinstance(model, torch.nn.Module):
+        return []
+    out = []
+    for name, module in model.named_modules():
+        if is_rms_norm(module) and module.weight.device.type != "meta":
+            w = module.weight
+            out.append((name, kernels.choose(module, w.device, w.dtype, w.dtype).name))
+            out.append((f"{name} (no add)", kernels.choose_norm(module, w.device, w.dtype).name))
+    return out

@@ -17,15 +17,16 @@ A norm built with `kernels=False`, or whose class overrides the math, always run
 from __future__ import annotations
 
 import weakref
-from typing import Any, Callable, Optional
+from typing import Callable
 
 import attrs
 import torch
 
-from ..plugin import _manager
-from ..plugin._requests import AddNormRequest
+from .._plugins import manager as _manager
+from .._plugins.requests import AddNormRequest
+from .._plugins.selection import select
 
-__all__ = ["TORCH", "Choice", "choose", "choose_norm", "first_call", "first_norm_call", "describe", "forget", "prepare_norms"]
+__all__ = ["TORCH", "Choice", "choose", "choose_norm", "first_call", "first_norm_call", "forget", "chain"]
 
 #: the name of the norm's own torch path in plans and choices
 TORCH = "core.torch"
@@ -49,26 +50,6 @@ class Choice:
     declined: tuple[str, ...] = ()
     #: why no kernel was asked (`kernels=False`, the norm's own math), or ""
     reason: str = ""
-
-
-def _own_math(norm, plain: bool = False) -> str:
-    """Why `norm`'s add + norm (its plain norm when `plain`) is not the one kernels implement, or ""."""
-    from .add_norm import GemmaRMSNorm, RMSNorm
-
-    cls = type(norm)
-    if not getattr(norm, "kernels", True):
-        return "kernels=False"
-    if plain and (cls.forward is not RMSNorm.forward or cls.torch_forward is not RMSNorm.torch_forward):
-        return f"{cls.__name__} overrides the norm"
-    if cls.add_forward is not RMSNorm.add_forward or cls._normalize is not RMSNorm._normalize:
-        return f"{cls.__name__} overrides the add + norm"
-    if getattr(cls, "scale_as_kernels", False) and cls.offset in (0.0, 1.0):
-        return ""  # its own scale is the kernels' (the weight in fp32, one rounding)
-    if cls._scale not in (RMSNorm._scale, GemmaRMSNorm._scale) or cls.offset not in (0.0, 1.0):
-        return f"{cls.__name__} scales its own way"
-    if (cls._scale is GemmaRMSNorm._scale) != (cls.offset == 1.0):
-        return f"{cls.__name__} mixes the Gemma scale and offset"
-    return ""
 
 
 def request_for(norm, device: torch.device, dtype: torch.dtype, contribution_dtype: torch.dtype) -> AddNormRequest:
@@ -107,7 +88,7 @@ def _choose(norm, key: tuple, plain: bool) -> Choice:
     choice = choices.get(key)
     if choice is not None:
         return choice
-    reason = _own_math(norm, plain=plain)
+    reason = norm.kernel_refusal(plain=plain)
     declined: tuple = ()
     choice = None
     if not reason:
@@ -129,17 +110,14 @@ def _choose(norm, key: tuple, plain: bool) -> Choice:
 def _ask(request: AddNormRequest, plain: bool = False) -> tuple:
     """(name, kernel, declined) of the first record accepting `request` ((TORCH, None, all) if
     none); `plain`: asking the records' `norm_factory` (a record without one declines)."""
-    declined: list[str] = []
-    for item in _manager.get_registry().add_norm_kernels:
-        make = item.record.norm_factory if plain else item.record.factory
-        kernel = make(request) if make is not None else None
-        if kernel is None:
-            declined.append(item.name)
-            continue
-        if not callable(kernel):
-            raise TypeError(f"add + norm kernel {item.name!r} returned {kernel!r}, which is not callable")
-        return item.name, kernel, tuple(declined)
-    return TORCH, None, tuple(declined)
+    records = _manager.get_registry().add_norm_kernels
+    subject = f"choosing the {'plain norm' if plain else 'add + norm'} of width {request.hidden_size} on {request.device}"
+    chosen = select("add_norm_kernels", (request,), records=records, factory="norm_factory" if plain else "factory",
+                    subject=subject, check=callable, error_type=TypeError)
+    declined = tuple(a.candidate for a in chosen.declined)
+    if chosen.chosen is None:
+        return TORCH, None, declined
+    return chosen.chosen.candidate, chosen.value, declined
 
 
 def _bound_norm(kernel: Callable, norm) -> Callable:
@@ -184,39 +162,9 @@ def forget(norm=None) -> None:
             n.__dict__.get(cache, {}).clear()
 
 
-_manager._ON_RESET.append(forget)
+_manager.on_registry_reset(forget)
 
 
-def describe(norm) -> Optional[str]:
-    """One line for plans: the chain and what this norm runs for its weight's device and dtype."""
-    from .add_norm import is_rms_norm
-
-    if not is_rms_norm(norm):
-        return None
-    weight = norm.weight
-    chain = [item.name for item in _manager.get_registry().add_norm_kernels] + [TORCH]
-    if weight.device.type == "meta":
-        return f"add + {type(norm).__name__}: chosen per device and dtype at the first call; chain: {' > '.join(chain)}"
-    choice = choose(norm, weight.device, weight.dtype, weight.dtype)
-    why = f" ({choice.reason})" if choice.reason else (f" ({', '.join(choice.declined)} declined)" if choice.declined else "")
-    return (
-        f"add + {type(norm).__name__}: {choice.name}{why} on {weight.device} {str(weight.dtype).replace('torch.', '')}; "
-        f"chain: {' > '.join(chain)}"
-    )
-
-
-def prepare_norms(model: Any) -> list[tuple[str, str]]:
-    """Choose (and so compile or load) the kernels of every RMSNorm in `model` for its weight's
-    device and dtype, before the first forward and any CUDA-graph capture: (module name, kernel)
-    for the add + norm and ("<module name> (no add)", kernel) for the plain norm."""
-    from .add_norm import is_rms_norm
-
-    if not isinstance(model, torch.nn.Module):
-        return []
-    out = []
-    for name, module in model.named_modules():
-        if is_rms_norm(module) and module.weight.device.type != "meta":
-            w = module.weight
-            out.append((name, choose(module, w.device, w.dtype, w.dtype).name))
-            out.append((f"{name} (no add)", choose_norm(module, w.device, w.dtype).name))
-    return out
+def chain() -> list[str]:
+    """The names of the add + norm kernels in the order they are asked, the torch path last."""
+    return [item.name for item in _manager.get_registry().add_norm_kernels] + [TORCH]

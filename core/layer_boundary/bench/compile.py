@@ -102,7 +102,7 @@ def main(argv=None) -> dict:
     print(f"  {'tokens':>6} {'eager':>10} {'compiled':>10} {'hand+compile':>13} {'max diff':>9}")
     for r in result["rows"]:
         print(f"  {r['tokens']:>6} {r['eager_us']:>8.1f}us {r['compiled_us']:>8.1f}us {r['hand_compiled_us']:>11.1f}us {r['max_abs_diff']:>9.1e}")
-    from .plot import line_plot
+    from .._timing import line_plot
 
     xs = [r["tokens"] for r in result["rows"]]
     print(line_plot(

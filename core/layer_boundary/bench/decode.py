@@ -1,11 +1,13 @@
-"""End-to-end decode step time of a realistic-width Qwen3 through the boundaries on GPU:
+"""End-to-end decode step time of a model family at a realistic width (its record's `realistic()`
+config; qwen3 by default, hidden 4096) through the boundaries on GPU:
 eager vs CUDA-graph replay (graph checked equal to eager first), per batch size, with peak memory;
 what one step launches (torch.profiler: kernel count and summed kernel time) for ours and for
 Hugging Face transformers on the same config and GPU (sdpa attention, eager, its DynamicCache);
 and the weight-streaming floor of a step: the bytes of every weight a decode step reads (all
 parameters but the input embedding, of which it reads a row per token) over 4.3 TB/s, the
-H200's measured device-to-device copy bandwidth. Targets (issue 24): kernel time <= 0.8x HF's,
-graph replay <= 1.5x the floor.
+H200's measured device-to-device copy bandwidth. Targets: kernel time <= 0.8x HF's, graph
+replay <= 1.5x the floor. The family's model needs `new_static_cache(slots, max_len)` (a cache
+with `snapshot()` and `restore()`), driven by `DecodeLayout` steps.
 
 TP=1 runs in this process on one GPU. TP>1 (fused vs unfused with the flashinfer plugin) needs as
 many GPUs as ranks and runs under torchrun: `torchrun --nproc-per-node 2 -m layer_boundary bench
@@ -21,23 +23,9 @@ from pathlib import Path
 
 import torch
 
-from ..cli.args import OneLineParser, positive_int
+from .._options import OneLineParser, positive_int
+from .._timing import cuda_event_us
 
-REALISTIC = {
-    "model_type": "qwen3",
-    "architectures": ["Qwen3ForCausalLM"],
-    "vocab_size": 32000,
-    "hidden_size": 4096,
-    "num_hidden_layers": 8,
-    "num_attention_heads": 32,
-    "num_key_value_heads": 8,
-    "head_dim": 128,
-    "intermediate_size": 12288,
-    "rms_norm_eps": 1e-6,
-    "rope_parameters": {"rope_type": "default", "rope_theta": 1000000.0},
-    "hidden_act": "silu",
-    "tie_word_embeddings": False,
-}
 
 
 def _random_init(model) -> None:
@@ -113,16 +101,7 @@ def _events_us(fn, repeats: int, calls: int = 1) -> float:
     (median of `repeats`). One call: each call waited for; more: the steady state of an engine
     that enqueues the next step without waiting, where a graph's launch latency hides behind the
     step before."""
-    times = []
-    for _ in range(repeats):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        for _ in range(calls):
-            fn()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) * 1e3 / calls)
-    return statistics.median(times)
+    return statistics.median(cuda_event_us(fn, calls) for _ in range(repeats))
 
 
 def host_launch_us(graph, repeats: int) -> float:
@@ -139,19 +118,33 @@ def host_launch_us(graph, repeats: int) -> float:
 
 
 @torch.inference_mode()
-def run(batches, layers: int, prompt: int, repeats: int, parallel=None, hf: bool = True) -> dict:
+def realistic_config(item, layers: int) -> dict:
+    """The family's real-width config with `layers` layers (refused, one line, without one)."""
+    from ..cli.usage import UsageError
+
+    if item.record.realistic is None:
+        raise UsageError(f"bench decode: model family {item.record.model!r} names no realistic config (ModelFamily.realistic)")
+    return dict(item.record.realistic(), num_hidden_layers=layers)
+
+
+def run(batches, layers: int, prompt: int, repeats: int, parallel=None, hf: bool = True, model_name: str = "qwen3") -> dict:
     from .._cuda_graphs import CapturedStep
-    from .profile import profile_step
-    from ..models import build_model, model_config
-    from ..models.decode import static_decode_step, static_prefill
+    from .._lifecycle import prepare_model
     from .._parallel import Parallel
+    from ..cli.families import build, family_config, find_family
+    from ..cli.static_decode import static_decode_step, static_prefill
+    from .profile import profile_step
 
     parallel = parallel or Parallel.single()
-    cfg = dict(REALISTIC, num_hidden_layers=layers)
-    config = model_config("qwen3", cfg)
-    model = build_model(config, parallel, dtype=torch.bfloat16, device="cuda")
+    item = find_family(model_name)
+    cfg = realistic_config(item, layers)
+    config = family_config(item, cfg)
+    model = build(item, config, parallel, dtype=torch.bfloat16, device="cuda")
+    if not hasattr(model, "new_static_cache"):
+        from ..cli.usage import UsageError
+
+        raise UsageError(f"bench decode: the {model_name} model has no new_static_cache(slots, max_len) (see docs/models.md)")
     _random_init(model)
-    from .._lifecycle import prepare_model
 
     # the engine's life cycle: the norms' and the attention's kernels chosen before any capture
     prepare_model(model, max_tokens=max(batches) * prompt)
@@ -235,7 +228,7 @@ def run(batches, layers: int, prompt: int, repeats: int, parallel=None, hf: bool
             row.update(hf_kernels=theirs["kernels"], hf_kernel_us=theirs["kernel_us"], hf_copies=theirs["copies"],
                        hf_by_name=theirs["by_name"], hf_by_time=theirs["by_time"], kernel_us_over_hf=row["kernel_us"] / theirs["kernel_us"])
         del hf_model
-    return {"model": cfg, "tp": parallel.topology.tp, "prompt": prompt, "rows": rows, "device": torch.cuda.get_device_name(),
+    return {"family": model_name, "model": cfg, "tp": parallel.topology.tp, "prompt": prompt, "rows": rows, "device": torch.cuda.get_device_name(),
             "weight_bytes": weight_bytes, "floor_us": floor_us, "stream_bytes_per_s": STREAM_BYTES_PER_S,
             "add_norm_kernels": add_norm, "attention_kernels": attention, "gated_activation_kernel": gated, "hf": "transformers, sdpa, eager, DynamicCache" if hf and parallel.topology.tp == 1 else None,
             "targets": {"kernel_us_over_hf": 0.8, "graph_over_floor": 1.5}}
@@ -243,6 +236,7 @@ def run(batches, layers: int, prompt: int, repeats: int, parallel=None, hf: bool
 
 def main(argv=None) -> dict:
     ap = OneLineParser(prog=f"layer-boundary bench {Path(__file__).stem}", description=__doc__)
+    ap.add_argument("--model", default="qwen3", help="a registered model family with a realistic config (default qwen3)")
     ap.add_argument("--batches", type=positive_int, nargs="+", default=[1, 32])
     ap.add_argument("--layers", type=positive_int, default=8)
     ap.add_argument("--prompt", type=positive_int, default=32)
@@ -252,10 +246,10 @@ def main(argv=None) -> dict:
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():
         raise SystemExit("bench decode needs a CUDA GPU")
-    result = run(args.batches, args.layers, args.prompt, args.repeats, hf=not args.no_hf)
+    result = run(args.batches, args.layers, args.prompt, args.repeats, hf=not args.no_hf, model_name=args.model)
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(result, indent=2))
-    print(f"decode step, qwen3 hidden 4096 x {args.layers} layers, bf16, TP={result['tp']}, {result['device']}")
+    print(f"decode step, {args.model} hidden {result['model']['hidden_size']} x {args.layers} layers, bf16, TP={result['tp']}, {result['device']}")
     print(f"{'batch':>6} {'eager us':>10} {'graph us':>10} {'eager/graph':>12} {'graph==eager':>13} {'peak GiB':>9}")
     for r in result["rows"]:
         print(f"{r['batch']:>6} {r['eager_us']:>10.1f} {r['graph_us']:>10.1f} {r['eager_over_graph']:>12.2f} {str(r['graph_equals_eager']):>13} {r['peak_mem_gib']:>9.2f}")
@@ -279,7 +273,7 @@ def main(argv=None) -> dict:
               f"the host's graph launch call {r['graph_launch_host_us']:.1f} us")
         for before, after, us in t["gaps"]:
             print(f"  gap {us:>7.2f} us  {before} -> {after}")
-    from .plot import line_plot
+    from .._timing import line_plot
 
     xs = [r["batch"] for r in result["rows"]]
     print(line_plot(str(Path(args.out).with_suffix(".png")), "decode step (TP=%d)" % result["tp"], "batch", "us",

@@ -19,7 +19,7 @@ import torch
 from torch import nn
 
 from layer_boundary import Forward, Parallel, RMSNorm, declare_attn, declare_ffn, layer_stack, make_stages, residual_batch
-from layer_boundary.cli.args import OneLineParser, positive_int
+from layer_boundary._options import OneLineParser, positive_int
 
 
 class Layer(nn.Module):

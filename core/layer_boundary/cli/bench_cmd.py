@@ -6,13 +6,14 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import importlib
 import json
 import os
 import sys
 import tempfile
 from pathlib import Path
 
-from .main import UsageError
+from .usage import UsageError
 
 
 def add_parser(sub) -> None:
@@ -20,7 +21,7 @@ def add_parser(sub) -> None:
         "bench", help="run a benchmark (host, compile, decode; cutedsl and fusion with their plugins); JSON + PNG under benchmarks/results/"
     )
     p.add_argument("--json", action="store_true", help="print the results as one JSON object on stdout (tables go to stderr)")
-    p.add_argument("name", help="the benchmark's command (`layer-boundary plugins` lists them)")
+    p.add_argument("name", help="the benchmark: host, compile, decode, or one a plugin registers (`layer-boundary plugins` lists them)")
     p.add_argument(
         "options", nargs=argparse.REMAINDER, help="the benchmark's own options, after --: bench host --json -- --layers 8"
     )
@@ -61,24 +62,33 @@ def _stdout_to_stderr():
 
 
 def _benchmark(name: str):
-    from ..plugin._manager import get_registry
+    """`main(options)` of the benchmark `name`: the core's own (`layer_boundary.bench`), or one
+    a plugin registers (`layer_boundary_benchmarks`)."""
+    from .._plugins.manager import get_registry
+    from .._plugins.selection import call_record
+    from ..bench import CORE_BENCHMARKS
 
     benches: dict = {}
     for item in get_registry().benchmarks:
         other = benches.setdefault(item.record.command, item)
         if other is not item:
             raise UsageError(f"two plugins register the benchmark {item.record.command!r}: {other.name} and {item.name}")
+        if item.record.command in CORE_BENCHMARKS:
+            raise UsageError(f"plugin {item.plugin!r} registers the benchmark {item.record.command!r}, which is the core's own; rename it")
+    if name in CORE_BENCHMARKS:
+        module = CORE_BENCHMARKS[name][0]
+        return lambda options: importlib.import_module(module).main(options)
     item = benches.get(name)
     if item is None:
         raise UsageError(
-            f"no installed plugin registers the benchmark {name!r} (installed: {', '.join(sorted(benches))}); "
+            f"no benchmark {name!r} (the core's: {', '.join(CORE_BENCHMARKS)}; installed plugins': {', '.join(sorted(benches)) or 'none'}); "
             "install the plugin that ships it (the fusion plugins ship theirs)"
         )
-    return item
+    return lambda options: call_record(item, options)
 
 
 def run(args) -> int:
-    item = _benchmark(args.name)
+    main = _benchmark(args.name)
     options, json_flag = _split(list(args.options))
     args.json = args.json or json_flag
     with tempfile.TemporaryDirectory(prefix="layer-boundary-bench-") as tmp:
@@ -88,7 +98,7 @@ def run(args) -> int:
             options += ["--out", out]
         try:
             with _stdout_to_stderr() if args.json else contextlib.nullcontext():
-                status = item.record.factory(options)
+                status = main(options)
         except SystemExit as exc:
             if exc.code in (None, 0):
                 status = 0

@@ -8,16 +8,14 @@ from __future__ import annotations
 import sys
 from typing import Optional, Sequence
 
+from .usage import UsageError
+
 __all__ = ["main", "UsageError"]
-
-
-class UsageError(Exception):
-    """Bad input: printed as one line, exit status 2."""
 
 
 def _parser():
     from . import plugins_cmd
-    from .args import OneLineParser
+    from .._options import OneLineParser
 
     parser = OneLineParser(
         prog="layer-boundary",
@@ -31,17 +29,10 @@ def _parser():
 
 
 def _optional_commands():
-    """Subcommands whose modules exist (each lands with its issue)."""
-    import importlib
+    """The subcommands beside `plugins`."""
+    from . import bench_cmd, plan_cmd, run_cmd
 
-    out = []
-    for name in ("run_cmd", "plan_cmd", "bench_cmd"):
-        try:
-            out.append(importlib.import_module(f"{__package__}.{name}"))
-        except ModuleNotFoundError as exc:
-            if exc.name != f"{__package__}.{name}":
-                raise
-    return out
+    return (run_cmd, plan_cmd, bench_cmd)
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:

@@ -8,8 +8,9 @@ import json
 from ..collectives import CollectivesBase
 from .._parallel import Parallel, Topology, TopologyError
 from .._policy import resolve_reduction
-from .args import non_negative_int, positive_int
-from .main import UsageError
+from .._options import non_negative_int, positive_int
+from .families import INPUT_ERRORS, build, check_options, family_config, find_family, load_hf_config
+from .usage import UsageError
 
 
 class PlanningCollectives(CollectivesBase):
@@ -29,7 +30,7 @@ class PlanningCollectives(CollectivesBase):
 
 def add_parser(sub) -> None:
     p = sub.add_parser("plan", help="show what each boundary does for a model and topology")
-    p.add_argument("--model", default="qwen3")
+    p.add_argument("--model", default="qwen3", help="a registered model family (`layer-boundary plugins` lists them)")
     p.add_argument("--hf-config")
     p.add_argument("--tp", type=positive_int, default=2)
     p.add_argument("--attn-dp", type=positive_int, default=1)
@@ -53,27 +54,24 @@ def build_plans(model_name: str, hf_config, topology: Topology, reduction: str, 
 
 
 def build_plan_report(model_name: str, hf_config, topology: Topology, reduction: str, rank: int = 0, lora: int = 0, device="meta", dtype=None):
-    """`build_plans` and the model-wide lines (the attention and MLP kernels), as a fourth item."""
-    from .._errors import MissingPluginError
-    from ..models import ConfigError, build_model, load_hf_config, model_config
-    from ..models.lora_layers import random_lora_spec
-
+    """`build_plans` and the model-wide lines (the family's own kernel choices), as a fourth item."""
+    item = find_family(model_name)
+    options = {"lora": lora} if lora else {}
+    check_options(item, options)
     try:
-        config = model_config(model_name, load_hf_config(hf_config) if hf_config else None)
+        config = family_config(item, load_hf_config(hf_config) if hf_config else None)
         config.check_topology(topology)
         policy = resolve_reduction(reduction, dict(config.hf))
         parallel = Parallel.create(topology, rank, lambda name, ranks: PlanningCollectives(name, ranks, rank))
-        spec = random_lora_spec(lora) if lora else None
         extra = {} if dtype is None else {"dtype": dtype}
-        model = build_model(config, parallel, reduction=policy, device=device, lora=spec, **extra)
-    except (ConfigError, TopologyError, MissingPluginError, ValueError, NotImplementedError) as exc:
+        model = build(item, config, parallel, reduction=policy, device=device, options=options, **extra)
+    except (TopologyError, *INPUT_ERRORS) as exc:
         raise UsageError(str(exc)) from None
     from .._stage import boundaries_of
-    from ..models.attention_kernels import describe as describe_attention_kernels
-    from ..models.mlp_kernels import describe as describe_mlp_kernels
 
-    lines = {"attention_kernels": describe_attention_kernels(model), "mlp_kernels": describe_mlp_kernels(model)}
-    return config, policy, [b.plan.describe() for b in boundaries_of(model)], {k: v for k, v in lines.items() if v}
+    describe = item.record.describe
+    model_wide = dict(describe(model)) if describe is not None else {}
+    return config, policy, [b.plan.describe() for b in boundaries_of(model)], model_wide
 
 
 def run(args) -> int:

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import json
 
-from ..plugin._manager import HOOKS, PluginError, get_plugin_manager, get_registry
+from .._plugins.manager import HOOKS, PluginError, get_plugin_manager, get_registry
 
 PREFIX = "layer_boundary_"
 
@@ -37,8 +37,6 @@ def report() -> dict:
     registry = get_registry()
     pm = get_plugin_manager()
     records = {key: [_record(r) for r in registry.records(key)] for key in HOOKS}
-    if registry.adapters:
-        records["adapters (deprecated)"] = [_record(r) for r in registry.adapters]
     return {
         "plugins": [
             {
@@ -57,7 +55,7 @@ def report() -> dict:
 
 
 def run(args) -> int:
-    from .main import UsageError
+    from .usage import UsageError
 
     try:
         data = report()

@@ -14,23 +14,26 @@ from pathlib import Path
 
 import torch
 
+from .._errors import missing_feature
+from .._families import ConfigError
+from .._options import non_negative_int, positive_float, positive_int
 from .._parallel import Topology, TopologyError
 from .._policy import resolve_reduction
-from ..progress import wanted
-from .args import non_negative_int, positive_float, positive_int
-from .main import UsageError
+from .families import INPUT_ERRORS, build, check_options, check_requirements, family_config, find_family, load_hf_config
+from .progress import wanted
+from .usage import UsageError
 
 #: the largest relative error each dtype may show against the reference
 TOLERANCES = {"float64": 1e-10, "float32": 1e-4, "bfloat16": 3e-2, "float16": 1e-2}
 #: FP8 reads against the unquantized reference: E4M3 keeps 3 mantissa bits (relative rounding
-#: up to 6%), measured 0.04-0.06 on the dense tiny models; a MoE's routing flips on inputs that
-#: close, measured up to 0.26
-FP8_TOLERANCE = {"dense": 0.1, "moe": 0.3}
+#: up to 6%), measured 0.04-0.06 on the dense tiny models (a family may set its own "fp8"
+#: tolerance: a MoE's routing flips on inputs that close, measured up to 0.26 on qwen3_moe)
+FP8_TOLERANCE = 0.1
 
 
 def add_parser(sub) -> None:
     p = sub.add_parser("run", help="run a reference model through the boundaries and check it")
-    p.add_argument("--model", default="qwen3", help="a reference model: qwen3 (default), qwen3_moe, gemma, ...")
+    p.add_argument("--model", default="qwen3", help="a registered model family: qwen3 (default), qwen3_moe, gemma, ... (`layer-boundary plugins` lists them)")
     p.add_argument("--hf-config", help="a Hugging Face config: inline JSON, a config.json or a folder (default: embedded tiny)")
     p.add_argument("--checkpoint", help="a checkpoint folder (config.json + *.safetensors, or shards and model.safetensors.index.json), checked before any rank starts")
     p.add_argument("--tp", type=positive_int, default=2, help="tensor-parallel size (default 2)")
@@ -59,8 +62,8 @@ def add_parser(sub) -> None:
 
 
 def _config(args):
-    from ..models import ConfigError, load_hf_config, model_config
-
+    """(the family's record, its parsed config, the topology) of the command line."""
+    item = find_family(args.model)
     try:
         raw = None
         if args.checkpoint:
@@ -70,22 +73,16 @@ def _config(args):
             raw = load_hf_config(str(folder))
         if args.hf_config:
             raw = load_hf_config(args.hf_config)
-        if getattr(args, "fp8", None):
-            from ..models import family
-
-            raw = dict(raw if raw is not None else family(args.model).preset, layer_boundary_fp8=args.fp8)
-        config = model_config(args.model, raw)
+        config = family_config(item, raw)
         topology = Topology(tp=args.tp, attn_dp=args.attn_dp, attn_cp=args.attn_cp, moe_ep=args.moe_ep, pp=args.pp)
         config.check_topology(topology)
     except (ConfigError, TopologyError) as exc:
         raise UsageError(str(exc)) from None
-    return config, topology
+    return item, config, topology
 
 
-def _require_features(args, topology) -> None:
-    from .._errors import MissingPluginError, missing_feature
-    from ..models import check_requirements, family
-    from ..plugin._manager import get_registry
+def _require_features(args, item, topology) -> None:
+    from .._plugins.manager import get_registry
 
     registry = get_registry()
     if topology.attn_cp > 1 and not registry.cp_paths:
@@ -94,10 +91,8 @@ def _require_features(args, topology) -> None:
         raise UsageError(str(missing_feature("--tbo", "tbo")))
     if args.lora and not registry.row_publishers_of("lora"):
         raise UsageError(str(missing_feature(f"--lora {args.lora}", "lora")))
-    try:
-        check_requirements(family(args.model))
-    except MissingPluginError as exc:
-        raise UsageError(str(exc)) from None
+    check_requirements(item)
+    check_options(item, _options(args))
     if args.sequence_parallel and (topology.attn_dp > 1 or topology.attn_tp < 2 or topology.attn_cp > 1):
         raise UsageError("--sequence-parallel needs attention TP > 1 and no attention DP or CP")
     if args.device == "cuda":
@@ -105,77 +100,70 @@ def _require_features(args, topology) -> None:
             raise UsageError("--device cuda: no CUDA device is visible; run on a GPU machine or use --device cpu")
 
 
-def _lora_spec(args):
-    from ..models.lora_layers import random_lora_spec
-
-    return random_lora_spec(args.lora) if args.lora else None
-
-
-def _preflight(config, topology, policy, lora=None) -> None:
+def _preflight(item, config, topology, policy, options):
     """Build rank 0's model on the meta device (no memory, no process group), so a construction
-    error (a missing plugin, an impossible stage combination) is one line before any rank starts."""
-    from .._errors import MissingPluginError
-    from ..models import ConfigError, build_model
+    error (a missing plugin, an impossible stage combination) is one line before any rank
+    starts; the meta model is returned (a checkpoint is checked against it)."""
     from .._parallel import Parallel
     from .plan_cmd import PlanningCollectives
 
     parallel = Parallel.create(topology, 0, lambda name, ranks: PlanningCollectives(name, ranks, 0))
     try:
-        model = build_model(config, parallel, reduction=policy, device="meta", lora=lora)
-    except (ConfigError, MissingPluginError, ValueError, NotImplementedError) as exc:
+        model = build(item, config, parallel, reduction=policy, device="meta", options=options)
+    except INPUT_ERRORS as exc:
         raise UsageError(str(exc)) from None
-    if topology.attn_cp > 1:  # prefill runs as a CP batch: every stage needs a CP path
-        from .._forward import BatchVariant
-        from .._stage import boundaries_of
+    from .._forward import BatchVariant
+    from .._stage import boundaries_of
 
+    wanted = [(topology.attn_cp > 1, BatchVariant.CONTEXT_PARALLEL, f"--attn-cp {topology.attn_cp}")]
+    for needed, variant, flag in wanted:  # prefill runs as such a batch: every stage needs that path
+        if not needed:
+            continue
         for boundary in boundaries_of(model):
-            if BatchVariant.CONTEXT_PARALLEL not in boundary.plan.paths:
-                message, _, reason = boundary.plan.missing_variant(BatchVariant.CONTEXT_PARALLEL).partition("\n")
-                raise UsageError(f"--attn-cp {topology.attn_cp}: {message}" + (f" ({reason})" if reason else ""))
+            if variant not in boundary.plan.paths:
+                message, _, reason = boundary.plan.missing_variant(variant).partition("\n")
+                raise UsageError(f"{flag}: {message}" + (f" ({reason})" if reason else ""))
+    return model
 
 
-def _check_checkpoint(folder, config) -> None:
+def _check_checkpoint(folder, item, config, model) -> None:
     """The checkpoint's files, tensors, shapes and dtypes against the config, from the headers
     alone: every problem one line naming the file, before any rank starts."""
-    from ..models import ConfigError
-    from ..models.checkpoint import check_checkpoint
+    from .checkpoint import check_checkpoint
 
     try:
-        check_checkpoint(folder, config)
+        check_checkpoint(folder, config, item.record, model)
     except ConfigError as exc:
         raise UsageError(str(exc)) from None
 
 
-def _reference(args, config, job, dtype):
+def _reference(args, item, config, job, dtype):
     """Per request: a list of per-step logits, or None for --check none."""
-    from ..models import oracle
-    from ..models.runner import run_rank
     from .._parallel import Parallel
+    from .oracle import hf_logits, reference_of
+    from .runner import run_rank
 
     if args.check == "none":
         return None
     if args.check == "single":
-        single = run_rank(Parallel.single(), _with(job, topology=Topology(), device="cpu", progress=False, sequence_parallel=False, options={}))
+        single = run_rank(Parallel.single(), _with(job, topology=Topology(), device="cpu", progress=False, sequence_parallel=False,
+                                                   options={k: v for k, v in job.options.items() if k != "tbo"}))
         return [single["logits"][r] for r in range(len(job.prompts))]
-    if args.checkpoint:
-        model = oracle.hf_from_checkpoint(args.checkpoint, dtype)
-    else:
-        model = oracle.hf_from_state(dict(config.hf), torch.load(job.weights), dtype)
-    adapters = None
-    if args.lora:  # peft with the same adapters; each request routed to its own (round-robin)
-        from ..models.lora_layers import random_lora_weights, request_adapters
-
-        spec = _lora_spec(args)
-        model = oracle.hf_with_lora(model, spec, random_lora_weights(config, spec, torch.float64, job.options["lora_seed"]))
-        adapters = [spec.adapters[a].name for a in request_adapters(len(job.prompts), args.lora)]
+    state = None if args.checkpoint else torch.load(job.weights)
+    try:
+        reference = reference_of(item.record, config, dtype, state=state, checkpoint=args.checkpoint, requests=len(job.prompts),
+                                 options=job.options)
+    except ConfigError as exc:
+        raise UsageError(str(exc)) from None
     prompts = [torch.tensor(p) for p in job.prompts]
-    out = oracle.hf_logits(model, prompts, job.decode_tokens, adapters=adapters)
+    out = hf_logits(reference, prompts, job.decode_tokens)
     return [[t.float() if t.dtype in (torch.bfloat16, torch.float16) else t for t in steps] for steps in out]
 
 
 def _options(args) -> dict:
-    """The per-forward facts plugins read (`RunJob.options` -> `Forward.extras`)."""
-    options = {k: v for k, v in (("tbo", args.tbo), ("lora", args.lora)) if v}
+    """The run options (`RunJob.options`: the family's `BuildRequest.options`, and every
+    forward's `extras`)."""
+    options = {k: v for k, v in (("tbo", args.tbo), ("lora", args.lora), ("fp8", getattr(args, "fp8", None))) if v}
     if args.attn_cp > 1:
         options["cp_order"] = args.cp_order
     if args.lora:
@@ -189,7 +177,7 @@ def _with(job, **changes):
     return attrs.evolve(job, **changes)
 
 
-def _verdict(args, results, reference):
+def _verdict(args, item, results, reference):
     got = _logits(results)
     n = len(got)
     report = {"reference": args.check, "max_abs_err": None, "rel_err": None, "passed": None}
@@ -209,14 +197,13 @@ def _verdict(args, results, reference):
         report.update(max_abs_err=float("nan"), rel_err=float("nan"), tolerance=TOLERANCES[args.dtype], passed=False)
         return report
     rel = max_abs / scale if scale else max_abs
-    from ..models import family
-
     # a family may loosen its tolerance where its reference is not reproducible beyond it
-    tolerance = max(TOLERANCES[args.dtype], family(args.model).tolerances.get(args.dtype, 0.0))
+    tolerances = item.record.tolerances
+    tolerance = max(TOLERANCES[args.dtype], tolerances.get(args.dtype, 0.0))
     if getattr(args, "fp8", None):
         # vs HF: the quantization error itself; vs a single rank: a reordered sum can flip an
         # E4M3 rounding, so the same bound applies
-        tolerance = max(tolerance, FP8_TOLERANCE["moe" if "moe" in args.model else "dense"])
+        tolerance = max(tolerance, tolerances.get("fp8", FP8_TOLERANCE))
     report.update(max_abs_err=max_abs, rel_err=rel, tolerance=tolerance, passed=rel < tolerance)
     return report
 
@@ -268,30 +255,26 @@ def _summaries(results, job):
 
 
 def run(args) -> int:
-    from ..models import family
-    from ..models.runner import RunJob, make_requests
+    from .runner import DTYPES, RunJob, make_requests
 
     args.dtype = args.dtype or ("bfloat16" if args.device == "cuda" else "float32")
-    config, topology = _config(args)
-    _require_features(args, topology)
+    item, config, topology = _config(args)
+    _require_features(args, item, topology)
     try:
         policy = resolve_reduction(args.reduction, dict(config.hf)).value
     except ValueError as exc:
         raise UsageError(str(exc)) from None
-    _preflight(config, topology, policy, _lora_spec(args))
+    options = _options(args)
+    meta_model = _preflight(item, config, topology, policy, options)
     if args.checkpoint:
-        _check_checkpoint(args.checkpoint, config)
-    from ..models.runner import DTYPES
-
+        _check_checkpoint(args.checkpoint, item, config, meta_model)
+    del meta_model
     dtype = DTYPES[args.dtype]
     if args.check == "hf":
-        from ..models import ConfigError
-        from ..models.oracle import require_peft, require_transformers
+        from .oracle import require_transformers
 
         try:
             require_transformers()
-            if args.lora:
-                require_peft()
         except ConfigError as exc:
             raise UsageError(str(exc)) from None
     prompts, decode = make_requests(config.vocab_size, args.batch, args.prompt_tokens, args.decode_steps, args.seed)
@@ -301,7 +284,7 @@ def run(args) -> int:
         weights = None
         if not args.checkpoint:
             weights = os.path.join(tmp, "weights.pt")
-            draw = family(args.model).random_weights
+            draw = item.record.random_weights
             torch.save(draw(config, torch.float64 if dtype == torch.float64 else torch.float32, args.seed), weights)
         job = RunJob(
             model=args.model,
@@ -317,7 +300,7 @@ def run(args) -> int:
             sequence_parallel=args.sequence_parallel,
             dp_padding=args.dp_padding,
             progress=wanted(sys.stderr, machine_output=args.json) and not quiet,
-            options=_options(args),
+            options=options,
         )
         say(
             f"layer-boundary run: {args.model} ({config.num_layers} layers), {topology.describe()}, reduction={policy}, "
@@ -327,8 +310,8 @@ def run(args) -> int:
         results = _launch(job, topology, args, say)
         elapsed = time.perf_counter() - start
         say(f"  reference: {args.check}")
-        reference = _reference(args, config, job, dtype)
-    check = _verdict(args, results, reference)
+        reference = _reference(args, item, config, job, dtype)
+    check = _verdict(args, item, results, reference)
     timings, collectives = _summaries(results, job)
     timings["wall_s"] = elapsed
     out = {
@@ -364,7 +347,7 @@ def run(args) -> int:
 
 def _launch(job, topology, args, say):
     from ..launch import ProcessWorld, RankError, RankTimeout
-    from ..models.runner import run_rank
+    from .runner import run_rank
 
     if os.environ.get("TORCHELASTIC_RUN_ID") or os.environ.get("LOCAL_RANK") is not None and os.environ.get("WORLD_SIZE"):
         return _under_torchrun(job, topology)
@@ -384,9 +367,9 @@ def _under_torchrun(job, topology):
     """Inside torchrun: this process is one rank; rank 0 gathers every rank's results."""
     import torch.distributed as dist
 
-    from ..models.runner import run_rank
     from .._parallel import Parallel
     from ..placement import current_placement, place_ranks
+    from .runner import run_rank
 
     placement = current_placement(job.device) or place_ranks(int(os.environ.get("WORLD_SIZE", 1)), job.device)
     local_rank = int(os.environ.get("LOCAL_RANK", 0))

@@ -1,17 +1,26 @@
-"""Test worlds and helpers for the boundary and for plugin authors.
+"""Test worlds and helpers for model authors and plugin authors.
 
-Opt in from a conftest: `pytest_plugins = ["layer_boundary.testing.pytest_plugin"]`. Plugin
-authors check their records with the provider contract suite, `layer_boundary.testing.contract`.
+Opt in from a conftest: `pytest_plugins = ["layer_boundary.testing.pytest_plugin"]`. Ranks run
+as threads (`ThreadWorld`, `run_threaded`) or as processes (`ProcessWorld`: gloo on CPU, NCCL
+or a shared GPU on CUDA); `SharedSetting` / `shared_env` switch a process-wide setting for the
+ranks of a threaded world. Plugin authors check their records with the provider contract suite,
+`layer_boundary.testing.contract`. These modules, like `layer_boundary` and
+`layer_boundary.plugin`, are what plugins may import.
 """
 
 import os
 
+from ..launch import ProcessWorld
+from .shared import SharedSetting, shared_env
 from .threaded import CollectiveAborted, ThreadWorld, run_threaded
 
 __all__ = [
     "ThreadWorld",
     "run_threaded",
     "CollectiveAborted",
+    "ProcessWorld",
+    "SharedSetting",
+    "shared_env",
     "expected_plugins",
     "ALL_PLUGINS",
     "assert_plugin_registers",
@@ -19,7 +28,7 @@ __all__ = [
     "logits_rel_error",
 ]
 
-ALL_PLUGINS = ("flashinfer", "cutedsl", "mhc", "cp", "tbo", "lora")
+ALL_PLUGINS = ("flashinfer", "cutedsl", "mhc", "cp", "tbo", "lora", "models")
 
 
 def expected_plugins() -> tuple[str, ...]:
@@ -34,8 +43,8 @@ def expected_plugins() -> tuple[str, ...]:
 def assert_plugin_registers(name: str) -> list[str]:
     """The plugin `name` loads through its entry point (distribution layer-boundary-<name>) and
     registers at least one record, every one prefixed `<name>.`; returns the record names."""
-    from ..plugin import get_registry, reset_registry
-    from ..plugin._manager import HOOKS
+    from .._plugins.manager import get_registry, reset_registry
+    from .._plugins.manager import HOOKS
 
     reset_registry()
     registry = get_registry()

@@ -60,8 +60,8 @@ from typing import Any, Optional, Sequence
 import attrs
 import torch
 
-from ..plugin._manager import get_registry
-from ..plugin._records import AddNormKernel, FusionProvider, ResidualKind
+from .._plugins.manager import get_registry
+from .._plugins.records import AddNormKernel, FusionProvider, ResidualKind
 from ._contract.add_norm import ADD_NORM_CHECKS, add_norm_report
 from ._contract.fusion import runtime_report
 from ._contract.hardware import settings_from_json, without_hardware, without_hardware_here, without_hardware_subprocess

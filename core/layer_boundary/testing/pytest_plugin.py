@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import pytest
 
-from ..plugin._manager import register_inline, reset_registry, unregister_inline
+from .._plugins.manager import register_inline, reset_registry, unregister_inline
 from .threaded import ThreadWorld
 
 

@@ -160,3 +160,9 @@ class TokenMapping:
             )
         share = group.reduce_scatterv(partial.index_select(0, self.rank_order), self.tp_shares(attn_tp.size))
         return attn_tp.all_gatherv(share, split_sizes(self.num_local, attn_tp.size))
+
+
+def token_mapping(request) -> TokenMapping:
+    """The `TokenMappingProvider` factory: the mapping of a `TokenMappingRequest` (zigzag unless
+    the request names another order)."""
+    return TokenMapping(request.parallel, request.lengths, order=request.order or "zigzag", device=request.device)

@@ -46,7 +46,7 @@ import traceback
 
 import torch
 
-from layer_boundary.cli.args import OneLineParser, positive_float, positive_int
+from layer_boundary.plugin import OneLineParser, cuda_event_us, positive_float, positive_int
 from layer_boundary_cutedsl.kernels.tiling import AUTO, check_hidden, parse_candidate
 from layer_boundary_cutedsl.kernels import (
     add_rmsnorm_reference,
@@ -95,14 +95,7 @@ def time_graph(fn, iters: int, repeats: int) -> float:
             fn()
     graph.replay()
     torch.cuda.synchronize()
-    times = []
-    for _ in range(repeats):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        graph.replay()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) * 1e3 / iters)
+    times = [cuda_event_us(graph.replay) / iters for _ in range(repeats)]
     del graph
     return statistics.median(times)
 

@@ -19,7 +19,7 @@ from typing import Callable, Optional
 
 import torch
 
-from layer_boundary.testing.shared import shared_env
+from layer_boundary.testing import shared_env
 
 from .kernel_set import CUTEDSL_KERNELS, KernelSet
 from .kernels.reference import add_rmsnorm_reference, moe_finalize_add_rmsnorm_reference, moe_finalize_reference

@@ -27,7 +27,7 @@ from pathlib import Path
 
 import torch
 
-from layer_boundary.cli.args import OneLineParser, positive_int
+from layer_boundary.plugin import OneLineParser, cuda_event_us, positive_int
 
 DEFAULT_TOKENS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048)
 TARGETS = {
@@ -92,16 +92,6 @@ class BoundaryPair:
         return self.attn1.prepare(out.finish(value), fwd), fwd.residual_stream.residual
 
 
-def _events_ms(fn, calls: int) -> float:
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(calls):
-        fn()
-    end.record()
-    end.synchronize()
-    return start.elapsed_time(end)
-
-
 def _slowest_rank(samples: list, group) -> list:
     """Per sample, the slower rank's value (a collective kernel is as slow as its last rank)."""
     t = torch.tensor(samples, dtype=torch.float64, device="cuda")
@@ -132,7 +122,7 @@ def _graph_us(step, reset, args, group) -> float:
     for _ in range(args.replays):
         reset()
         _align(group)
-        samples.append(_events_ms(graph.replay, 1) * 1e3 / args.graph_calls)
+        samples.append(cuda_event_us(graph.replay) / args.graph_calls)
     del graph
     return statistics.median(_slowest_rank(samples, group))
 
@@ -144,7 +134,7 @@ def _eager_us(step, reset, args, group) -> float:
     for _ in range(args.batches):
         reset()
         _align(group)
-        samples.append(_events_ms(step, args.eager_calls) * 1e3 / args.eager_calls)
+        samples.append(cuda_event_us(step, args.eager_calls))
     return statistics.median(_slowest_rank(samples, group))
 
 
@@ -267,7 +257,7 @@ def _write(result: dict, out: Path) -> list:
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(result, indent=2))
     notes = [f"wrote {out}"]
-    from layer_boundary.bench.plot import line_plot
+    from layer_boundary.plugin import line_plot
 
     for hidden in sorted({r["hidden"] for r in result["rows"]}):
         rows = [r for r in result["rows"] if r["hidden"] == hidden]

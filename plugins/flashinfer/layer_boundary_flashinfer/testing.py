@@ -22,7 +22,7 @@ import types
 import torch
 
 from layer_boundary.plugin import quantize_fp8
-from layer_boundary.testing.shared import SharedSetting
+from layer_boundary.testing import SharedSetting
 
 from . import plugin as plugin_module
 from .backend import workspace_bytes

@@ -27,7 +27,7 @@ from typing import Any, Callable, Optional, Protocol
 import attrs
 import torch
 
-from layer_boundary.nodes import node_hash
+from layer_boundary.plugin import node_hash
 
 from .ordering import LaunchOrder
 

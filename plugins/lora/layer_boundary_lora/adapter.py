@@ -43,3 +43,8 @@ def bind_lora_rows(stage):
             "yet, since the CP token order is not published to row adapters; run LoRA with attn_cp=1"
         )
     return LoraRowAdapter(stage.kind)
+
+
+def row_publisher(request):
+    """The `RowPublisher` factory: the LoRA rows of the request's stage (None where it has none)."""
+    return bind_lora_rows(request.stage)

@@ -1,21 +1,12 @@
-"""Hook implementations of the lora plugin (records only; the publisher is imported by its factory)."""
+"""Hook implementations of the lora plugin (records only; the publisher is named lazily)."""
 
-from layer_boundary.plugin import Priority, RowPublisher, hookimpl
+from layer_boundary.plugin import Priority, RowPublisher, hookimpl, lazy
 
-
-def _bind(request):
-    from .adapter import bind_lora_rows
-
-    return bind_lora_rows(request.stage)
+ROWS = ("publishes each compute input's LoRA adapter per row (DP-local, DP-gathered or attention-TP slice); LoRA FFN sums "
+        "defer only into a fusion that accepts them")
 
 
 @hookimpl
 def layer_boundary_row_publishers():
-    yield RowPublisher(
-        name="lora.rows",
-        kind="lora",
-        factory=_bind,
-        priority=Priority.REFERENCE,
-        description="publishes each compute input's LoRA adapter per row (DP-local, DP-gathered or attention-TP slice); "
-        "LoRA FFN sums defer only into a fusion that accepts them",
-    )
+    yield RowPublisher(name="lora.rows", kind="lora", factory=lazy("layer_boundary_lora.adapter:row_publisher"), priority=Priority.REFERENCE,
+                       description=ROWS)

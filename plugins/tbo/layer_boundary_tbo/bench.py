@@ -32,7 +32,7 @@ from pathlib import Path
 
 import torch
 
-from layer_boundary.cli.args import OneLineParser, non_negative_int, positive_int
+from layer_boundary.plugin import OneLineParser, non_negative_int, positive_int
 
 MODES = ("whole", "half0", "half1", "tbo-1stream", "tbo-2streams")
 
@@ -43,10 +43,18 @@ def ensure_plugin() -> None:
     register_in_process()
 
 
-def model_hf_config(args) -> dict:
-    from layer_boundary.models import model_config
+def _family(name: str):
+    """The registered model family `name` (the reference ones come with layer-boundary-models)."""
+    from layer_boundary.plugin import get_registry
 
-    raw = dict(model_config(args.model).hf)
+    found = get_registry().families_of(name)
+    if not found:
+        raise SystemExit(f"bench tbo: no model family {name!r} is installed (pip install layer-boundary-models)")
+    return found[0]
+
+
+def model_hf_config(args) -> dict:
+    raw = dict(_family(args.model).record.preset())
     raw.update(
         hidden_size=args.hidden,
         num_hidden_layers=args.layers,
@@ -75,13 +83,14 @@ def measure_rank(parallel, spec: dict) -> dict:
     """Build the model on this rank, check TBO against the whole batch, time every mode."""
     ensure_plugin()
     from layer_boundary import Forward, ForwardMode
-    from layer_boundary.models import build_model, model_config
-    from layer_boundary.models.attention import StepLayout
+    from layer_boundary.plugin import BuildRequest, StepLayout, select
 
     device = torch.device("cuda", torch.cuda.current_device()) if spec["device"] == "cuda" else torch.device("cpu")
     dtype = {"bfloat16": torch.bfloat16, "float32": torch.float32}[spec["dtype"]]
-    config = model_config(spec["model"], spec["hf_config"])
-    model = build_model(config, parallel, reduction=spec["reduction"], dtype=dtype, device=device).eval()
+    item = _family(spec["model"])
+    config = item.record.parse(dict(spec["hf_config"]))
+    request = BuildRequest(config=config, parallel=parallel, reduction=spec["reduction"], dtype=dtype, device=device, options={"tbo": True})
+    model = select("model_families", (request,), records=(item,), subject="bench tbo", error_type=None).value.eval()
     _init(model, spec["seed"])
     n_req, length = spec["requests"], spec["tokens_per_request"]
     gen = torch.Generator().manual_seed(spec["seed"] + 1)
@@ -184,7 +193,7 @@ def main(argv=None) -> int:
             torch.cuda.set_device(0)
         results = [measure_rank(Parallel.single(), spec)]
     else:
-        from layer_boundary.launch import ProcessWorld
+        from layer_boundary.testing import ProcessWorld
 
         world = ProcessWorld(args.gpus, device=args.device, timeout=1800, collective_timeout=600)
         args.placement = world.placement.describe()

@@ -3,6 +3,7 @@
 Both are pure torch; CUDA streams are only touched when a batch lives on a GPU.
 """
 
+import functools
 import sys
 
 from layer_boundary.plugin import (
@@ -13,59 +14,42 @@ from layer_boundary.plugin import (
     disabled_plugins,
     get_registry,
     hookimpl,
+    lazy,
     register_inline,
 )
-
-
-def _overlap(request):
-    from .overlap import TwoBatchOverlap
-
-    return _one(TwoBatchOverlap)
-
-
-def _branch(request):
-    from .branch import BranchAdapter
-
-    return _one(BranchAdapter)
 
 
 _INSTANCES: dict = {}
 
 
-def _one(cls):
-    """One object per process (they hold no per-batch state)."""
-    if cls not in _INSTANCES:
-        _INSTANCES[cls] = cls()
-    return _INSTANCES[cls]
+def one(cls_path: str, request=None):
+    """One object of the class `module:Class` per process (they hold no per-batch state)."""
+    if cls_path not in _INSTANCES:
+        _INSTANCES[cls_path] = lazy(cls_path)()
+    return _INSTANCES[cls_path]
+
+
+OVERLAP = ("split a batch into two microbatches with their own streams, interleave their stages (one CUDA stream each on a GPU), "
+           "merge them back")
+BRANCH = "prepared branches: branch_input forks the stream, branch_output and merge_branch join it"
+BENCH = "a batch's step with two-batch overlap (one or two CUDA streams) against its microbatches run apart (GPUs)"
 
 
 @hookimpl
 def layer_boundary_overlaps():
-    yield OverlapProvider(
-        name="tbo.two_batch_overlap",
-        factory=_overlap,
-        priority=Priority.REFERENCE,
-        description="split a batch into two microbatches with their own streams, interleave their stages "
-        "(one CUDA stream each on a GPU), merge them back",
-    )
+    overlap = functools.partial(one, "layer_boundary_tbo.overlap:TwoBatchOverlap")
+    yield OverlapProvider(name="tbo.two_batch_overlap", factory=overlap, priority=Priority.REFERENCE, description=OVERLAP)
 
 
 @hookimpl
 def layer_boundary_branches():
-    yield BranchProvider(
-        name="tbo.branch",
-        factory=_branch,
-        priority=Priority.REFERENCE,
-        description="prepared branches: branch_input forks the stream, branch_output and merge_branch join it",
-    )
+    branch = functools.partial(one, "layer_boundary_tbo.branch:BranchAdapter")
+    yield BranchProvider(name="tbo.branch", factory=branch, priority=Priority.REFERENCE, description=BRANCH)
 
 
 @hookimpl
 def layer_boundary_benchmarks():
-    yield Benchmark.of_module(
-        "layer_boundary_tbo.bench", name="tbo.overlap", command="tbo", priority=Priority.REFERENCE,
-        description="a batch's step with two-batch overlap (one or two CUDA streams) against its microbatches run apart (GPUs)",
-    )
+    yield Benchmark.of_module("layer_boundary_tbo.bench", name="tbo.overlap", command="tbo", priority=Priority.REFERENCE, description=BENCH)
 
 
 def register_in_process() -> None:

@@ -4,4 +4,4 @@ Importing this package does nothing; layer-boundary loads `layer_boundary_exampl
 through the entry point `example` in group `layer_boundary`.
 """
 
-__version__ = "0.1.0"
+__version__ = "0.2.0"

@@ -142,7 +142,7 @@ def test_without_the_plugin_a_cp_topology_names_the_distribution(monkeypatch, fr
         layer(planning(Topology(tp=2, attn_cp=2)))
     assert info.value.distribution == "layer-boundary-cp"
     assert "pip install layer-boundary-cp" in str(info.value)
-    from layer_boundary.models.runner import token_mapping
+    from layer_boundary.cli.runner import token_mapping
 
     with pytest.raises(MissingPluginError, match="pip install layer-boundary-cp"):
         token_mapping(planning(Topology(tp=2, attn_cp=2)), (3,), None, None)
@@ -165,7 +165,7 @@ def test_run_refuses_a_model_with_a_stage_without_a_cp_path(monkeypatch, fresh_r
     """The server-argument check: `run --attn-cp` builds the model first and names the stage."""
     from layer_boundary.cli.main import UsageError
     from layer_boundary.cli.run_cmd import _preflight
-    from layer_boundary.models import model_config
+    from layer_boundary_models import model_config
 
     monkeypatch.setenv("LAYER_BOUNDARY_DISABLE_PLUGINS", "cp")
     reset_registry()

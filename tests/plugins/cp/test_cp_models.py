@@ -9,9 +9,9 @@ import pytest
 import torch
 
 from layer_boundary import Parallel, Topology
-from layer_boundary.models import family, model_config
-from layer_boundary.models.oracle import hf_from_state, hf_logits
-from layer_boundary.models.runner import RunJob, run_rank
+from layer_boundary_models import family, model_config
+from layer_boundary.cli.oracle import hf_from_state, hf_logits
+from layer_boundary.cli.runner import RunJob, run_rank
 from layer_boundary.testing.grid import GridSpec
 
 from cp_grid import assert_matches_single_rank, run_cp_grid_rank

@@ -166,8 +166,8 @@ def test_a_model_rank_without_rows_joins_the_kv_gather(tmp_path, model):
     import attrs
 
     from layer_boundary import Parallel
-    from layer_boundary.models import family, model_config
-    from layer_boundary.models.runner import RunJob, run_rank
+    from layer_boundary_models import family, model_config
+    from layer_boundary.cli.runner import RunJob, run_rank
 
     config = model_config(model)
     path = tmp_path / "weights.pt"

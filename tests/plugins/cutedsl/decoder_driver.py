@@ -8,10 +8,10 @@ returns all logits.
 import torch
 
 from layer_boundary import Forward, ForwardMode
-from layer_boundary.models import build_model, family, model_config
-from layer_boundary.models.attention import StepLayout
-from layer_boundary.models.runner import make_requests
-from layer_boundary.models.weights import open_source
+from layer_boundary_models import build_model, family, model_config
+from layer_boundary.plugin import StepLayout
+from layer_boundary.cli.runner import make_requests
+from layer_boundary.cli.sources import open_source
 from layer_boundary_cutedsl import CuteDSLFusion, install_cutedsl_fusion, prepare_cutedsl_fusion
 
 #: qwen3_moe, hidden a multiple of 8 with several warps' worth of columns, a Gemma final norm, a

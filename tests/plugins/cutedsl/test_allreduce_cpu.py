@@ -533,7 +533,7 @@ def test_libcuda_symbols_are_bound_with_their_signatures(monkeypatch):
 def test_the_model_runs_every_tp_boundary_one_shot():
     """qwen3_moe (a dense layer, a shared expert, a Gemma final norm) at TP=2 on CPU ranks with
     the reference one-shot: what test_model_gpu.py's TP=2 test expects of the real kernels."""
-    from layer_boundary.models import family, model_config
+    from layer_boundary_models import family, model_config
 
     from .decoder_driver import MOE_CONFIG, max_rel_diff, requests, run_decoder
 

@@ -7,7 +7,7 @@ import dataclasses
 import pytest
 import torch
 
-from layer_boundary.models import family, model_config
+from layer_boundary_models import family, model_config
 from layer_boundary import Parallel
 from layer_boundary_cutedsl.kernels.tiling import SUPPORTED_DTYPES
 from layer_boundary_cutedsl.testing import reference_kernels

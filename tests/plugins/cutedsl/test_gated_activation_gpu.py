@@ -87,8 +87,8 @@ def test_the_factory_accepts_what_the_kernel_runs_and_declines_the_rest():
 @torch.inference_mode()
 def test_qwen3_chooses_it_and_decodes_within_bf16_of_the_torch_path():
     from layer_boundary import Parallel, prepare_model, release_model
-    from layer_boundary.models.decode import static_decode_step, static_prefill
-    from layer_boundary.models.runner import make_requests
+    from layer_boundary.cli.static_decode import static_decode_step, static_prefill
+    from layer_boundary.cli.runner import make_requests
 
     from .test_qk_norm_rope_gpu import _qwen3
 

@@ -11,8 +11,9 @@ the epsilon and multiplier the fused paths used are checked from the recorded la
 import pytest
 import torch
 
-from layer_boundary.models import ConfigError, family, model_config
-from layer_boundary.models.oracle import build_hf_model
+from layer_boundary.plugin import ConfigError
+from layer_boundary_models import family, model_config
+from layer_boundary_models.oracle import build_hf_model
 from layer_boundary import Parallel, Topology
 from layer_boundary import GemmaRMSNorm, RMSNorm
 from layer_boundary.testing.threaded import run_threaded
@@ -36,7 +37,7 @@ def setup():
 def test_the_gemma_final_norm_option():
     config = model_config("qwen3_moe", MOE_CONFIG)
     assert config.gemma_final_norm and not config.gemma_norm
-    from layer_boundary.models import build_model
+    from layer_boundary_models import build_model
 
     model = build_model(config, Parallel.single(), device="meta")
     assert type(model.norm) is GemmaRMSNorm and type(model.layers[0].input_layernorm) is RMSNorm

@@ -22,7 +22,7 @@ from dataclasses import replace
 import pytest
 import torch
 
-from layer_boundary.models import family, model_config
+from layer_boundary_models import family, model_config
 from layer_boundary import Parallel, Topology
 
 from .decoder_driver import MOE_CONFIG, max_rel_diff, requests, run_decoder
@@ -101,9 +101,9 @@ def test_plugin_on_vs_off_tp1(setup):
 def test_cuda_graph_decode_with_the_plugin(setup):
     """A decode step captured with the plugin on replays exactly what the eager step computes."""
     from layer_boundary._cuda_graphs import CapturedStep
-    from layer_boundary.models import build_model
-    from layer_boundary.models.decode import static_decode_step, static_prefill
-    from layer_boundary.models.weights import open_source
+    from layer_boundary_models import build_model
+    from layer_boundary.cli.static_decode import static_decode_step, static_prefill
+    from layer_boundary.cli.sources import open_source
     from layer_boundary_cutedsl import CuteDSLFusion, install_cutedsl_fusion, prepare_cutedsl_fusion
 
     config, state, prompts, decode, _ = setup

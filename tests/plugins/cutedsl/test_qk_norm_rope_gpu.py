@@ -83,7 +83,7 @@ def test_the_kernel_matches_the_reference_on_strided_views(tokens, heads, kv_hea
 def test_the_kernel_matches_the_core_torch_path():
     """The core's unfused path: RMSNorm modules on q and k, then `apply_rotary` with its own table."""
     from layer_boundary import RMSNorm
-    from layer_boundary.models.attention import RotaryEmbedding, apply_rotary
+    from layer_boundary_models.attention import RotaryEmbedding, apply_rotary
 
     heads, kv_heads, D, tokens = 32, 8, 128, 17
     fused, q, k, q_w, k_w, positions = _inputs(tokens, heads, kv_heads, D, torch.bfloat16, seed=3)
@@ -157,8 +157,8 @@ def test_the_factory_accepts_what_the_kernel_runs_and_declines_the_rest():
 
 def _qwen3(layers=2):
     from layer_boundary import Parallel
-    from layer_boundary.models import build_model, family, model_config
-    from layer_boundary.models.weights import StateDictSource
+    from layer_boundary_models import build_model, family, model_config
+    from layer_boundary.plugin import StateDictSource
 
     hf = dict(model_config("qwen3").hf, head_dim=128, num_attention_heads=8, num_key_value_heads=2, num_hidden_layers=layers)
     config = model_config("qwen3", hf)
@@ -181,9 +181,9 @@ def test_qwen3_static_decode_runs_the_fused_kernel_and_matches_the_torch_path():
     from layer_boundary._cuda_graphs import CapturedStep
     from layer_boundary.bench.profile import profile_step
     from layer_boundary.compiling import CountingBackend, graph_breaks, reset_graph_breaks
-    from layer_boundary.models.attention import DecodeLayout
-    from layer_boundary.models.decode import static_decode_step, static_prefill
-    from layer_boundary.models.runner import make_requests
+    from layer_boundary.plugin import DecodeLayout
+    from layer_boundary.cli.static_decode import static_decode_step, static_prefill
+    from layer_boundary.cli.runner import make_requests
 
     layers = 2
     config, model = _qwen3(layers)

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import torch
 
-from layer_boundary.models import build_model, family, model_config
-from layer_boundary.models.weights import StateDictSource
+from layer_boundary_models import build_model, family, model_config
+from layer_boundary.plugin import StateDictSource
 from layer_boundary_flashinfer.testing import FakeWorkspace, ReferenceBackend, hardware_present, reference_add_norm, uncounted  # noqa: F401
 from layer_boundary_flashinfer.workspace import WorkspaceManager
 
@@ -22,7 +22,7 @@ family("qwen3")  # load the model families now: `models._load` is not safe when 
 
 
 def tiny_model(name, parallel, dtype=torch.float32, seed=3, **extra):
-    cfg = dict(family(name).preset, **CONFIGS[name], **extra)
+    cfg = dict(family(name).preset(), **CONFIGS[name], **extra)
     config = model_config(name, cfg)
     model = build_model(config, parallel, dtype=dtype)
     family(name).load_weights(model, StateDictSource(family(name).random_weights(config, dtype, seed)))
@@ -38,7 +38,7 @@ def prompt_batches(config, sizes=(5, 1, 3), seed=7):
 def model_logits(model, parallel, prompts):
     """Prefill `prompts` (one request each, batched) then one decode step; logits of both."""
     from layer_boundary import Forward, ForwardMode
-    from layer_boundary.models.attention import StepLayout
+    from layer_boundary.plugin import StepLayout
 
     cache = model.new_cache()
     slots = list(range(len(prompts)))

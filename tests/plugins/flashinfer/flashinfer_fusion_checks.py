@@ -48,7 +48,7 @@ from typing import Optional
 
 import torch
 
-from layer_boundary.testing.shared import SharedSetting, shared_env
+from layer_boundary.testing import SharedSetting, shared_env
 
 #: the largest relative error allowed between two bf16 paths of one boundary (the contract's)
 BF16_TOL = 2e-2
@@ -630,14 +630,14 @@ def _plugin_disabled():
 
 
 def _config(case, name):
-    from layer_boundary.models import family, model_config
+    from layer_boundary_models import family, model_config
 
-    return model_config(name, dict(family(name).preset, **case.sizes[name]))
+    return model_config(name, dict(family(name).preset(), **case.sizes[name]))
 
 
 def _build(case, name, parallel, dtype, state):
-    from layer_boundary.models import build_model, family
-    from layer_boundary.models.weights import StateDictSource
+    from layer_boundary_models import build_model, family
+    from layer_boundary.plugin import StateDictSource
 
     model = build_model(_config(case, name), parallel, dtype=dtype, device=case.torch_device())
     family(name).load_weights(model, StateDictSource(state))
@@ -647,7 +647,7 @@ def _build(case, name, parallel, dtype, state):
 @torch.inference_mode()
 def _logits(case, model, parallel, prompts, decode_steps):
     from layer_boundary import Forward, ForwardMode
-    from layer_boundary.models.attention import StepLayout
+    from layer_boundary.plugin import StepLayout
 
     device = case.torch_device()
     cache = model.new_cache()
@@ -707,7 +707,7 @@ def _shadow_summary(calls):
 @on_every_rank
 def check_model(checks, parallel, case, name, shadow=False):
     from layer_boundary import CollectiveCounter, CountingCollectives
-    from layer_boundary.models import family
+    from layer_boundary_models import family
 
     config = _config(case, name)
     state = family(name).random_weights(config, torch.float32, seed=11)
@@ -777,8 +777,8 @@ def check_model(checks, parallel, case, name, shadow=False):
 def check_graph_decode(checks, parallel, case, name):
     """The whole decode step of `name` in one graph: fused boundaries, every other sum on the
     workspace (the model is built on `flashinfer_collectives`)."""
-    from layer_boundary.models import family
-    from layer_boundary.models.decode import static_decode_step, static_prefill
+    from layer_boundary_models import family
+    from layer_boundary.cli.static_decode import static_decode_step, static_prefill
     from layer_boundary_flashinfer.collectives import flashinfer_collectives, wrapped_flashinfer_collectives
 
     device = case.torch_device()

@@ -15,8 +15,8 @@ def rel(got, want) -> float:
 def qwen3(layers=2, **hf):
     """(config, model): qwen3's embedded config with `layers` layers and the `hf` overrides, random
     weights, bf16 on the GPU, one rank."""
-    from layer_boundary.models import build_model, family, model_config
-    from layer_boundary.models.weights import StateDictSource
+    from layer_boundary_models import build_model, family, model_config
+    from layer_boundary.plugin import StateDictSource
 
     config = model_config("qwen3", dict(model_config("qwen3").hf, num_hidden_layers=layers, **hf))
     state = family("qwen3").random_weights(config, torch.float32, seed=7)
@@ -30,7 +30,7 @@ class StaticDecode:
     prefill and decode, and a captured decode step checked against eager."""
 
     def __init__(self, config, model, batch=4, steps=3, seed=3):
-        from layer_boundary.models.runner import make_requests
+        from layer_boundary.cli.runner import make_requests
 
         self.model, self.parallel = model, Parallel.single()
         self.prompts, self.decode = make_requests(config.vocab_size, batch, 6, steps, seed=seed)
@@ -41,12 +41,12 @@ class StaticDecode:
         return self.model.new_static_cache(len(self.prompts), 32)
 
     def step(self, cache, ids, positions):
-        from layer_boundary.models.decode import static_decode_step
+        from layer_boundary.cli.static_decode import static_decode_step
 
         return static_decode_step(self.model, self.parallel, cache, ids, None, positions)
 
     def prefill(self, cache):
-        from layer_boundary.models.decode import static_prefill
+        from layer_boundary.cli.static_decode import static_prefill
 
         return static_prefill(self.model, self.parallel, cache, self.prompts, "cuda")
 

@@ -46,7 +46,7 @@ def test_reasons_name_dtype_and_head_dim():
 
 
 def test_rope_table_is_the_cores_rotary_values():
-    from layer_boundary.models.attention import RotaryEmbedding
+    from layer_boundary_models.attention import RotaryEmbedding
     from layer_boundary.plugin import rope_cos_sin_table
 
     table = rope_cos_sin_table(128, 1e6, 64, "cpu")
@@ -57,8 +57,8 @@ def test_rope_table_is_the_cores_rotary_values():
 
 
 def test_a_cpu_model_keeps_the_torch_path_with_the_plugin_installed():
-    from layer_boundary.models import build_model, model_config
-    from layer_boundary.models.attention_kernels import TORCH
+    from layer_boundary_models import build_model, model_config
+    from layer_boundary_models.attention_kernels import TORCH
 
     model = build_model(model_config("qwen3"), Parallel.single(), dtype=torch.bfloat16)
     prepare_model(model, max_tokens=8)

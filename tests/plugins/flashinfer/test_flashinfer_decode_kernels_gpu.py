@@ -33,7 +33,7 @@ def _decode_request():
 
 @torch.inference_mode()
 def test_rope_kernel_matches_the_torch_rotation():
-    from layer_boundary.models.attention import RotaryEmbedding, apply_rotary
+    from layer_boundary_models.attention import RotaryEmbedding, apply_rotary
 
     kernel = decode_kernels.rope_factory(_rope_request())
     assert kernel is not None, "flashinfer.rope declined on this GPU"
@@ -104,7 +104,8 @@ def test_step_bound_write_fills_the_cache_index_put_fills_and_attends_the_same(s
     as a fused projection leaves it) and `attend`: the cache equals the core's `index_put_`
     write bitwise, the output equals the per-call kernel's, and a CUDA graph of bind + write +
     attend replays them for new positions."""
-    from layer_boundary.models.attention import DecodeLayout, StaticKVCache
+    from layer_boundary.plugin import DecodeLayout
+    from layer_boundary_models.attention import StaticKVCache
 
     kernel = decode_kernels.decode_attention_factory(_decode_request())
     assert kernel is not None, "flashinfer.decode_attention declined on this GPU"
@@ -169,7 +170,7 @@ def test_qwen3_static_decode_runs_the_kernels_and_matches_the_torch_path():
 def test_compiled_decode_through_the_custom_ops_equals_eager():
     from layer_boundary import Forward, ForwardMode
     from layer_boundary.compiling import CountingBackend, graph_breaks, reset_graph_breaks
-    from layer_boundary.models.attention import DecodeLayout
+    from layer_boundary.plugin import DecodeLayout
 
     torch._dynamo.reset()
     reset_graph_breaks()

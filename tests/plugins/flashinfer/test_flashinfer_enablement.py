@@ -149,8 +149,8 @@ def test_a_lora_ffn_leaves_its_sum_to_the_next_input_s_fusion_once_prepared():
     provider accepts it (`can_defer_all_reduce`) for the batches the next input's fused kernel
     takes, once the workspace is agreed; before prepare and after shutdown the FFN completes it."""
     from layer_boundary import Forward, boundaries_of, get_forward, residual_batch
-    from layer_boundary.models import build_model, family, model_config
-    from layer_boundary.models.lora_layers import random_lora_spec
+    from layer_boundary_models import build_model, family, model_config
+    from layer_boundary_models.lora_layers import random_lora_spec
 
     from flashinfer_fakes import CONFIGS
 
@@ -167,7 +167,7 @@ def test_a_lora_ffn_leaves_its_sum_to_the_next_input_s_fusion_once_prepared():
         return out
 
     def fn(parallel):
-        config = model_config("qwen3", dict(family("qwen3").preset, **CONFIGS["qwen3"]))
+        config = model_config("qwen3", dict(family("qwen3").preset(), **CONFIGS["qwen3"]))
         with hardware_present():
             model = build_model(config, parallel, dtype=torch.float32, lora=random_lora_spec(2))
         ffns = [b for b in boundaries_of(model) if b.plan.kind.value == "ffn" and not b.plan.terminal]

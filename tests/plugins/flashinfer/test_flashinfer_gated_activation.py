@@ -65,8 +65,8 @@ def test_the_fake_gives_half_the_last_dim(dtype):
 
 
 def test_a_cpu_model_keeps_the_torch_path_with_the_plugin_installed():
-    from layer_boundary.models import build_model, model_config
-    from layer_boundary.models.kernel_choice import TORCH
+    from layer_boundary_models import build_model, model_config
+    from layer_boundary_models.kernel_choice import TORCH
 
     model = build_model(model_config("qwen3"), Parallel.single(), dtype=torch.bfloat16)
     prepare_model(model, max_tokens=8)

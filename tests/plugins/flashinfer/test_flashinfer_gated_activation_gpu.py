@@ -16,7 +16,7 @@ flashinfer = pytest.importorskip("flashinfer")
 gated_activation = pytest.importorskip("layer_boundary_flashinfer.gated_activation")
 
 from flashinfer_static_decode import StaticDecode, qwen3, rel  # noqa: E402
-from layer_boundary.models.mlp import activation  # noqa: E402
+from layer_boundary_models.mlp import activation  # noqa: E402
 from layer_boundary.plugin import GatedActivationRequest  # noqa: E402
 
 #: the request's activation -> the config name the core's torch path builds it from
@@ -108,7 +108,7 @@ def test_the_custom_op_passes_opcheck():
 @torch.inference_mode()
 def test_qwen3_static_decode_runs_the_kernel_and_matches_the_torch_path():
     from layer_boundary.bench.profile import profile_step
-    from layer_boundary.models.mlp import TPGatedMLP
+    from layer_boundary_models.mlp import TPGatedMLP
 
     config, model = qwen3(intermediate_size=1536)
     run = StaticDecode(config, model)

@@ -8,10 +8,11 @@ import torch
 from layer_boundary.testing import logits_rel_error
 
 from layer_boundary import FusedMlpInput, Topology, UnreducedOutput
-from layer_boundary.models import family, model_config
-from layer_boundary.models.lora_layers import random_lora_spec, random_lora_weights
-from layer_boundary.models.oracle import BASE_ADAPTER, hf_from_state, hf_logits, hf_with_lora
-from layer_boundary.models.runner import RunJob, make_requests
+from layer_boundary_models import family, model_config
+from layer_boundary_models.lora_layers import random_lora_spec, random_lora_weights
+from layer_boundary.cli.oracle import hf_from_state, hf_logits
+from layer_boundary_models.oracle import BASE_ADAPTER, hf_with_lora
+from layer_boundary.cli.runner import RunJob, make_requests
 
 ADAPTERS = 3
 #: the adapter slot of each request (-1: the base model): four requests, four different routes

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from layer_boundary import Parallel, Topology
-from layer_boundary.models.runner import run_rank
+from layer_boundary.cli.runner import run_rank
 from layer_boundary.testing.threaded import run_threaded
 
 from lora_cases import DeferLoraSums, logits_of, lora_setup, rel_error

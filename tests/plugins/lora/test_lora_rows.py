@@ -4,7 +4,6 @@ import pytest
 import torch
 
 from layer_boundary import (
-    Adapter,
     Forward,
     MissingPluginError,
     RMSNorm,
@@ -18,7 +17,7 @@ from layer_boundary import (
     residual_batch,
 )
 from layer_boundary._forward import publish_compute_rows
-from layer_boundary.models.lora_layers import LoraSlots, random_lora_spec
+from layer_boundary_models.lora_layers import LoraSlots, random_lora_spec
 from layer_boundary._stage import PublishingStageBoundary, StageBoundary
 from layer_boundary.testing.threaded import run_threaded
 
@@ -206,11 +205,12 @@ def test_bad_publish_rows_options_fail_at_construction(value, error, match):
 def test_context_parallel_is_refused_at_construction(inline_plugin):
     """Until CP publishes its token order, LoRA under attn_cp > 1 fails when the model is built."""
     from layer_boundary import hookimpl
+    from layer_boundary.plugin import CpPathProvider
 
     class DecliningCp:  # a CP plugin that supports no stage, so only the LoRA binding decides
         @hookimpl
-        def layer_boundary_adapters(self):
-            yield Adapter(name="testcp.none", kind="cp", factory=lambda plan: None)
+        def layer_boundary_cp_paths(self):
+            yield CpPathProvider(name="testcp.none", factory=lambda request: None, description="declines every stage")
 
     inline_plugin(DecliningCp(), name="testcp")
     with pytest.raises(NotImplementedError, match="does not support context parallel .attn_cp=2"):

@@ -25,7 +25,7 @@ from layer_boundary import (
     two_batch_overlap,
 )
 
-from layer_boundary.models.overlapped import run_operations
+from layer_boundary_models.overlapped import run_operations
 
 from tbo_exact_stack import H, ExactStage, _weights, inputs_of, rows_of
 

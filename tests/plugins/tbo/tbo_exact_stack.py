@@ -36,7 +36,7 @@ from layer_boundary import (
     two_batch_overlap,
 )
 from layer_boundary._layers import shard_cols, shard_rows
-from layer_boundary.models.overlapped import run_operations
+from layer_boundary_models.overlapped import run_operations
 from layer_boundary.testing.grid import quant
 
 H = 16

@@ -10,9 +10,9 @@ import torch
 from layer_boundary.testing import logits_rel_error
 
 from layer_boundary import Topology
-from layer_boundary.models import family, model_config
-from layer_boundary.models.oracle import hf_from_state, hf_logits
-from layer_boundary.models.runner import RunJob, make_requests, run_rank
+from layer_boundary_models import family, model_config
+from layer_boundary.cli.oracle import hf_from_state, hf_logits
+from layer_boundary.cli.runner import RunJob, make_requests, run_rank
 
 from tbo_exact_branch import plain_reference, run_branch_rank
 from tbo_exact_stack import reference, run_exact_rank, split_of

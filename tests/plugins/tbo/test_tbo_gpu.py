@@ -93,8 +93,8 @@ def test_each_microbatch_runs_on_its_own_stream():
 def test_qwen3_moe_with_tbo_streams_matches_the_whole_batch_with_a_kv_cache(tmp_path):
     """Prefill cuts a request between the microbatches and decode reuses the cache across steps:
     the ordering between streams and the retained cache tensors keep it right."""
-    from layer_boundary.models import family, model_config
-    from layer_boundary.models.runner import RunJob, make_requests, run_rank
+    from layer_boundary_models import family, model_config
+    from layer_boundary.cli.runner import RunJob, make_requests, run_rank
 
     config = model_config("qwen3_moe")
     path = tmp_path / "w.pt"
@@ -134,7 +134,7 @@ def test_tbo_over_two_ranks_on_the_gpu():
 
 
 def _tp_run(parallel, job):
-    from layer_boundary.models.runner import run_rank
+    from layer_boundary.cli.runner import run_rank
 
     _ensure_tbo()
     return run_rank(parallel, job)["logits"]
@@ -143,8 +143,8 @@ def _tp_run(parallel, job):
 def test_qwen3_moe_tp2_with_tbo_matches_the_whole_batch(tmp_path):
     """TP=2 (two ranks, sharing the GPU where there is one): TBO's logits against the non-TBO run."""
     from layer_boundary.launch import ProcessWorld
-    from layer_boundary.models import family, model_config
-    from layer_boundary.models.runner import RunJob, make_requests
+    from layer_boundary_models import family, model_config
+    from layer_boundary.cli.runner import RunJob, make_requests
 
     config = model_config("qwen3_moe")
     path = tmp_path / "w.pt"

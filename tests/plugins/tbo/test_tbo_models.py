@@ -5,10 +5,10 @@ import pytest
 import torch
 
 from layer_boundary import Topology
-from layer_boundary.models import family, model_config
-from layer_boundary.models.attention import StepLayout
-from layer_boundary.models.overlapped import step_rows
-from layer_boundary.models.runner import RunJob, make_requests, run_rank
+from layer_boundary_models import family, model_config
+from layer_boundary.plugin import StepLayout
+from layer_boundary_models.overlapped import step_rows
+from layer_boundary.cli.runner import RunJob, make_requests, run_rank
 from layer_boundary.testing.threaded import run_threaded
 
 

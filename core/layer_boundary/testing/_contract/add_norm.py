@@ -13,10 +13,12 @@
 
 from __future__ import annotations
 
+import functools
 import importlib
 
 import torch
 
+from ..._plugins.selection import call_record
 from ..._residual.add_norm import GemmaRMSNorm, RMSNorm, add_rms_norm
 from ..._residual.kernels import request_for
 from .report import DTYPES, ContractReport, ContractSettings, relative_error
@@ -29,7 +31,7 @@ ADD_NORM_CHECKS = ("record", "construction", "purity", "parity")
 def _factory(record, device: str):
     path = getattr(record, "contract_preparation", None)
     if not path or device == "cuda":
-        return record.factory
+        return functools.partial(call_record, record)
     module, _, attr = path.partition(":")
     try:
         return getattr(importlib.import_module(module), attr)()
@@ -43,7 +45,7 @@ def _norm_factory(record, device: str, prepared):
     if record.norm_factory is None:
         return None
     if not getattr(record, "contract_preparation", None) or device == "cuda":
-        return record.norm_factory
+        return functools.partial(call_record, record, factory="norm_factory")
     return getattr(prepared, "norm_factory", None)
 
 

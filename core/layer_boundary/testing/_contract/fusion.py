@@ -9,7 +9,8 @@ from typing import Any
 
 import torch
 
-from ..._builtin.plugin import UnfusedCompletion
+from ..._plugins.selection import call_record
+from ..._plugins.builtin import UnfusedCompletion
 from ...collectives import CollectiveCounter, CountingCollectives
 from ..._planning import arriving_sum
 from ..._contracts import FusedMlpInput, StageKind
@@ -20,7 +21,7 @@ from ...launch import RankTimeout
 from ..._layout import SumGroup
 from ..._output import UnreducedOutput
 from ..._residual.add_norm import add_rms_norm
-from ...plugin._requests import AttentionInputFusion, DefersAllReduce, DefersFinalize, FfnInputFusion
+from ..._plugins.requests import AttentionInputFusion, DefersAllReduce, DefersFinalize, FfnInputFusion
 from ..threaded import CollectiveAborted, ThreadWorld
 from .records import resolve
 from .report import DTYPES, PROVIDER_HOOKS, ContractReport, ContractSettings, relative_error
@@ -37,8 +38,8 @@ def _candidate_facts(candidates) -> list[tuple]:
 def _build_provider(record, plan, report: ContractReport, builtin: bool, where: str):
     """The factory's provider for `plan` and its candidates, checking both; (provider, candidates)."""
     try:
-        provider = record.factory(plan.description)
-        again = record.factory(plan.description)
+        provider = call_record(record, plan.description)
+        again = call_record(record, plan.description)
     except Exception as exc:  # noqa: BLE001 - the contract reports it
         report.add("construction", f"factory raised on the {where} stage: {type(exc).__name__}: {exc}")
         return None, ()

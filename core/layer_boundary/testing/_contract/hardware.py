@@ -5,7 +5,6 @@ imports never hide another's)."""
 from __future__ import annotations
 
 import functools
-import importlib
 import json
 import os
 import select
@@ -18,8 +17,9 @@ import attrs
 import torch
 
 from ..._parallel import Topology
-from ...plugin._manager import BUILTIN_PLUGINS, DISABLE_ENV, ENTRY_POINT_GROUP, reset_registry
-from ...plugin._records import FusionProvider, Registered
+from ..._plugins.manager import BUILTIN_PLUGINS, DISABLE_ENV, ENTRY_POINT_GROUP, reset_registry
+from ..._plugins.records import FusionProvider, Registered
+from ..._plugins.selection import call_record
 from .records import kind_of
 from .report import ContractReport, ContractSettings
 from .stages import stage_descriptions
@@ -46,7 +46,7 @@ def _hardware_free_report(record, registered, descriptions, baseline_tops: set, 
     for item in descriptions if provider else [dict(o) for o in options or ({},)]:
         before = set(sys.modules)
         try:
-            result = record.factory(item) if provider else record.factory(**item)
+            result = call_record(record, item) if provider else call_record(record, **item)
         except Exception as exc:  # noqa: BLE001
             where = f"the {item.label} stage (norm {item.norm_kind}, tp={item.topology.tp})" if provider else f"options {item}"
             report.add("without_hardware", f"factory raised without CUDA on {where}: {type(exc).__name__}: {exc}; "
@@ -82,7 +82,7 @@ def without_hardware(names: Sequence[str], settings: ContractSettings, options: 
         reset_registry()
     baseline_tops = {_top(m) for m in sys.modules}
     disabled = {n.strip() for n in (previous or "").split(",")}
-    sources = [(name, functools.partial(importlib.import_module, module)) for name, module in BUILTIN_PLUGINS]
+    sources = [(name, functools.partial(lambda m: m, module)) for name, module in BUILTIN_PLUGINS]
     sources += [(ep.name, ep.load) for ep in entry_points if ep.name not in disabled]
     wanted = set(names)
     out: dict = {}

@@ -6,18 +6,18 @@ import inspect
 import re
 from typing import Any, Optional
 
-from ...plugin._manager import HOOKS, get_registry
-from ...plugin._records import Adapter, FusionProvider, Priority, Registered, ResidualKind
+from ..._plugins.manager import HOOKS, get_registry
+from ..._plugins.records import FusionProvider, Priority, Registered, ResidualKind
 from .report import ContractReport
 
 #: what each record type is called in reports (by registry field); records other than fusion
 #: providers and residual kinds get the record rules only
-KINDS = {t: re.sub(r"(?<!^)(?=[A-Z])", " ", t.__name__).lower() for t in [t for _, t in HOOKS.values()] + [Adapter]}
+KINDS = {t: re.sub(r"(?<!^)(?=[A-Z])", " ", t.__name__).lower() for t in [t for _, t in HOOKS.values()]}
 
 
 def registered_entries(registry) -> tuple[Registered, ...]:
-    """Every registered record: each extension point's, then the deprecated adapters as yielded."""
-    return tuple(item for key in HOOKS for item in registry.records(key)) + registry.adapters
+    """Every registered record, extension point by extension point."""
+    return tuple(item for key in HOOKS for item in registry.records(key))
 
 
 def resolve(ref) -> tuple[Any, Optional[Registered]]:

@@ -7,6 +7,7 @@ from typing import Sequence
 
 import torch
 
+from ..._plugins.selection import call_record
 from ..._residual import ResidualOps
 from ..._residual.add_norm import PLAIN_ADD
 from .report import DTYPES, ContractReport, ContractSettings, relative_error
@@ -134,7 +135,7 @@ def residual_report(record, options: Sequence[dict], settings: ContractSettings)
             tag = _describe(opts) if opts else "no options"
             opts = _on_device(opts, device)
             try:
-                ops, again = record.factory(**opts), record.factory(**opts)
+                ops, again = call_record(record, **opts), call_record(record, **opts)
             except Exception as exc:  # noqa: BLE001
                 report.add("construction", f"factory with {tag} raised {type(exc).__name__}: {exc}")
                 continue

@@ -1,1 +1,0 @@
-"""The core's own defaults, registered through the same hooks as every plugin."""

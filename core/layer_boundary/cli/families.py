@@ -1,0 +1,101 @@
+"""Model families as the command line sees them: `ModelFamily` records found by `--model` name
+in the registry, so a third party's family package gets `run`, `plan` and `bench decode` like
+the reference families (layer-boundary-models) do."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any, Optional
+
+from .._errors import MissingPluginError, missing_feature
+from .._families import ConfigError
+from .._plugins.manager import get_registry
+from .._plugins.requests import BuildRequest
+from .._plugins.selection import select
+from .usage import UsageError
+
+__all__ = ["find_family", "load_hf_config", "family_config", "check_requirements", "check_options", "build"]
+
+#: where the reference families come from
+MODELS_DISTRIBUTION = "layer-boundary-models"
+
+
+def find_family(name: str):
+    """The registered `ModelFamily` of `--model name` (a `Registered`); one line naming what to
+    install when none is."""
+    registry = get_registry()
+    found = registry.families_of(name)
+    if not found:
+        installed = sorted({r.record.model for r in registry.model_families})
+        if not installed:
+            raise UsageError(
+                f"--model {name}: no model family is installed; pip install {MODELS_DISTRIBUTION} "
+                "(the reference families), or a package that registers yours (layer_boundary_model_families)"
+            )
+        hint = f"; pip install {MODELS_DISTRIBUTION} for the reference families" if registry.plugin("models") is None else ""
+        raise UsageError(f"unknown model {name!r}; installed: {', '.join(installed)}{hint}")
+    if len(found) > 1:
+        names = ", ".join(f"{r.name} ({r.plugin})" for r in found)
+        raise UsageError(f"--model {name}: two plugins register this model family ({names}); uninstall one or disable it")
+    return found[0]
+
+
+def load_hf_config(source: str) -> dict:
+    """A config from inline JSON, a config.json path, or a checkpoint folder."""
+    text = source.strip()
+    if text.startswith("{"):
+        try:
+            return json.loads(text)
+        except json.JSONDecodeError as exc:
+            raise ConfigError(f"--hf-config is not valid JSON: {exc}") from None
+    path = Path(source)
+    if path.is_dir():
+        path = path / "config.json"
+    if not path.is_file():
+        raise ConfigError(f"no config at {source}: pass inline JSON, a config.json file or a checkpoint folder")
+    try:
+        return json.loads(path.read_text())
+    except json.JSONDecodeError as exc:
+        raise ConfigError(f"{path} is not valid JSON: {exc}") from None
+
+
+def family_config(item, raw: Optional[dict] = None):
+    """The family's parsed config of `raw` (its embedded tiny config when None)."""
+    fam = item.record
+    raw = fam.preset() if raw is None else dict(raw)
+    if raw.get("model_type") != fam.model_type:
+        raise ConfigError(f"--model {fam.model} needs a config with model_type {fam.model_type!r}, got {raw.get('model_type')!r}")
+    return fam.parse(raw)
+
+
+def check_requirements(item) -> None:
+    """Raise `UsageError` naming the distribution when a plugin feature the family needs is absent."""
+    registry = get_registry()
+    for point, name in item.record.requires:
+        found = registry.residual_kinds_of(name) if point == "residual_kinds" else registry.records(point)
+        if not found:
+            raise UsageError(str(missing_feature(f"model {item.record.model!r} ({point.replace('_', ' ')}: {name!r})", name)))
+
+
+def check_options(item, options: dict) -> None:
+    """Refuse a run option the family does not declare (`ModelFamily.options`)."""
+    for option in sorted(k for k, v in options.items() if v and k in ("lora", "fp8", "tbo")):
+        if option not in item.record.options:
+            supported = ", ".join(sorted(item.record.options)) or "none"
+            raise UsageError(f"--{option}: model {item.record.model!r} does not support it (its options: {supported})")
+
+
+def build(item, config, parallel, *, reduction: Any = "ar", fusions=None, dtype=None, device=None, options=None):
+    """This rank's model of family `item` through its factory (the selection rule: a factory
+    that declines is one line saying why)."""
+    request = BuildRequest(config=config, parallel=parallel, reduction=reduction, fusions=fusions, dtype=dtype, device=device,
+                           options=dict(options or {}))
+    chosen = select("model_families", (request,), records=(item,), subject=f"building a {item.record.model} model", error_type=None)
+    if chosen.chosen is None:
+        raise ConfigError(f"model family {item.name!r} does not build this model: {chosen.declined[0].reason}")
+    return chosen.value
+
+
+#: the errors a family raises for input it cannot use, reported as one line
+INPUT_ERRORS = (ConfigError, MissingPluginError, ValueError, NotImplementedError)

@@ -1,0 +1,57 @@
+"""Building a reference model for a `BuildRequest`: what every family record's factory runs.
+
+The run options a family declares (`ModelFamily.options`) arrive in `request.options`: "lora"
+(an adapter count, drawn as `random_lora_spec`, or a `LoraSpec`, with "lora_seed" and "lora_assignment" kept on
+the model for its weights and its rows' adapters) and "fp8" (FP8 reads at attention and dense
+FFN inputs).
+"""
+
+from __future__ import annotations
+
+import importlib
+
+import attrs
+
+from layer_boundary.plugin import BuildRequest
+
+from .config import ConfigError, fp8_option
+
+__all__ = ["build"]
+
+#: family -> (module, model class)
+MODEL_CLASSES = {
+    "qwen3": ("decoder", "CausalLM"),
+    "qwen3_moe": ("decoder", "CausalLM"),
+    "gemma": ("decoder", "CausalLM"),
+    "deepseek_v4": ("deepseek_v4", "DeepseekV4ForCausalLM"),
+    "nemotron_h": ("nemotron_h", "NemotronHForCausalLM"),
+    "longcat_flash": ("longcat", "LongcatForCausalLM"),
+}
+
+
+def model_class(family: str):
+    module, name = MODEL_CLASSES[family]
+    return getattr(importlib.import_module(f"{__package__}.{module}"), name)
+
+
+def build(family: str, request: BuildRequest):
+    """This rank's model of family `family` for `request` (weights uninitialised)."""
+    options = dict(request.options)
+    config = request.config
+    extra = {}
+    if options.get("fp8"):
+        config = attrs.evolve(config, fp8_reads=fp8_option(options["fp8"]))
+    if options.get("lora"):
+        from .lora_layers import LoraSpec, random_lora_spec
+
+        lora = options["lora"]
+        extra["lora"] = lora if isinstance(lora, LoraSpec) else random_lora_spec(int(lora))
+    if config.model_type != family and MODEL_CLASSES.get(config.model_type) != MODEL_CLASSES[family]:
+        raise ConfigError(f"a {family} model needs a config with model_type {family!r}, got {config.model_type!r}")
+    model = model_class(family)(
+        config, request.parallel, reduction=request.reduction, fusions=request.fusions, dtype=request.dtype, device=request.device, **extra
+    )
+    if "lora" in extra:
+        model.lora_seed = int(options.get("lora_seed", 0))
+        model.lora_assignment = options.get("lora_assignment")
+    return model

@@ -1,0 +1,175 @@
+"""The decoder configuration the reference models read, parsed from a Hugging Face config.
+
+Only what the reference models implement is accepted; anything else (sliding windows, biases,
+other rope types) is rejected with a message instead of silently computing something else.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Mapping, Optional
+
+import attrs
+
+from layer_boundary.plugin import ConfigError as PluginConfigError
+
+__all__ = ["FamilyConfig", "DecoderConfig", "ConfigError", "FINAL_NORM_KEY", "NO_PIPELINE", "fp8_option"]
+
+#: a reference-model option (not a Hugging Face key): "gemma" gives qwen3_moe a (1 + w) final norm
+FINAL_NORM_KEY = "layer_boundary_final_norm"
+
+
+class ConfigError(PluginConfigError):
+    """A model configuration the reference models cannot run, or that a topology cannot split."""
+
+
+#: the refusal of a model without pipeline stages
+NO_PIPELINE = "{model} runs without pipeline stages; use --pp 1 (qwen3, qwen3_moe, gemma and nemotron_h take --pp)"
+
+
+@attrs.frozen(kw_only=True)
+class FamilyConfig:
+    """The fields every reference family's config has (the Hugging Face dict `hf` and the sizes
+    `layer-boundary run` reports), and the check that a raw config is of the family's model_type."""
+
+    model_type: str
+    architecture: str
+    vocab_size: int
+    hidden_size: int
+    tie_word_embeddings: bool
+    hf: Mapping[str, Any] = attrs.field(factory=dict, repr=False)
+
+    @staticmethod
+    def of_type(raw: Mapping[str, Any], model_type: str) -> dict:
+        """A copy of `raw`, refused unless its model_type is `model_type`."""
+        cfg = dict(raw)
+        if cfg.get("model_type") != model_type:
+            raise ConfigError(f"model_type {cfg.get('model_type')!r} is not {model_type}")
+        return cfg
+
+
+@attrs.frozen(kw_only=True)
+class DecoderConfig(FamilyConfig):
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    intermediate_size: int
+    rms_norm_eps: float
+    rope_theta: float
+    hidden_act: str
+    qk_norm: bool
+    gemma_norm: bool
+    embed_scale: Optional[float]
+    # MoE
+    num_experts: int = 0
+    top_k: int = 0
+    moe_intermediate_size: int = 0
+    norm_topk_prob: bool = False
+    sparse_layers: frozenset = frozenset()
+    shared_expert_intermediate_size: int = 0
+    #: FP8 reads at attention and dense-FFN inputs: None, "fp8_dynamic" or "fp8_static"
+    #: (config key "layer_boundary_fp8"; not a Hugging Face field)
+    fp8_reads: Optional[str] = None
+    #: qwen3_moe option (config key `layer_boundary_final_norm: "gemma"`): a (1 + w) final norm, so a
+    #: fused terminal MoE finalize into a GemmaRMSNorm can run; no Hugging Face model has it
+    gemma_final_norm: bool = False
+
+    def is_sparse(self, layer: int) -> bool:
+        return 0 <= layer < self.num_layers and layer in self.sparse_layers
+
+    @classmethod
+    def from_hf(cls, raw: Mapping[str, Any]) -> "DecoderConfig":
+        cfg = dict(raw)
+        model_type = cfg.get("model_type")
+        if model_type not in ("qwen3", "qwen3_moe", "gemma"):
+            raise ConfigError(f"model_type {model_type!r} is not a reference model; use qwen3, qwen3_moe or gemma")
+        for key in ("attention_bias",):
+            if cfg.get(key):
+                raise ConfigError(f"{key}=true is not supported by the reference models")
+        if cfg.get("use_sliding_window") or (model_type == "gemma" and cfg.get("sliding_window")):
+            raise ConfigError("sliding-window attention is not supported by the reference models; set use_sliding_window=false")
+        rope = cfg.get("rope_parameters") or {}
+        if rope.get("rope_type", "default") != "default":
+            raise ConfigError(f"rope_type {rope.get('rope_type')!r} is not supported; the reference models use default RoPE")
+        theta = rope.get("rope_theta", cfg.get("rope_theta", 10000.0))
+        hidden = int(cfg["hidden_size"])
+        heads = int(cfg["num_attention_heads"])
+        head_dim = int(cfg.get("head_dim") or hidden // heads)
+        layers = int(cfg["num_hidden_layers"])
+        moe = model_type == "qwen3_moe"
+        sparse: frozenset = frozenset()
+        if moe:
+            step = int(cfg.get("decoder_sparse_step", 1) or 1)
+            mlp_only = set(cfg.get("mlp_only_layers") or ())
+            sparse = frozenset(i for i in range(layers) if i not in mlp_only and (i + 1) % step == 0)
+        gemma = model_type == "gemma"
+        final_norm = cfg.get(FINAL_NORM_KEY, "default")
+        if final_norm not in ("default", "gemma") or (final_norm == "gemma" and not moe):
+            raise ConfigError(f"{FINAL_NORM_KEY}={final_norm!r}: only qwen3_moe accepts it, with the value \"gemma\"")
+        archs = cfg.get("architectures") or [
+            {"qwen3": "Qwen3ForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM", "gemma": "GemmaForCausalLM"}[model_type]
+        ]
+        return cls(
+            model_type=model_type,
+            architecture=archs[0],
+            vocab_size=int(cfg["vocab_size"]),
+            hidden_size=hidden,
+            num_layers=layers,
+            num_heads=heads,
+            num_kv_heads=int(cfg.get("num_key_value_heads") or heads),
+            head_dim=head_dim,
+            intermediate_size=int(cfg["intermediate_size"]),
+            rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
+            rope_theta=float(theta),
+            hidden_act=cfg.get("hidden_act") or cfg.get("hidden_activation") or "silu",
+            qk_norm=model_type in ("qwen3", "qwen3_moe"),
+            gemma_norm=gemma,
+            embed_scale=hidden**0.5 if gemma else None,
+            tie_word_embeddings=bool(cfg.get("tie_word_embeddings", gemma)),
+            num_experts=int(cfg.get("num_experts") or cfg.get("num_local_experts") or 0) if moe else 0,
+            top_k=int(cfg.get("num_experts_per_tok", 0) or 0) if moe else 0,
+            moe_intermediate_size=int(cfg.get("moe_intermediate_size", 0) or 0) if moe else 0,
+            norm_topk_prob=bool(cfg.get("norm_topk_prob", False)),
+            sparse_layers=sparse,
+            shared_expert_intermediate_size=int(cfg.get("shared_expert_intermediate_size", 0) or 0) if moe else 0,
+            fp8_reads=fp8_option(cfg.get("layer_boundary_fp8")),
+            gemma_final_norm=final_norm == "gemma",
+            hf=cfg,
+        )
+
+    def check_topology(self, topology) -> None:
+        """Raise `ConfigError` naming the fix when the topology cannot split this model."""
+        attn_tp, tp = topology.attn_tp, topology.tp
+        if topology.pp > self.num_layers:
+            raise ConfigError(f"--pp {topology.pp} is more than the {self.num_layers} layers of this model")
+        if self.num_heads % attn_tp:
+            raise ConfigError(
+                f"num_attention_heads={self.num_heads} is not divisible by attention TP {attn_tp}; choose --tp/--attn-dp so that attention TP divides it"
+            )
+        kv = self.num_kv_heads
+        if kv % attn_tp and attn_tp % kv:
+            raise ConfigError(
+                f"num_key_value_heads={kv} and attention TP {attn_tp} must divide one another (split or replicate KV heads)"
+            )
+        if self.intermediate_size % tp:
+            raise ConfigError(f"intermediate_size={self.intermediate_size} is not divisible by TP {tp}")
+        if self.sparse_layers:
+            if self.num_experts % topology.moe_ep:
+                raise ConfigError(f"num_experts={self.num_experts} is not divisible by moe_ep={topology.moe_ep}")
+            if self.moe_intermediate_size % topology.moe_tp:
+                raise ConfigError(f"moe_intermediate_size={self.moe_intermediate_size} is not divisible by moe_tp={topology.moe_tp}")
+            if self.shared_expert_intermediate_size % tp:
+                raise ConfigError(f"shared_expert_intermediate_size={self.shared_expert_intermediate_size} is not divisible by TP {tp}")
+
+
+#: the static FP8 scale of the reference models: |y| up to 8 maps onto E4M3's 448
+FP8_STATIC_SCALE = 8.0 / 448.0
+
+
+def fp8_option(value):
+    if value in (None, "", "none"):
+        return None
+    fmt = value if str(value).startswith("fp8_") else f"fp8_{value}"
+    if fmt not in ("fp8_dynamic", "fp8_static"):
+        raise ConfigError(f"layer_boundary_fp8 must be dynamic or static, got {value!r}")
+    return fmt

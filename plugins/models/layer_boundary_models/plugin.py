@@ -1,0 +1,99 @@
+"""Hook implementations of layer-boundary-models: the reference model families, and the
+choice of their attention and MLP kernels at `prepare_model`.
+
+Every callable of a record is named lazily, so loading this module (which the registry does
+whenever the distribution is installed) imports no model code.
+"""
+
+from __future__ import annotations
+
+import functools
+
+from layer_boundary.plugin import ModelFamily, Priority, hookimpl, lazy
+
+_PACKAGE = __package__
+
+
+def _family(model: str, description: str, *, config: str, weights: str, architecture: str, options=(), **fields) -> ModelFamily:
+    """The record of family `model`: built by `building.build`, parsed by `config` ("module:attr"),
+    weights by `weights`' `load_weights` / `random_weights`, tiny config from `presets.preset`."""
+    return ModelFamily(
+        name=f"models.{model}",
+        model=model,
+        model_type=model,
+        architectures=(architecture,),
+        factory=functools.partial(lazy(f"{_PACKAGE}.building:build"), model),
+        parse=lazy(f"{_PACKAGE}.{config}"),
+        load_weights=lazy(f"{_PACKAGE}.{weights}:load_weights"),
+        random_weights=lazy(f"{_PACKAGE}.{weights}:random_weights"),
+        preset=functools.partial(lazy(f"{_PACKAGE}.presets:preset"), model),
+        reference=lazy(f"{_PACKAGE}.oracle:reference"),
+        describe=lazy(f"{_PACKAGE}.kernel_choice:describe_model"),
+        options=frozenset(options),
+        priority=Priority.REFERENCE,
+        description=description,
+        **fields,
+    )
+
+
+_DECODER = dict(config="config:DecoderConfig.from_hf", weights="weights")
+
+#: every family this distribution ships, in the order `layer-boundary plugins` lists them
+FAMILIES = (
+    _family("qwen3", "dense Qwen3: GQA attention with q/k norm, SiLU gated MLP", architecture="Qwen3ForCausalLM",
+            options=("lora", "fp8", "tbo"), realistic=lazy(f"{_PACKAGE}.presets:realistic_qwen3"), **_DECODER),
+    _family("qwen3_moe", "Qwen3-MoE: routed experts over EP x TP, dense layers from mlp_only_layers",
+            architecture="Qwen3MoeForCausalLM", options=("fp8", "tbo"),
+            # FP8 reads flip the routing of tokens that close (measured up to 0.26 relative)
+            tolerances={"fp8": 0.3}, **_DECODER),
+    _family("gemma", "Gemma: the (1 + w) RMSNorm variant, GeGLU MLP, scaled embeddings, tied head",
+            architecture="GemmaForCausalLM", options=("fp8", "tbo"), **_DECODER),
+    _family("deepseek_v4", "DeepSeek-V4: mHC residual (layer-boundary-mhc), sliding-window MQA with sinks, MoE",
+            architecture="DeepseekV4ForCausalLM", config="deepseek_v4_config:DeepseekV4Config.from_hf", weights="deepseek_v4_family",
+            # HF computes the mHC projections in float32 even in a float64 model, and that float32 GEMM's
+            # rounding changes with the batch's row count and the CPU thread count (measured: ~2e-7)
+            tolerances={"float64": 1e-6}, requires=(("residual_kinds", "mhc"),)),
+    _family("nemotron_h", "Nemotron-H: Mamba-2, attention, MLP and MoE layers, each a single stage (heterogeneous stack)",
+            architecture="NemotronHForCausalLM", config="nemotron_h_family:parse", weights="nemotron_h_family"),
+    _family("longcat_flash", "LongCat-Flash: two MLA attentions per layer, a MoE with zero-compute experts on the main line, "
+            "and a dense FFN -> attention -> dense FFN shortcut as a prepared branch merged with it (needs layer-boundary-tbo)",
+            architecture="LongcatFlashForCausalLM", config="longcat:LongcatConfig.from_hf", weights="longcat", options=("tbo",),
+            # HF routes in fp32 from a float64 model too: a decode step scores one row at a time there
+            # (a CPU GEMV) and a batch here (a GEMM), which round differently (~1e-7 relative)
+            tolerances={"float64": 1e-5}, requires=(("branches", "branch"),)),
+)
+
+
+@hookimpl
+def layer_boundary_model_families():
+    yield from FAMILIES
+
+
+def _ours(model) -> bool:
+    """Whether `model` holds modules of this distribution (the hooks leave every other model
+    alone, and import nothing for it)."""
+    modules = model.modules() if hasattr(model, "modules") else ()
+    return any(type(m).__module__.startswith(f"{_PACKAGE}.") for m in modules)
+
+
+@hookimpl
+def layer_boundary_prepare_model(request):
+    """Choose (rank-agreed) the rope, decode-attention and gated-activation kernels of a
+    reference model's attentions and MLPs (collective over its TP group)."""
+    if _ours(request.model):
+        from .attention_kernels import prepare_attention_kernels
+        from .mlp_kernels import prepare_mlp_kernels
+
+        prepare_attention_kernels(request.model)
+        prepare_mlp_kernels(request.model)
+
+
+@hookimpl
+def layer_boundary_release_model(request):
+    """The attentions and gated MLPs back to their torch path."""
+    if _ours(request.model):
+        from .attention_kernels import release_attention_kernels
+        from .mlp_kernels import release_mlp_kernels
+
+        release_attention_kernels(request.model)
+        release_mlp_kernels(request.model)

@@ -1,0 +1,93 @@
+"""Embedded tiny Hugging Face configs: `layer-boundary run` needs no download."""
+
+from __future__ import annotations
+
+import copy
+import importlib
+
+_COMMON = {
+    "vocab_size": 256,
+    "hidden_size": 64,
+    "num_hidden_layers": 4,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "head_dim": 16,
+    "intermediate_size": 128,
+    "rms_norm_eps": 1e-6,
+    "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0},
+    "max_position_embeddings": 512,
+    "attention_bias": False,
+    "attention_dropout": 0.0,
+}
+
+PRESETS = {
+    "qwen3": {
+        **_COMMON,
+        "model_type": "qwen3",
+        "architectures": ["Qwen3ForCausalLM"],
+        "hidden_act": "silu",
+        "tie_word_embeddings": False,
+        "use_sliding_window": False,
+    },
+    "qwen3_moe": {
+        **_COMMON,
+        "model_type": "qwen3_moe",
+        "architectures": ["Qwen3MoeForCausalLM"],
+        "hidden_act": "silu",
+        "tie_word_embeddings": False,
+        "use_sliding_window": False,
+        "num_experts": 8,
+        "num_experts_per_tok": 2,
+        "moe_intermediate_size": 32,
+        "norm_topk_prob": True,
+        "decoder_sparse_step": 1,
+        "mlp_only_layers": [1],
+    },
+    "gemma": {
+        **_COMMON,
+        "model_type": "gemma",
+        "architectures": ["GemmaForCausalLM"],
+        "num_key_value_heads": 1,
+        "hidden_act": "gelu_pytorch_tanh",
+        "tie_word_embeddings": True,
+    },
+}
+
+
+#: families whose tiny config lives beside their model code: (module, constant)
+_ELSEWHERE = {
+    "deepseek_v4": ("deepseek_v4_family", "PRESET"),
+    "nemotron_h": ("nemotron_h_family", "PRESET"),
+    "longcat_flash": ("longcat", "PRESET"),
+}
+
+
+def preset(name: str) -> dict:
+    """A fresh copy of family `name`'s embedded tiny config."""
+    if name in _ELSEWHERE:
+        module, constant = _ELSEWHERE[name]
+        return copy.deepcopy(getattr(importlib.import_module(f"{__package__}.{module}"), constant))
+    return copy.deepcopy(PRESETS[name])
+
+
+#: a real-width Qwen3 (hidden 4096, 8 layers) for `layer-boundary bench decode`
+_REALISTIC_QWEN3 = {
+    "model_type": "qwen3",
+    "architectures": ["Qwen3ForCausalLM"],
+    "vocab_size": 32000,
+    "hidden_size": 4096,
+    "num_hidden_layers": 8,
+    "num_attention_heads": 32,
+    "num_key_value_heads": 8,
+    "head_dim": 128,
+    "intermediate_size": 12288,
+    "rms_norm_eps": 1e-6,
+    "rope_parameters": {"rope_type": "default", "rope_theta": 1000000.0},
+    "hidden_act": "silu",
+    "tie_word_embeddings": False,
+}
+
+
+def realistic_qwen3() -> dict:
+    """A fresh copy of the real-width Qwen3 config `bench decode` times."""
+    return copy.deepcopy(_REALISTIC_QWEN3)
