@@ -20,6 +20,7 @@ __all__ = ["MODELS", "ModelFamily", "ConfigError", "DecoderConfig", "build_model
 #: modules that register model families when first needed (one line per family module)
 FAMILY_MODULES = (
     "layer_boundary.models.decoder_families",
+    "layer_boundary.models.gemma2_family",
     "layer_boundary.models.deepseek_v4_family",
     "layer_boundary.models.nemotron_h_family",
     "layer_boundary.models.longcat",
