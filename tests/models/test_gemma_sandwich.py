@@ -4,13 +4,18 @@ configs bends the logits (so the parity tests would see it missing); bad configs
 or construction naming the field."""
 
 import functools
+import json
+import subprocess
+import sys
 
 import attrs
 import pytest
+import torch
 
 from layer_boundary import Parallel, Topology
 from layer_boundary.cli.plan_cmd import PlanningCollectives
-from layer_boundary.models import ConfigError, build_model, model_config
+from layer_boundary.models import ConfigError, build_model, family, model_config
+from layer_boundary.models.oracle import hf_from_state
 from layer_boundary.models.runner import run_rank
 from layer_boundary.testing.threaded import run_threaded
 
@@ -132,3 +137,60 @@ def test_a_topology_the_model_cannot_split_fails_at_construction(model, topology
     with pytest.raises(ConfigError, match=field) as info:
         build_model(config, parallel, device="meta")
     assert "\n" not in str(info.value)
+
+
+def test_plan_shows_two_sums_a_layer_each_completed_before_its_post_norm(capsys):
+    """`layer-boundary plan --model gemma3 --tp 2`: per layer an attention and an FFN boundary;
+    the attention's declared sum completes unfused at the FFN input (the post-norm needs it
+    whole), and the MLP all-reduces in its exit: two all-reduces a layer."""
+    from layer_boundary.cli.main import main
+
+    assert main(["plan", "--model", "gemma3", "--tp", "2", "--reduction", "ar", "--json"]) == 0
+    plans = json.loads(capsys.readouterr().out)["boundaries"]
+    assert [p["label"] for p in plans] == [f"layer{i}.{j}:{kind}" for i in range(4) for j, kind in enumerate(("attention", "ffn"))]
+    for attention, ffn in zip(plans[::2], plans[1::2]):
+        assert attention["variants"]["ordinary"]["exit"] == ["leave the ATTN_TP sum (declared) for the next input"]
+        assert ffn["variants"]["ordinary"]["entry"][0].startswith("complete the declared sum unfused")
+        assert ffn["variants"]["ordinary"]["exit"] == ["compute all-reduces over TP"]
+
+
+def test_a_checkpoint_without_a_sandwich_norm_names_the_tensor(tmp_path):
+    from safetensors.torch import load_file, save_file
+
+    from layer_boundary.models.checkpoint import CheckpointError, check_checkpoint
+
+    config = model_config("gemma3")
+    hf_from_state(dict(config.hf), family("gemma3").random_weights(config, torch.float32, 1), torch.float32).save_pretrained(tmp_path)
+    check_checkpoint(tmp_path, config)
+    tensors = load_file(str(tmp_path / "model.safetensors"))
+    for name in ("model.layers.1.post_feedforward_layernorm.weight", "model.layers.2.self_attn.k_norm.weight"):
+        del tensors[name]
+    save_file(tensors, str(tmp_path / "model.safetensors"), metadata={"format": "pt"})
+    with pytest.raises(CheckpointError) as info:
+        check_checkpoint(tmp_path, config)
+    assert any("post_feedforward_layernorm" in p for p in info.value.problems)
+    assert any("layers.2.self_attn.k_norm" in p for p in info.value.problems)
+
+# the command line, once per family: a save_pretrained() checkpoint run on two gloo ranks -----------
+
+
+@pytest.mark.gloo
+@pytest.mark.parametrize("model", FAMILIES)
+def test_run_from_a_saved_checkpoint_matches_hf_at_tp2(tmp_path, model):
+    """`layer-boundary run --checkpoint DIR --tp 2 --check hf`: the config.json transformers
+    writes parses, the checkpoint passes its check and loads sharded, the logits match HF's
+    from_pretrained(); each layer completes two sums (attention's and the MLP's, each before
+    its post-norm)."""
+    config = model_config(model)
+    hf = hf_from_state(dict(config.hf), family(model).random_weights(config, torch.float32, 1), torch.float32)
+    hf.save_pretrained(tmp_path)
+    out = subprocess.run(
+        [sys.executable, "-m", "layer_boundary", "run", "--model", model, "--checkpoint", str(tmp_path), "--tp", "2",
+         "--check", "hf", "--decode-steps", "2", "--json"],
+        capture_output=True, text=True, timeout=300,
+    )
+    assert out.returncode == 0, out.stderr
+    data = json.loads(out.stdout)
+    assert data["check"]["passed"] is True and data["config"]["architecture"] == config.architecture
+    layers = config.num_layers
+    assert data["collectives"]["decode_step"] == {"all_reduce@attn_tp": layers, "all_reduce@tp": layers}
