@@ -81,7 +81,7 @@ def test_plan_shows_every_boundary_of_the_family(example_site):
     out = cli(example_site, "plan", "--model", "llama", "--tp", "2", "--json")
     assert out.returncode == 0, out.stderr
     boundaries = json.loads(out.stdout)["boundaries"]
-    assert [b["label"] for b in boundaries] == [f"layer{i}.{stage}" for i in range(3) for stage in ("attn", "ffn")]
+    assert [b["label"] for b in boundaries] == [f"layer{i}.{j}:{stage}" for i in range(3) for j, stage in enumerate(("attention", "ffn"))]
 
 
 def test_a_bad_topology_is_one_line_from_the_family(example_site):

@@ -88,6 +88,7 @@ def test_a_default_run_prints_no_warning_and_draws_a_bar_on_a_terminal():
         (["--model", "qwen3_moe", "--hf-config", '{"model_type": "qwen3"}'], "needs a config with model_type 'qwen3_moe'"),
         (["--model", "qwen3", "--device", "cuda"] if not torch.cuda.is_available() else ["--model", "nope"], "no CUDA device" if not torch.cuda.is_available() else "unknown model"),
         (["--model", "qwen3", "--tp", "1", "--sequence-parallel"], "--sequence-parallel needs attention TP > 1"),
+        (["--model", "gemma3", "--hf-config", '{"model_type": "gemma3_text", "attn_logit_softcapping": 50.0}'], "attn_logit_softcapping is set"),
     ],
 )
 def test_bad_input_is_one_line_and_exit_status_2(args, message):

@@ -26,6 +26,8 @@ SMALL = {
     "qwen3": {"num_hidden_layers": 2},
     "qwen3_moe": {"num_hidden_layers": 2, "mlp_only_layers": [1]},
     "gemma": {"num_hidden_layers": 2},
+    "gemma2": {"num_hidden_layers": 2, "layer_types": ["sliding_attention", "full_attention"]},
+    "gemma3": {"num_hidden_layers": 2, "layer_types": ["sliding_attention", "full_attention"]},
     "nemotron_h": {"hybrid_override_pattern": "M-E*"},
     # mHC's Sinkhorn loop unrolls in the graph: a few iterations trace the same ops as twenty
     "deepseek_v4": {"num_hidden_layers": 2, "layer_types": ["sliding_attention"] * 2, "mlp_layer_types": ["moe"] * 2, "hc_sinkhorn_iters": 3},
@@ -97,6 +99,9 @@ def test_aot_eager_equals_eager_bitwise(weights_dir):
         _model_param("qwen3_moe", Topology(tp=2, attn_dp=2), "rs", id="moe-dp2-rs"),
         _model_param("qwen3_moe", Topology(tp=2), "rsv", id="moe-tp2-rsv"),
         _model_param("gemma", Topology(tp=2), "ar", id="gemma-tp2"),
+        # the sandwich norms: a post-norm after a completed sum (attention's, at the FFN input)
+        _model_param("gemma2", Topology(tp=2), "ar", id="gemma2-tp2"),
+        _model_param("gemma3", Topology(tp=2, attn_dp=2), "rs+rsv", id="gemma3-dp2"),
         _model_param("nemotron_h", Topology(tp=2), "ar", id="nemotron_h-tp2"),
         _model_param("deepseek_v4", Topology(tp=2), "ar", id="deepseek_v4-tp2"),
         _model_param("longcat_flash", Topology(tp=2), "ar", id="longcat-tp2"),

@@ -21,13 +21,20 @@ def _model(name, dtype, device="cpu"):
     return config, state, model.eval()
 
 
-@pytest.mark.parametrize("name", ["qwen3", "qwen3_moe"])
+#: decode's allowed logit difference: HF's fp32 softmax probabilities differ from this path's by
+#: fp32 rounding; the sandwich families' post-norms rescale each sublayer's output to unit RMS,
+#: so that rounding reaches their logits a few times larger (measured: ~1.5e-6)
+DECODE_ATOL = {"gemma2": 5e-6, "gemma3": 5e-6}
+
+
+@pytest.mark.parametrize("name", ["qwen3", "qwen3_moe", "gemma2", "gemma3"])
 @pytest.mark.parametrize("order", ["rows_are_slots", "reversed_slots"])
 @torch.inference_mode()
 def test_static_cache_decode_matches_hf(name, order):
     """Prefill agrees to 1e-10 in float64. Decode attends over the padded cache length: HF's
     fp32 softmax (which this path mirrors) then sums a different number of terms, so agreement
-    is at fp32 softmax precision (1e-6), still far below any real error.
+    is at fp32 softmax precision (1e-6, `DECODE_ATOL`), still far below any real error. The
+    sandwich families' prompts outrun their sliding window, so decode reads the window's mask.
 
     `rows_are_slots`: decode row i is request i in slot i (`slots=None`, the cache read in
     place); `reversed_slots`: row i is the request in slot n-1-i (the slots gathered)."""
@@ -47,7 +54,7 @@ def test_static_cache_decode_matches_hf(name, order):
     for s, tokens in enumerate(decode):
         out = static_decode_step(model, parallel, cache, torch.tensor([tokens[r] for r in requests]), slots, positions + s)
         for row, r in enumerate(requests):
-            assert torch.allclose(out[row], ref[r][s + 1][0], rtol=0, atol=1e-6)
+            assert torch.allclose(out[row], ref[r][s + 1][0], rtol=0, atol=DECODE_ATOL.get(name, 1e-6))
 
 
 @torch.inference_mode()

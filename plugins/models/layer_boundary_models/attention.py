@@ -20,16 +20,21 @@ __all__ = ["RotaryEmbedding", "KernelRope", "KVCache", "StaticKVCache", "TPAtten
 class BoundDecodeLayout(DecodeLayout):
     """A decode step with its cache facts, computed once per step for every layer
     (`StaticKVCache.bind`): where each row's keys land in the flattened cache (`write_index`),
-    the additive mask over the cache length (`key_bias`), and what a step-bound decode-attention
-    kernel returned from its `bind_step` (it then writes the keys and values itself)."""
+    the additive mask over the cache length (`key_bias`), what a step-bound decode-attention
+    kernel returned from its `bind_step` (it then writes the keys and values itself), and the
+    mask of the sliding-window layers (`window_bias`, a cache made with a `sliding_window`:
+    `key_bias` that also hides the keys the window has passed)."""
 
-    __slots__ = ("write_index", "key_bias", "kernel_state")
+    __slots__ = ("write_index", "key_bias", "kernel_state", "window_bias")
 
-    def __init__(self, slots: Optional[torch.Tensor], positions: torch.Tensor, *, write_index=None, key_bias=None, kernel_state=None):
+    def __init__(
+        self, slots: Optional[torch.Tensor], positions: torch.Tensor, *, write_index=None, key_bias=None, kernel_state=None, window_bias=None
+    ):
         super().__init__(slots, positions)
         self.write_index = write_index
         self.key_bias = key_bias
         self.kernel_state = kernel_state
+        self.window_bias = window_bias
 
     @property
     def bound(self) -> bool:
@@ -56,14 +61,22 @@ class StaticKVCache:
     Every tensor it holds is marked a static address for torch.compile: a compiled step writes
     the cache in place, and CUDA graph trees (`mode="reduce-overhead"`) capture a graph that
     mutates an input only when that input's address is static (as parameters' are); unmarked,
-    they skip the capture and run the compiled graph uncaptured."""
+    they skip the capture and run the compiled graph uncaptured.
 
-    def __init__(self, num_layers: int, slots: int, max_len: int, kv_heads: int, head_dim: int, *, dtype, device):
+    `sliding_window` (a model with sliding-window layers): `bind` also computes the step's
+    window mask (`DecodeLayout.window_bias`). `rope_tables` holds named tables in
+    `rope_table`'s layout, for a model whose layers rotate with different bases."""
+
+    def __init__(
+        self, num_layers: int, slots: int, max_len: int, kv_heads: int, head_dim: int, *, dtype, device, sliding_window: Optional[int] = None
+    ):
         shape = (slots, kv_heads, max_len, head_dim)
         self.k = [_static(torch.zeros(shape, dtype=dtype, device=device)) for _ in range(num_layers)]
         self.v = [_static(torch.zeros(shape, dtype=dtype, device=device)) for _ in range(num_layers)]
         self.slots, self.kv_heads, self.max_len, self.head_dim = slots, kv_heads, max_len, head_dim
+        self.sliding_window = sliding_window
         self._rope_table: Optional[torch.Tensor] = None
+        self.rope_tables: dict[str, torch.Tensor] = {}
 
     @property
     def rope_table(self) -> Optional[torch.Tensor]:
@@ -72,6 +85,10 @@ class StaticKVCache:
     @rope_table.setter
     def rope_table(self, table: Optional[torch.Tensor]) -> None:
         self._rope_table = None if table is None else _static(table)
+
+    def set_rope_tables(self, tables: dict) -> None:
+        """Named rotary tables ([max_len, 2, head_dim] each), looked up by `rope(positions, name)`."""
+        self.rope_tables = {name: _static(table) for name, table in tables.items()}
 
     def write_span(self, layer: int, slot: int, start: int, k, v) -> None:
         """k, v: [tokens, kv_heads, D] at positions start.. of one slot (a prefill's request)."""
@@ -102,9 +119,14 @@ class StaticKVCache:
         if kernel is not None:
             return BoundDecodeLayout(step.slots, positions, write_index=write_index)
         dtype = self.k[0].dtype
-        hidden = torch.arange(self.max_len, device=positions.device)[None, :] > positions[:, None]
+        keys = torch.arange(self.max_len, device=positions.device)[None, :]
+        hidden = keys > positions[:, None]
         key_bias = torch.zeros(hidden.shape, dtype=dtype, device=positions.device).masked_fill_(hidden, torch.finfo(dtype).min)
-        return BoundDecodeLayout(step.slots, positions, write_index=write_index, key_bias=key_bias[:, None, None, :])
+        window_bias = None
+        if self.sliding_window is not None:  # also hidden: keys the window has passed
+            passed = keys <= positions[:, None] - self.sliding_window
+            window_bias = key_bias.masked_fill(passed, torch.finfo(dtype).min)[:, None, None, :]
+        return BoundDecodeLayout(step.slots, positions, write_index=write_index, key_bias=key_bias[:, None, None, :], window_bias=window_bias)
 
     def write_decode(self, layer: int, step: BoundDecodeLayout, k, v) -> None:
         """k, v: [tokens, kv_heads, D] into the rows `step.write_index` names: one index_put_
@@ -125,9 +147,10 @@ class StaticKVCache:
             return k[:T], v[:T]
         return k.index_select(0, step.slots), v.index_select(0, step.slots)
 
-    def rope(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """(cos, sin) [tokens, head_dim] of `positions`: one lookup in `rope_table`."""
-        both = self.rope_table.index_select(0, positions)
+    def rope(self, positions: torch.Tensor, table: Optional[str] = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """(cos, sin) [tokens, head_dim] of `positions`: one lookup in `rope_table`, or in the
+        named table of `rope_tables`."""
+        both = (self.rope_table if table is None else self.rope_tables[table]).index_select(0, positions)
         return both[:, 0], both[:, 1]
 
     def snapshot(self):
@@ -139,9 +162,14 @@ class StaticKVCache:
 
 
 class RotaryEmbedding(nn.Module):
-    def __init__(self, head_dim: int, theta: float):
+    """Rotary factors of base `theta`; `factor` > 1 is linear scaling (positions divided by it,
+    applied to the inverse frequencies as Hugging Face's "linear" rope type does)."""
+
+    def __init__(self, head_dim: int, theta: float, factor: float = 1.0):
         super().__init__()
         inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float) / head_dim))
+        if factor != 1.0:
+            inv_freq = inv_freq / factor
         self.register_buffer("inv_freq", inv_freq, persistent=False)
 
     def forward(self, positions: torch.Tensor, dtype: torch.dtype):
@@ -228,9 +256,29 @@ class TPAttention(nn.Module):
     """Heads split over the attention-TP group; KV heads split, or replicated when fewer than
     the group. By default the output projection never reduces: the boundary owns its sum
     (PARTIAL). A single-stage mixer (SCOPED) passes `reduce_results=True`, so the projection
-    follows its exit's flags. Without `rope` (None at call time) no positions are applied."""
+    follows its exit's flags. Without `rope` (None at call time) no positions are applied.
 
-    def __init__(self, config, parallel, layer: int, *, reduce_results: bool = False, dtype=None, device=None):
+    Options beyond the Qwen3 attention (Gemma 2/3): `scaling` of the scores (default
+    head_dim**-0.5), `softcap` (scores become `softcap * tanh(scores / softcap)` before the
+    mask), `sliding_window` (a query sees itself and the `sliding_window - 1` keys before it),
+    `qk_norm_type` (the norm class of the q/k norms). `plugin_kernels=False` keeps the static
+    path on torch: the kernel requests describe none of these options."""
+
+    def __init__(
+        self,
+        config,
+        parallel,
+        layer: int,
+        *,
+        reduce_results: bool = False,
+        scaling: Optional[float] = None,
+        softcap: Optional[float] = None,
+        sliding_window: Optional[int] = None,
+        qk_norm_type: type = RMSNorm,
+        plugin_kernels: bool = True,
+        dtype=None,
+        device=None,
+    ):
         super().__init__()
         group = parallel.groups["attn_tp"]
         self.layer = layer
@@ -241,7 +289,10 @@ class TPAttention(nn.Module):
         self.kv_replicated = kv < group.size
         self.kv_index = group.rank // (group.size // kv) if self.kv_replicated else None
         self.group = group
-        self.scaling = config.head_dim**-0.5
+        self.scaling = config.head_dim**-0.5 if scaling is None else scaling
+        self.softcap = softcap
+        self.sliding_window = sliding_window
+        self.plugin_kernels = plugin_kernels
         H, D = config.hidden_size, config.head_dim
         if config.num_heads % group.size:
             raise ValueError(f"num_heads={config.num_heads} is not divisible by the {group.name} size {group.size}: choose an attention TP that divides it")
@@ -257,8 +308,8 @@ class TPAttention(nn.Module):
         self.k_addend: Optional[nn.Module] = None
         self.v_addend: Optional[nn.Module] = None
         self.o_proj = RowParallelLinear(config.num_heads * D, H, group, reduce_results=reduce_results, dtype=dtype, device=device)
-        self.q_norm = RMSNorm(D, config.rms_norm_eps, dtype=dtype, device=device) if config.qk_norm else None
-        self.k_norm = RMSNorm(D, config.rms_norm_eps, dtype=dtype, device=device) if config.qk_norm else None
+        self.q_norm = qk_norm_type(D, config.rms_norm_eps, dtype=dtype, device=device) if config.qk_norm else None
+        self.k_norm = qk_norm_type(D, config.rms_norm_eps, dtype=dtype, device=device) if config.qk_norm else None
         # the static-cache path's plugin kernels, chosen once per model by prepare_model
         # (`attention_kernels`); None: the torch path
         self.rope_kernel = None
@@ -284,6 +335,23 @@ class TPAttention(nn.Module):
             w[:q].copy_(q_rows)
             w[q : q + kv].copy_(k_full[rows])
             w[q + kv :].copy_(v_full[rows])
+
+    def _probs(self, scores: torch.Tensor, count: int) -> torch.Tensor:
+        """Softmax weights of `scores` [heads, count, total]: the last `count` of `total`
+        positions query (rows in order), the soft cap first, then the causal mask (and the
+        window's), softmax in fp32 as Hugging Face's eager attention."""
+        if self.softcap is not None:
+            scores = torch.tanh(scores / self.softcap) * self.softcap
+        total = scores.shape[-1]
+        window = self.sliding_window
+        if count > 1 or (window is not None and total > window):
+            # key j is visible to row i (position total - count + i) when j <= that position
+            # and, in a window, j > that position - window
+            mask = torch.ones(count, total, dtype=torch.bool, device=scores.device).tril(total - count)
+            if window is not None:
+                mask = mask.triu(total - count - window + 1)
+            scores = scores + torch.zeros_like(mask, dtype=scores.dtype).masked_fill(~mask, torch.finfo(scores.dtype).min)
+        return torch.softmax(scores, dim=-1, dtype=torch.float32).to(scores.dtype)
 
     def _qkv(self, x):
         """q [tokens, heads, D], k and v [tokens, kv_heads, D]: views of one GEMM's output (rows
@@ -320,12 +388,7 @@ class TPAttention(nn.Module):
                 ks, vs = cache.append(self.layer, rid, ks, vs)
             ks = ks.repeat_interleave(groups, dim=0)
             vs = vs.repeat_interleave(groups, dim=0)
-            scores = torch.matmul(qs, ks.transpose(1, 2)) * self.scaling
-            if count > 1:
-                total = ks.shape[1]
-                mask = torch.ones(count, total, dtype=torch.bool, device=q.device).tril(total - count)
-                scores = scores + torch.zeros_like(mask, dtype=scores.dtype).masked_fill(~mask, torch.finfo(scores.dtype).min)
-            probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(qs.dtype)
+            probs = self._probs(torch.matmul(qs, ks.transpose(1, 2)) * self.scaling, count)
             out[start : start + count] = torch.matmul(probs, vs).transpose(0, 1)
         return self.o_proj(out.reshape(T, self.heads * D))
 
@@ -361,11 +424,7 @@ class TPAttention(nn.Module):
             ks = cache.k[self.layer][slot, :, :total].repeat_interleave(groups, dim=0)
             vs = cache.v[self.layer][slot, :, :total].repeat_interleave(groups, dim=0)
             qs = q[rows].transpose(0, 1)
-            scores = torch.matmul(qs, ks.transpose(1, 2)) * self.scaling
-            if count > 1:
-                mask = torch.ones(count, total, dtype=torch.bool, device=q.device).tril(total - count)
-                scores = scores + torch.zeros_like(mask, dtype=scores.dtype).masked_fill(~mask, torch.finfo(scores.dtype).min)
-            probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(qs.dtype)
+            probs = self._probs(torch.matmul(qs, ks.transpose(1, 2)) * self.scaling, count)
             out[rows] = torch.matmul(probs, vs).transpose(0, 1)
         return self.o_proj(out.reshape(T, self.heads * D))
 
@@ -376,8 +435,14 @@ class TPAttention(nn.Module):
         and shares each KV head across its query group by a view of the queries ([tokens,
         kv_heads, group, D]) instead of repeating keys and values."""
         kernel = self.decode_attention_kernel
+        window = self.sliding_window
         if not isinstance(step, BoundDecodeLayout) or not step.bound or (kernel is None and step.key_bias is None):  # a layout nobody bound for this path
             step = cache.bind(step, kernel)
+        if window is not None and step.window_bias is None:
+            raise ValueError(
+                f"layer {self.layer} has a sliding window of {window}: decode it through a cache made with "
+                f"sliding_window={window} (the model's new_static_cache), whose bind() computes the window mask"
+            )
         k_cache, v_cache = cache.k[self.layer], cache.v[self.layer]
         if step.kernel_state is not None:  # a step-bound kernel: its own write, then its attention
             kernel.write(step.kernel_state, k, v, k_cache, v_cache)
@@ -388,7 +453,13 @@ class TPAttention(nn.Module):
         keys, values = cache.read_decode(self.layer, step)  # [T, kv_heads, L, D]
         T, D = q.shape[0], self.head_dim
         grouped = q.view(T, self.kv_heads, self.heads // self.kv_heads, D)
-        scores = torch.add(step.key_bias, torch.matmul(grouped, keys.transpose(-1, -2)), alpha=self.scaling)
+        if self.softcap is not None or window is not None:  # Hugging Face's order: scale, cap, then mask
+            scores = torch.matmul(grouped, keys.transpose(-1, -2)) * self.scaling
+            if self.softcap is not None:
+                scores = torch.tanh(scores / self.softcap) * self.softcap
+            scores = scores + (step.key_bias if window is None else step.window_bias)
+        else:
+            scores = torch.add(step.key_bias, torch.matmul(grouped, keys.transpose(-1, -2)), alpha=self.scaling)
         # HF's eager softmax runs in fp32; half types' kernels accumulate in fp32 already (one
         # launch, no round trip), wider types keep the fp32 softmax HF computes
         if scores.dtype in (torch.bfloat16, torch.float16):
@@ -408,6 +479,8 @@ class TPAttention(nn.Module):
         """
         if isinstance(cache, StaticKVCache):
             raise NotImplementedError("context-parallel prefill keeps a KVCache; the static (CUDA-graph) cache is decode-only here")
+        if self.softcap is not None or self.sliding_window is not None:
+            raise NotImplementedError("context-parallel prefill runs plain causal attention: no soft cap, no sliding window")
         if tuple(step.counts) != tuple(cp.lengths):
             raise ValueError(f"the CP token mapping was built for request lengths {tuple(cp.lengths)}, the step has {tuple(step.counts)}")
         cos, sin = rope

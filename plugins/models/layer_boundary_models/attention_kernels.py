@@ -50,10 +50,19 @@ class AttentionKernels:
     qk_norm_rope: KernelChoice = KernelChoice(TORCH)
 
 
-def _attentions(model) -> list:
+def _all_attentions(model) -> list:
     from .attention import TPAttention
 
     return [m for m in model.modules() if isinstance(m, TPAttention)] if isinstance(model, torch.nn.Module) else []
+
+
+def _attentions(model) -> list:
+    """The reference attentions of `model` that take plugin kernels (`plugin_kernels`)."""
+    return [m for m in _all_attentions(model) if m.plugin_kernels]
+
+
+#: the plan line of a model whose attentions keep the torch path
+TORCH_ONLY = "attention kernels (static cache): core.torch (soft-capping, sliding windows and per-layer rope bases are outside the kernel requests)"
 
 
 def fusable_qk_norms(attention) -> bool:
@@ -156,7 +165,7 @@ def describe(model) -> Optional[str]:
     and for the q/k norms + rope where the attention has q/k norms."""
     attentions = _attentions(model)
     if not attentions:
-        return None
+        return TORCH_ONLY if _all_attentions(model) else None
     registry = get_registry()
     kinds = _kinds(registry, requests_for(model, attentions[0]))
     chosen = model.__dict__.get("attention_kernels") if isinstance(model, torch.nn.Module) else None

@@ -14,13 +14,13 @@ from layer_boundary.plugin import ModelFamily, Priority, hookimpl, lazy
 _PACKAGE = __package__
 
 
-def _family(model: str, description: str, *, config: str, weights: str, architecture: str, options=(), **fields) -> ModelFamily:
+def _family(model: str, description: str, *, config: str, weights: str, architecture: str, options=(), model_type=None, **fields) -> ModelFamily:
     """The record of family `model`: built by `building.build`, parsed by `config` ("module:attr"),
     weights by `weights`' `load_weights` / `random_weights`, tiny config from `presets.preset`."""
     return ModelFamily(
         name=f"models.{model}",
         model=model,
-        model_type=model,
+        model_type=model_type or model,
         architectures=(architecture,),
         factory=functools.partial(lazy(f"{_PACKAGE}.building:build"), model),
         parse=lazy(f"{_PACKAGE}.{config}"),
@@ -37,6 +37,7 @@ def _family(model: str, description: str, *, config: str, weights: str, architec
 
 
 _DECODER = dict(config="config:DecoderConfig.from_hf", weights="weights")
+_SANDWICH = dict(config="gemma2_config:GemmaSandwichConfig.from_hf", weights="gemma2_family")
 
 #: every family this distribution ships, in the order `layer-boundary plugins` lists them
 FAMILIES = (
@@ -61,6 +62,10 @@ FAMILIES = (
             # HF routes in fp32 from a float64 model too: a decode step scores one row at a time there
             # (a CPU GEMV) and a batch here (a GEMM), which round differently (~1e-7 relative)
             tolerances={"float64": 1e-5}, requires=(("branches", "branch"),)),
+    _family("gemma2", "Gemma 2: sandwich (1 + w) norms, alternating sliding-window and full attention, soft-capped scores and logits",
+            architecture="Gemma2ForCausalLM", **_SANDWICH),
+    _family("gemma3", "Gemma 3 (text): Gemma 2's sandwich layers with per-head q/k norms and a local rope base for sliding layers",
+            architecture="Gemma3ForCausalLM", model_type="gemma3_text", **_SANDWICH),
 )
 
 

@@ -51,6 +51,37 @@ PRESETS = {
         "hidden_act": "gelu_pytorch_tanh",
         "tie_word_embeddings": True,
     },
+    # every feature of the sandwich families at a tiny size: a window shorter than the prompts,
+    # both layer types on each of two pipeline stages, soft caps that bend the scores and
+    # logits, query_pre_attn_scalar unlike head_dim, and (Gemma 3) a linear-scaled full rope
+    "gemma2": {
+        **_COMMON,
+        "model_type": "gemma2",
+        "architectures": ["Gemma2ForCausalLM"],
+        "hidden_activation": "gelu_pytorch_tanh",
+        "tie_word_embeddings": True,
+        "query_pre_attn_scalar": 24,
+        "sliding_window": 4,
+        "layer_types": ["sliding_attention", "full_attention", "sliding_attention", "full_attention"],
+        "attn_logit_softcapping": 2.0,
+        "final_logit_softcapping": 5.0,
+    },
+    "gemma3": {
+        **_COMMON,
+        "model_type": "gemma3_text",
+        "architectures": ["Gemma3ForCausalLM"],
+        "hidden_activation": "gelu_pytorch_tanh",
+        "tie_word_embeddings": True,
+        "query_pre_attn_scalar": 24,
+        "sliding_window": 4,
+        "layer_types": ["sliding_attention", "full_attention", "sliding_attention", "full_attention"],
+        "rope_parameters": {
+            "full_attention": {"rope_type": "linear", "factor": 8.0, "rope_theta": 1000000.0},
+            "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+        },
+        "attn_logit_softcapping": None,
+        "final_logit_softcapping": 5.0,
+    },
 }
 
 

@@ -1,0 +1,217 @@
+"""The configuration of the Gemma 2 and Gemma 3 (text) reference models, parsed from a Hugging
+Face config with the defaults transformers gives a missing key.
+
+Both are sandwich-norm decoders: every sublayer has a norm before it and one on its complete
+output, before the residual add. Gemma 2 soft-caps attention scores and the final logits;
+Gemma 3 adds (1 + w) q/k norms per head and a rotary base of its own for the sliding-window
+layers. What the reference model does not implement is refused here, naming the field.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Mapping, Optional
+
+import attrs
+
+from .config import ConfigError, FamilyConfig
+
+__all__ = ["GemmaSandwichConfig", "RopeSpec", "LAYER_TYPES"]
+
+SLIDING, FULL = "sliding_attention", "full_attention"
+LAYER_TYPES = (SLIDING, FULL)
+
+#: what transformers 5.24 uses for a key the config leaves out (Gemma2Config, Gemma3TextConfig)
+_DEFAULTS = {
+    "gemma2": {
+        "vocab_size": 256000, "hidden_size": 2304, "intermediate_size": 9216, "num_hidden_layers": 26,
+        "num_attention_heads": 8, "num_key_value_heads": 4, "head_dim": 256, "rms_norm_eps": 1e-6,
+        "query_pre_attn_scalar": 256, "sliding_window": 4096, "final_logit_softcapping": 30.0,
+        "attn_logit_softcapping": 50.0, "tie_word_embeddings": True, "max_position_embeddings": 8192,
+    },
+    "gemma3_text": {
+        "vocab_size": 262208, "hidden_size": 2304, "intermediate_size": 9216, "num_hidden_layers": 26,
+        "num_attention_heads": 8, "num_key_value_heads": 4, "head_dim": 256, "rms_norm_eps": 1e-6,
+        "query_pre_attn_scalar": 256, "sliding_window": 4096, "final_logit_softcapping": None,
+        "attn_logit_softcapping": None, "tie_word_embeddings": True, "max_position_embeddings": 131072,
+    },
+}
+_ARCHITECTURES = {"gemma2": "Gemma2ForCausalLM", "gemma3_text": "Gemma3ForCausalLM"}
+#: Gemma 3's default rotary bases per layer type (Gemma3TextConfig.default_theta)
+_GEMMA3_THETA = {FULL: 1_000_000.0, SLIDING: 10_000.0}
+#: rope types the reference rotary implements
+_ROPE_TYPES = ("default", "linear")
+
+
+@attrs.frozen
+class RopeSpec:
+    """A rotary embedding: its base and linear scaling factor (1: none)."""
+
+    theta: float
+    factor: float = 1.0
+
+
+@attrs.frozen(kw_only=True)
+class GemmaSandwichConfig(FamilyConfig):
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    intermediate_size: int
+    rms_norm_eps: float
+    hidden_act: str
+    #: the scores are scaled by query_pre_attn_scalar**-0.5 (not head_dim**-0.5)
+    query_pre_attn_scalar: float
+    sliding_window: Optional[int]
+    #: per layer: "sliding_attention" or "full_attention"
+    layer_types: tuple
+    attn_logit_softcapping: Optional[float]
+    final_logit_softcapping: Optional[float]
+    #: (1 + w) RMSNorms of each query and key head (Gemma 3)
+    qk_norm: bool
+    #: the rotary embedding of each layer type
+    rope: Mapping[str, RopeSpec]
+    embed_scale: float
+
+    @property
+    def rope_theta(self) -> float:
+        """The full-attention layers' base (what a single-rope consumer reads)."""
+        return self.rope[FULL].theta
+
+    def is_sliding(self, layer: int) -> bool:
+        return self.layer_types[layer] == SLIDING
+
+    @classmethod
+    def from_hf(cls, raw: Mapping[str, Any]) -> "GemmaSandwichConfig":
+        model_type = raw.get("model_type")
+        if model_type not in _DEFAULTS:
+            raise ConfigError(f"model_type {model_type!r} is not a Gemma 2/3 text model; use gemma2 or gemma3_text")
+        cfg = {**_DEFAULTS[model_type], **{k: v for k, v in raw.items() if v is not None or k in _DEFAULTS[model_type]}}
+        for key in ("attention_bias", "use_bidirectional_attention"):
+            if cfg.get(key):
+                raise ConfigError(f"{key}=true is not supported by the {model_type} reference model; set it to false")
+        layers = _size(cfg, "num_hidden_layers")
+        layer_types = _layer_types(cfg, model_type, layers)
+        window = cfg.get("sliding_window")
+        if SLIDING in layer_types and (not isinstance(window, int) or window < 1):
+            raise ConfigError(f"sliding_window={window!r}: the sliding_attention layers need a positive integer window")
+        if model_type == "gemma3_text" and cfg.get("attn_logit_softcapping") is not None:
+            raise ConfigError(
+                "attn_logit_softcapping is set, but Gemma 3's attention (transformers 5.24) never applies it; set it to null"
+            )
+        if float(cfg.get("partial_rotary_factor") or 1.0) != 1.0:
+            raise ConfigError(f"partial_rotary_factor={cfg['partial_rotary_factor']}: the {model_type} reference model rotates whole heads")
+        rope = _gemma3_rope(cfg) if model_type == "gemma3_text" else _gemma2_rope(cfg)
+        hidden = _size(cfg, "hidden_size")
+        heads = _size(cfg, "num_attention_heads")
+        act = cfg.get("hidden_activation") or "gelu_pytorch_tanh"  # HF's Gemma 2/3 MLPs read hidden_activation only
+        if act not in ("gelu_pytorch_tanh", "gelu_tanh", "gelu", "silu"):
+            raise ConfigError(f"hidden_activation={act!r} is not supported; the reference MLP runs gelu_pytorch_tanh, gelu or silu")
+        softcaps = {}
+        for key in ("attn_logit_softcapping", "final_logit_softcapping"):
+            value = cfg.get(key)
+            if value is not None and not float(value) > 0:
+                raise ConfigError(f"{key}={value!r} must be positive, or null for no soft cap")
+            softcaps[key] = None if value is None else float(value)
+        return cls(
+            model_type=model_type,
+            architecture=(cfg.get("architectures") or [_ARCHITECTURES[model_type]])[0],
+            vocab_size=_size(cfg, "vocab_size"),
+            hidden_size=hidden,
+            num_layers=layers,
+            num_heads=heads,
+            num_kv_heads=_size(cfg, "num_key_value_heads"),
+            head_dim=_size(cfg, "head_dim"),
+            intermediate_size=_size(cfg, "intermediate_size"),
+            rms_norm_eps=float(cfg["rms_norm_eps"]),
+            hidden_act=act,
+            query_pre_attn_scalar=float(cfg["query_pre_attn_scalar"]),
+            sliding_window=int(window) if SLIDING in layer_types else None,
+            layer_types=layer_types,
+            attn_logit_softcapping=softcaps["attn_logit_softcapping"],
+            final_logit_softcapping=softcaps["final_logit_softcapping"],
+            qk_norm=model_type == "gemma3_text",
+            rope=rope,
+            tie_word_embeddings=bool(cfg["tie_word_embeddings"]),
+            embed_scale=hidden**0.5,
+            hf=dict(raw),
+        )
+
+    def check_topology(self, topology) -> None:
+        """Raise `ConfigError` naming the fix when the topology cannot split this model."""
+        attn_tp, tp = topology.attn_tp, topology.tp
+        if topology.pp > self.num_layers:
+            raise ConfigError(f"--pp {topology.pp} is more than the {self.num_layers} layers of this model")
+        if topology.attn_cp > 1:
+            raise ConfigError(f"{self.model_type} runs without context parallelism (its attention has a sliding window); use --attn-cp 1")
+        if self.num_heads % attn_tp:
+            raise ConfigError(
+                f"num_attention_heads={self.num_heads} is not divisible by attention TP {attn_tp}; choose --tp/--attn-dp so that attention TP divides it"
+            )
+        kv = self.num_kv_heads
+        if kv % attn_tp and attn_tp % kv:
+            raise ConfigError(f"num_key_value_heads={kv} and attention TP {attn_tp} must divide one another (split or replicate KV heads)")
+        if self.intermediate_size % tp:
+            raise ConfigError(f"intermediate_size={self.intermediate_size} is not divisible by TP {tp}")
+
+
+def _size(cfg, key: str) -> int:
+    """A positive integer field of the config."""
+    value = cfg.get(key)
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ConfigError(f"{key}={value!r} must be a positive integer")
+    return value
+
+
+def _layer_types(cfg, model_type: str, layers: int) -> tuple:
+    """`layer_types`, or HF's default pattern: Gemma 2 alternates sliding and full layers, Gemma 3
+    has a full layer every `sliding_window_pattern` (6) layers."""
+    types = cfg.get("layer_types")
+    if types is None:
+        period = 2 if model_type == "gemma2" else int(cfg.get("sliding_window_pattern") or 6)
+        return tuple(SLIDING if (i + 1) % period else FULL for i in range(layers))
+    types = tuple(types)
+    if len(types) != layers:
+        raise ConfigError(f"layer_types has {len(types)} entries for num_hidden_layers={layers}; give one per layer")
+    unknown = sorted(set(types) - set(LAYER_TYPES))
+    if unknown:
+        raise ConfigError(f"layer_types has {unknown}; the {model_type} reference model runs sliding_attention and full_attention layers")
+    return types
+
+
+def _rope_spec(params: Mapping[str, Any], field: str) -> RopeSpec:
+    rope_type = params.get("rope_type", params.get("type", "default"))
+    if rope_type not in _ROPE_TYPES:
+        raise ConfigError(f"{field}: rope_type {rope_type!r} is not supported; the reference models run {' and '.join(_ROPE_TYPES)} RoPE")
+    if float(params.get("partial_rotary_factor") or 1.0) != 1.0:
+        raise ConfigError(f"{field}: partial_rotary_factor={params['partial_rotary_factor']}; the reference model rotates whole heads")
+    factor = float(params["factor"]) if rope_type == "linear" else 1.0
+    if rope_type == "linear" and not factor > 0:
+        raise ConfigError(f"{field}: a linear rope needs a positive factor, got {params.get('factor')!r}")
+    return RopeSpec(theta=float(params["rope_theta"]), factor=factor)
+
+
+def _gemma2_rope(cfg) -> dict:
+    """One rope for every layer: `rope_scaling` (older configs) or `rope_parameters`."""
+    params = dict(cfg.get("rope_scaling") or cfg.get("rope_parameters") or {})
+    if any(key in LAYER_TYPES for key in params):
+        raise ConfigError("rope_parameters: gemma2 takes one rope for every layer, not one per layer type")
+    params.setdefault("rope_theta", cfg.get("rope_theta", 10000.0))
+    spec = _rope_spec(params, "rope_parameters")
+    return {SLIDING: spec, FULL: spec}
+
+
+def _gemma3_rope(cfg) -> dict:
+    """A rope per layer type: `rope_parameters` nested by layer type, filled in as
+    Gemma3TextConfig does (`rope_scaling` updates the full-attention rope; `rope_theta` and
+    `rope_local_base_freq` are the bases a nested entry leaves out)."""
+    given = cfg.get("rope_parameters")
+    if given and not set(given) <= set(LAYER_TYPES):
+        raise ConfigError(
+            "rope_parameters: gemma3_text takes one entry per layer type ({\"full_attention\": {...}, \"sliding_attention\": {...}}); "
+            "transformers ignores a flat one"
+        )
+    nested = {kind: dict((given or {}).get(kind) or {"rope_type": "default"}) for kind in LAYER_TYPES}
+    nested[FULL].update(cfg.get("rope_scaling") or {})
+    nested[FULL].setdefault("rope_theta", cfg.get("rope_theta", _GEMMA3_THETA[FULL]))
+    nested[SLIDING].setdefault("rope_theta", cfg.get("rope_local_base_freq", _GEMMA3_THETA[SLIDING]))
+    return {kind: _rope_spec(params, f"rope_parameters[{kind!r}]") for kind, params in nested.items()}
