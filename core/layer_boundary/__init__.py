@@ -55,7 +55,7 @@ from .plugin import Adapter, FusionProvider, Priority, ResidualKind, get_registr
 from ._policy import resolve_reduction, resolve_speculative_reduction
 from ._residual import ResidualOps, StageRead, StageUpdate, residual_kind
 from ._residual import batch as residual_batch
-from ._residual.add_norm import NORM_READ, PLAIN_ADD, PLAIN_RESIDUAL, GemmaRMSNorm, RMSNorm
+from ._residual.add_norm import NORM_READ, PLAIN_ADD, PLAIN_RESIDUAL, GemmaRMSNorm, LayerNorm, RMSNorm
 from ._residual.stream import Contribution, OwedOutput, ResidualStream, StreamState
 from ._lifecycle import prepare_model, release_model
 from .plugin._legacy import ModelSetup
@@ -91,6 +91,7 @@ __all__ = [
     "GemmaRMSNorm",
     "HandoffOutput",
     "Layout",
+    "LayerNorm",
     "Messages",
     "MissingPluginError",
     "MixerExit",

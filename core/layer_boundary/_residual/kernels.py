@@ -132,6 +132,8 @@ def _ask(request: AddNormRequest, plain: bool = False) -> tuple:
     declined: list[str] = []
     for item in _manager.get_registry().add_norm_kernels:
         make = item.record.norm_factory if plain else item.record.factory
+        if request.norm_kind not in item.record.norm_kinds:
+            make = None  # a kind the record does not declare: its kernels compute another norm
         kernel = make(request) if make is not None else None
         if kernel is None:
             declined.append(item.name)
