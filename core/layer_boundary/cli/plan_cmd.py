@@ -73,6 +73,9 @@ def build_plan_report(model_name: str, hf_config, topology: Topology, reduction:
     from ..models.mlp_kernels import describe as describe_mlp_kernels
 
     lines = {"attention_kernels": describe_attention_kernels(model), "mlp_kernels": describe_mlp_kernels(model)}
+    notes = getattr(model, "plan_notes", None)  # a model's own lines: collectives its compute issues
+    if callable(notes):
+        lines.update(notes())
     return config, policy, [b.plan.describe() for b in boundaries_of(model)], {k: v for k, v in lines.items() if v}
 
 

@@ -23,6 +23,7 @@ FAMILY_MODULES = (
     "layer_boundary.models.deepseek_v4_family",
     "layer_boundary.models.nemotron_h_family",
     "layer_boundary.models.longcat",
+    "layer_boundary.models.residual_families",
 )
 
 

@@ -14,7 +14,7 @@ from torch import nn
 from .._layers import Linear, RowParallelLinear, shard_rows
 from .._residual.add_norm import RMSNorm
 
-__all__ = ["RotaryEmbedding", "KernelRope", "KVCache", "StaticKVCache", "TPAttention", "StepLayout", "DecodeLayout"]
+__all__ = ["RotaryEmbedding", "KernelRope", "KVCache", "StaticKVCache", "TPAttention", "StepLayout", "DecodeLayout", "attend_requests"]
 
 
 class StepLayout:
@@ -210,6 +210,33 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
     return out
 
 
+def attend_requests(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, step, cache: Optional["KVCache"], layer: int, scaling: float):
+    """Causal attention of each request of `step` over its cached past and its new rows, as
+    Hugging Face's eager attention computes it (scores in the input's dtype, the dtype's minimum
+    as the mask, softmax in fp32): q [tokens, heads, D], k and v [tokens, kv_heads, D] (KV heads
+    shared by consecutive query heads); the new keys and values join `cache` at `layer`.
+    Returns [tokens, heads, D]."""
+    T, heads, D = q.shape
+    out = q.new_empty(T, heads, D)
+    groups = heads // k.shape[1]
+    for rid, start, count in zip(step.rids, step.starts, step.counts):
+        qs = q[start : start + count].transpose(0, 1)  # [heads, count, D]
+        ks = k[start : start + count].transpose(0, 1)
+        vs = v[start : start + count].transpose(0, 1)
+        if cache is not None:
+            ks, vs = cache.append(layer, rid, ks, vs)
+        ks = ks.repeat_interleave(groups, dim=0)
+        vs = vs.repeat_interleave(groups, dim=0)
+        scores = torch.matmul(qs, ks.transpose(1, 2)) * scaling
+        if count > 1:
+            total = ks.shape[1]
+            mask = torch.ones(count, total, dtype=torch.bool, device=q.device).tril(total - count)
+            scores = scores + torch.zeros_like(mask, dtype=scores.dtype).masked_fill(~mask, torch.finfo(scores.dtype).min)
+        probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(qs.dtype)
+        out[start : start + count] = torch.matmul(probs, vs).transpose(0, 1)
+    return out
+
+
 class KernelRope:
     """A plugin's rope kernel bound to a step's positions: what the attention calls on its
     queries and keys in place of the (cos, sin) rotation (`RopeKernel`).
@@ -351,23 +378,7 @@ class TPAttention(nn.Module):
         if rope is not None:
             cos, sin = rope
             q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
-        out = q.new_empty(T, self.heads, D)
-        groups = self.heads // self.kv_heads
-        for rid, start, count, past in zip(step.rids, step.starts, step.counts, step.past):
-            qs = q[start : start + count].transpose(0, 1)  # [heads, count, D]
-            ks = k[start : start + count].transpose(0, 1)
-            vs = v[start : start + count].transpose(0, 1)
-            if cache is not None:
-                ks, vs = cache.append(self.layer, rid, ks, vs)
-            ks = ks.repeat_interleave(groups, dim=0)
-            vs = vs.repeat_interleave(groups, dim=0)
-            scores = torch.matmul(qs, ks.transpose(1, 2)) * self.scaling
-            if count > 1:
-                total = ks.shape[1]
-                mask = torch.ones(count, total, dtype=torch.bool, device=q.device).tril(total - count)
-                scores = scores + torch.zeros_like(mask, dtype=scores.dtype).masked_fill(~mask, torch.finfo(scores.dtype).min)
-            probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(qs.dtype)
-            out[start : start + count] = torch.matmul(probs, vs).transpose(0, 1)
+        out = attend_requests(q, k, v, step, cache, self.layer, self.scaling)
         return self.o_proj(out.reshape(T, self.heads * D))
 
     def _project(self, x, rope):

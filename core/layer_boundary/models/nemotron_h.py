@@ -23,13 +23,13 @@ from torch.nn import functional as F
 
 from .. import ProducerReduction, declare_attn, declare_ffn, layer_stack, make_stages, residual_batch
 from .._forward import get_forward
-from .._layers import ColumnParallelLinear, MoeFinalizeHandoff, RowParallelLinear, reduce_output, shard_cols, shard_rows
+from .._layers import MoeFinalizeHandoff, reduce_output, shard_cols, shard_rows
 from .._layout import SumGroup
 from .._residual.add_norm import RMSNorm
 from .attention import KVCache, StepLayout, TPAttention
 from .config import ConfigError
 from .mamba import MambaStates, TPMamba2Mixer
-from .mlp import activation, dense_experts
+from .mlp import TPPlainMLP, activation, dense_experts
 from .pipeline import PipelineHandoff, pipeline_layers
 
 __all__ = ["NemotronHConfig", "NemotronHRMSNorm", "NemotronHForCausalLM", "NemotronHCache", "stage_declaration", "pipeline_layers"]
@@ -263,23 +263,6 @@ class NemotronHRMSNorm(RMSNorm):
 
     def _scale(self, normalized: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
         return (self.weight.to(normalized.dtype) * normalized).to(out_dtype)
-
-
-class TPPlainMLP(nn.Module):
-    """down(act(up(x))), up split by output feature and down by input feature over `group`."""
-
-    def __init__(self, hidden: int, intermediate: int, group, act: str, *, reduce_results=True, dtype=None, device=None):
-        super().__init__()
-        self.up = ColumnParallelLinear(hidden, intermediate, group, dtype=dtype, device=device)
-        self.down = RowParallelLinear(intermediate, hidden, group, reduce_results=reduce_results, dtype=dtype, device=device)
-        self.act = activation(act)
-
-    def load_full(self, up: torch.Tensor, down: torch.Tensor) -> None:
-        self.up.load_full(up)
-        self.down.load_full(down)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down(self.act(self.up(x)))
 
 
 class NemotronHRouter(nn.Module):
