@@ -16,6 +16,7 @@ from layer_boundary.models import ConfigError, family, model_config
 from layer_boundary.models.oracle import hf_from_state, hf_logits
 from layer_boundary.models.residual_norms import ProjectionQKNorm
 from layer_boundary.models.runner import RunJob, make_requests, run_rank
+from layer_boundary.testing import requires_plugins
 from layer_boundary.testing.threaded import run_threaded
 
 from model_cases import TOLERANCE, rel_error
@@ -62,10 +63,12 @@ def _case(case: str, weights_dir: str):
 
 
 @functools.lru_cache(maxsize=None)
-def _run(case: str, topo: str, weights_dir: str, **options):
+def _run(case: str, topo: str, weights_dir: str, extras: tuple = (), **changes):
+    """The case's run on the topology: RunJob `changes`, and `extras` as (key, value) pairs of
+    per-forward facts (`RunJob.options`)."""
     job, _ = _case(case, weights_dir)
     topology, reduction = TOPOLOGIES[topo]
-    job = attrs.evolve(job, **{"topology": topology, "reduction": reduction, **options})
+    job = attrs.evolve(job, **{"topology": topology, "reduction": reduction, "options": dict(extras), **changes})
     if topology.world_size == 1:
         return [run_rank(Parallel.single(), job)]
     return run_threaded(run_rank, topology, job, timeout=120)
@@ -103,6 +106,15 @@ def test_sequence_parallel_matches_hf(weights_dir, case):
     results = _run(case, "tp4", weights_dir, sequence_parallel=True, reduction="rs+rsv")
     assert rel_error(results, ref) < TOLERANCE["float64"]
     assert results[0]["collectives"]["prefill"].get("reduce_scatterv@attn_tp")  # the prefill ran on slices
+
+
+@requires_plugins("tbo")
+@pytest.mark.parametrize("case", ["olmo2", "gpt_neox"])
+def test_two_batch_overlap_runs_the_layers_as_operations(weights_dir, case):
+    """The layers' `operations` (post-norm, parallel residual) under two-batch overlap, attention DP 2."""
+    _, ref = _case(case, weights_dir)
+    results = _run(case, "dp2xtp2", weights_dir, extras=(("tbo", True),))
+    assert rel_error(results, ref) < _tolerance(case, "dp2xtp2")
 
 
 def _as_reference(results) -> list:
@@ -250,3 +262,59 @@ def test_topologies_the_model_cannot_split_fail_naming_the_fix():
         config.check_topology(Topology(tp=2, attn_cp=2))
     with pytest.raises(ConfigError, match="num_attention_heads=4 is not divisible by attention TP 8"):
         config.check_topology(Topology(tp=8))
+
+
+# --- the norms against Hugging Face's modules ----------------------------------------------------
+
+
+def _hf_module(module: str, cls: str):
+    import importlib
+
+    return getattr(importlib.import_module(f"transformers.models.{module}.modeling_{module}"), cls)
+
+
+def _filled(module, seed):
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in module.parameters():
+            p.copy_(1 + 0.1 * torch.randn(p.shape, generator=g, dtype=torch.float64))
+    return module
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.bfloat16])
+def test_the_norms_compute_what_hugging_face_does_bit_for_bit(dtype):
+    """Cohere's LayerNorm (fp32 statistics even for float64), its per-head q/k norm, OLMo-2's
+    RMSNorm (the weight before the rounding) and its q/k norm over one rank."""
+    from layer_boundary import LayerNorm
+    from layer_boundary.models.residual_norms import HeadLayerNorm, Olmo2RMSNorm
+
+    x = torch.randn(5, 4, 16, generator=torch.Generator().manual_seed(0), dtype=torch.float64).to(dtype)
+    flat = x.reshape(5, 64)
+    ours = _filled(LayerNorm(64, 1e-5, bias=False, dtype=dtype), 1)
+    theirs = _hf_module("cohere", "CohereLayerNorm")(64, eps=1e-5).to(dtype)
+    theirs.load_state_dict(ours.state_dict())
+    assert torch.equal(ours(flat), theirs(flat))
+    heads = _filled(HeadLayerNorm(4, 16, 1e-5, dtype=dtype), 2)
+    theirs = _hf_module("cohere", "CohereLayerNorm")((4, 16), eps=1e-5).to(dtype)
+    theirs.load_state_dict(heads.state_dict())
+    assert torch.equal(heads(x), theirs(x))
+    olmo = _filled(Olmo2RMSNorm(64, 1e-6, dtype=dtype), 3)
+    theirs = _hf_module("olmo2", "Olmo2RMSNorm")(64, eps=1e-6).to(dtype)
+    theirs.load_state_dict(olmo.state_dict())
+    assert torch.equal(olmo(flat), theirs(flat))
+    qk = ProjectionQKNorm(64, 32, 64, 32, Parallel.single().groups["attn_tp"], 1e-6, dtype=dtype)
+    _filled(qk, 4)
+    theirs = _hf_module("olmo2", "Olmo2RMSNorm")(64, eps=1e-6).to(dtype)
+    theirs.weight.data.copy_(qk.q_weight)
+    assert torch.equal(qk(flat, flat[:, :32])[0], theirs(flat))
+
+
+def test_gpt_neox_layer_norm_matches_torch_to_rounding_in_float64():
+    """GPT-NeoX's nn.LayerNorm keeps float64 statistics: so does the core's with compute_dtype=None."""
+    from layer_boundary.models.residual_models import make_norm
+
+    ours = _filled(make_norm(model_config("gpt_neox"), dtype=torch.float64), 5)
+    theirs = torch.nn.LayerNorm(64, eps=1e-5, dtype=torch.float64)
+    theirs.load_state_dict(ours.state_dict())
+    x = torch.randn(7, 64, generator=torch.Generator().manual_seed(1), dtype=torch.float64)
+    torch.testing.assert_close(ours(x), theirs(x), rtol=1e-14, atol=1e-14)
