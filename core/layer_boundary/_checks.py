@@ -6,6 +6,8 @@ silently broadcast or promoted sum.
 
 from __future__ import annotations
 
+import operator
+
 import torch
 
 __all__ = ["check_rows", "norm_hidden_size"]
@@ -17,8 +19,13 @@ def norm_hidden_size(norm, stage: str) -> int:
     RMSNorm, with or without a weight), else the length of its 1-D `weight`. Any other norm is
     refused here, at construction, naming the fix."""
     size = getattr(norm, "hidden_size", None)
-    if isinstance(size, int) and not isinstance(size, bool) and size > 0:
-        return size
+    if size is not None and not isinstance(size, bool):
+        try:
+            size = operator.index(size)  # an int, or an integer type of another library
+        except TypeError:
+            size = None
+        if size is not None and size > 0:
+            return size
     name = type(norm).__name__
     shape = getattr(norm, "normalized_shape", None)
     if shape is not None:
