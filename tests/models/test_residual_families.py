@@ -247,6 +247,7 @@ def test_parallel_residual_plan_completes_both_sums_unfused():
         ("cohere", {"num_key_value_heads": 3}, "num_key_value_heads"),
         ("olmo2", {"rope_scaling": {"rope_type": "dynamic", "factor": 2.0}}, "rope_scaling"),
         ("olmo2", {"num_hidden_layers": 0}, "num_hidden_layers"),
+        ("cohere", {"logit_scale": None}, "logit_scale"),
     ],
 )
 def test_bad_configs_fail_at_parse_naming_the_field(name, changes, field):
@@ -254,6 +255,17 @@ def test_bad_configs_fail_at_parse_naming_the_field(name, changes, field):
         model_config(name, {**family(name).preset, **changes})
     message = str(info.value)
     assert field in message and "\n" not in message
+
+
+def test_gpt_neox_older_rotary_keys_mean_what_hugging_face_reads():
+    """`rotary_pct` and `rotary_emb_base` (older GPT-NeoX configs) as transformers maps them."""
+    import transformers
+
+    raw = {k: v for k, v in family("gpt_neox").preset.items() if k != "rope_parameters"}
+    raw.update(rotary_pct=0.75, rotary_emb_base=500.0, hidden_size=128)
+    config = model_config("gpt_neox", raw)
+    rope = transformers.AutoConfig.for_model(**raw).rope_parameters
+    assert (config.rope_theta, config.rotary_dim) == (rope["rope_theta"], int(32 * rope["partial_rotary_factor"])) == (500.0, 24)
 
 
 def test_topologies_the_model_cannot_split_fail_naming_the_fix():

@@ -98,6 +98,8 @@ class ResidualConfig:
         eps_key = "rms_norm_eps" if model_type == "olmo2" else "layer_norm_eps"
         eps = cfg.get(eps_key)
         scale = cfg.get("logit_scale", 0.0625) if model_type == "cohere" else None
+        if model_type == "cohere" and not isinstance(scale, (int, float)):
+            raise ConfigError(f"logit_scale={scale!r}: Cohere multiplies its logits by it; give a number")
         return cls(
             model_type=model_type,
             architecture=(cfg.get("architectures") or [_ARCHITECTURES[model_type]])[0],

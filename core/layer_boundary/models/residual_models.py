@@ -30,7 +30,7 @@ from .residual_config import PARALLEL, POST_NORM, ResidualConfig
 from .residual_norms import Olmo2RMSNorm
 from .residual_reads import READ_BEFORE_UPDATE, Unnormed
 
-__all__ = ["ResidualLayer", "ResidualCausalLM", "make_norm"]
+__all__ = ["ResidualLayer", "ResidualCausalLM", "make_norm", "pipeline_edge"]
 
 
 def make_norm(config: ResidualConfig, *, dtype=None, device=None) -> nn.Module:
@@ -45,26 +45,31 @@ def make_norm(config: ResidualConfig, *, dtype=None, device=None) -> nn.Module:
     return LayerNorm(H, eps, bias=False, dtype=dtype, device=device)
 
 
-def _stack_edge(config: ResidualConfig):
-    """The declaration of a layer's MLP stage as the next layer's attention sees it (`previous=`)."""
+def pipeline_edge(config: ResidualConfig):
+    """`previous=` of a pipeline stage's first layer: the MLP stage before it, which the previous
+    pipeline stage built, described from this side of the cut (the same facts)."""
     if config.residual == POST_NORM:
-        return declare_ffn(output_transform=PREVIOUS_POST_NORM)
+        return declare_ffn(output_transform=POST_NORM_ON_THE_PREVIOUS_STAGE)
     if config.residual == PARALLEL:
         return declare_ffn(read=READ_BEFORE_UPDATE)
     return declare_ffn()
 
 
-def _previous_post_norm(x):
-    raise RuntimeError("the previous layer's post_feedforward_layernorm runs in that layer (its own declaration)")
+def _on_the_previous_stage(x):
+    raise RuntimeError("the post_feedforward_layernorm before a pipeline cut runs on the sending stage, which completes its sum")
 
 
-#: `previous=` describes the edge from the layer before: its MLP's output transforms (the
-#: post-norm); the transform that runs is the one the producing stage declared
-PREVIOUS_POST_NORM = OutputTransform(_previous_post_norm, name="post_feedforward_layernorm")
+#: the output transform of the MLP stage before a pipeline cut, as the receiving stage describes
+#: it: the sender completes that sum and applies the norm before the handoff
+POST_NORM_ON_THE_PREVIOUS_STAGE = OutputTransform(_on_the_previous_stage, name="post_feedforward_layernorm (previous stage)")
 
 
 class ResidualLayer(nn.Module):
-    def __init__(self, config: ResidualConfig, layer_id: int, parallel, rotary: Rotary, *, fusions=None, dtype=None, device=None):
+    """One layer, two stages; `previous` is the declaration of the MLP stage before it (None for
+    the first layer of the model)."""
+
+    def __init__(self, config: ResidualConfig, layer_id: int, parallel, rotary: Rotary, previous=None, *, fusions=None, dtype=None,
+                 device=None):
         super().__init__()
         H = config.hidden_size
         self.layer_id = layer_id
@@ -93,7 +98,7 @@ class ResidualLayer(nn.Module):
         self.attn_boundary, self.ffn_boundary = make_stages(
             (attn, attn_norm, {**options, "producer": self.self_attn}),
             (ffn, ffn_norm, options),
-            previous=_stack_edge(config) if layer_id else None,
+            previous=previous,
             terminal=layer_id == config.num_layers - 1,
             label=f"layer{layer_id}",
         )
@@ -139,10 +144,13 @@ class ResidualCausalLM(nn.Module):
         self.is_first, self.is_last = stage == 0, stage == pp - 1
         self.rotary = Rotary(config).to(device) if device is not None else Rotary(config)
         self.embed_tokens = nn.Embedding(config.vocab_size, H, dtype=dtype, device=device) if self.is_first else None
+        self.layers = nn.ModuleList()
+        previous = pipeline_edge(config) if self.layer_ids[0] else None
         with layer_stack(parallel, reduction=reduction):
-            self.layers = nn.ModuleList(
-                ResidualLayer(config, i, parallel, self.rotary, fusions=fusions, dtype=dtype, device=device) for i in self.layer_ids
-            )
+            for i in self.layer_ids:
+                layer = ResidualLayer(config, i, parallel, self.rotary, previous, fusions=fusions, dtype=dtype, device=device)
+                self.layers.append(layer)
+                previous = layer.ffn_boundary.declaration
         self.norm = self.lm_head = None
         if self.is_last:
             self.norm = make_norm(config, dtype=dtype, device=device)
