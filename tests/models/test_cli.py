@@ -194,13 +194,11 @@ def test_run_checks_the_residual_families_against_hf(model):
 
 @pytest.mark.parametrize("model", list(RESIDUAL_FAMILY_DECODE))
 def test_plan_on_the_residual_family_presets(model):
-    out = cli("plan", "--model", model, "--tp", "2", "--json")
+    out = cli("plan", "--model", model, "--tp", "4", "--attn-dp", "2")
     assert out.returncode == 0, out.stderr
-    report = json.loads(out.stdout)
-    assert [b["label"] for b in report["boundaries"]][:2] == ["layer0.0:attention", "layer0.1:ffn"]
-    assert ("qk_norm" in report) == (model == "olmo2")
-    human = cli("plan", "--model", model, "--tp", "4", "--attn-dp", "2")
-    assert human.returncode == 0 and "layer3.1:ffn" in human.stdout, human.stderr
+    assert "layer0.0:attention" in out.stdout and "layer3.1:ffn" in out.stdout
+    # OLMo-2's q/k statistic: a collective its attention issues, shown as a model-wide line
+    assert ("q/k norms over the whole projections" in out.stdout) == (model == "olmo2")
 
 
 def test_a_residual_family_config_the_models_cannot_run_is_one_line():
