@@ -1,72 +1,15 @@
-"""Registers olmo2, gpt_neox and cohere (`residual_models.ResidualCausalLM`): their embedded tiny
-configs, Hugging Face weight names and random weights.
-
-The presets exercise every feature the family has: OLMo-2's q/k norms over the whole
-projections with KV heads that attention TP 4 replicates, GPT-NeoX's biases and partial rotary
-(`partial_rotary_factor` 0.5) with the parallel residual, Cohere's per-head q/k norms, a logit
-scale other than the default and a tied head.
-"""
+"""Registers olmo2, gpt_neox and cohere (`residual_models.ResidualCausalLM`): their Hugging Face
+weight names and random weights (the embedded tiny configs are in `presets`)."""
 
 from __future__ import annotations
-
-import copy
 
 import torch
 
 from . import ModelFamily, register_model
+from .presets import preset
 from .residual_config import ResidualConfig
 
-__all__ = ["PRESETS", "load_weights", "random_weights"]
-
-_COMMON = {
-    "vocab_size": 256,
-    "hidden_size": 64,
-    "num_hidden_layers": 4,
-    "num_attention_heads": 4,
-    "intermediate_size": 128,
-    "max_position_embeddings": 512,
-    "bos_token_id": 1,
-    "eos_token_id": 2,
-    "pad_token_id": 0,
-}
-
-PRESETS = {
-    "olmo2": {
-        **_COMMON,
-        "model_type": "olmo2",
-        "architectures": ["Olmo2ForCausalLM"],
-        "num_key_value_heads": 2,
-        "hidden_act": "silu",
-        "rms_norm_eps": 1e-6,
-        "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0},
-        "attention_bias": False,
-        "tie_word_embeddings": False,
-    },
-    "gpt_neox": {
-        **_COMMON,
-        "model_type": "gpt_neox",
-        "architectures": ["GPTNeoXForCausalLM"],
-        "hidden_act": "gelu",
-        "layer_norm_eps": 1e-5,
-        "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.5},
-        "use_parallel_residual": True,
-        "attention_bias": True,
-        "tie_word_embeddings": False,
-    },
-    "cohere": {
-        **_COMMON,
-        "model_type": "cohere",
-        "architectures": ["CohereForCausalLM"],
-        "num_key_value_heads": 2,
-        "hidden_act": "silu",
-        "layer_norm_eps": 1e-5,
-        "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0},
-        "use_qk_norm": True,
-        "logit_scale": 0.25,
-        "attention_bias": False,
-        "tie_word_embeddings": True,
-    },
-}
+__all__ = ["load_weights", "random_weights"]
 
 #: where each family's tensors live: (layer prefix, embedding, final norm)
 _NAMES = {
@@ -216,12 +159,12 @@ _DESCRIPTIONS = {
 #: over one rank
 _TOLERANCES = {"olmo2": {"float64": 1e-6}}
 
-for _name in PRESETS:
+for _name in _DESCRIPTIONS:
     register_model(
         ModelFamily(
             name=_name,
             model_type=_name,
-            preset=copy.deepcopy(PRESETS[_name]),
+            preset=preset(_name),
             parse=ResidualConfig.from_hf,
             build=_build,
             load_weights=load_weights,
