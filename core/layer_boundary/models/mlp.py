@@ -1,11 +1,11 @@
-"""The gated MLP, tensor-parallel over the TP group (its sum honours the exit's flags)."""
+"""The MLPs, tensor-parallel over the TP group (their sums honour the exit's flags): gated, and plain with optional biases."""
 
 from __future__ import annotations
 
 import torch
 from torch import nn
 
-from .._layers import ColumnParallelLinear, RowParallelLinear, linear, shard_rows
+from .. import ColumnParallelLinear, RowParallelLinear, linear, shard_rows
 
 __all__ = ["TPGatedMLP", "TPPlainMLP", "activation", "activation_kind", "dense_experts"]
 
