@@ -58,7 +58,7 @@ from ._plugins import builtin as _builtin  # noqa: F401 - registers the built-in
 from ._policy import resolve_reduction, resolve_speculative_reduction
 from ._residual import ResidualOps, StageRead, StageUpdate, residual_kind
 from ._residual import batch as residual_batch
-from ._residual.add_norm import NORM_READ, PLAIN_ADD, PLAIN_RESIDUAL, GemmaRMSNorm, RMSNorm
+from ._residual.add_norm import NORM_READ, PLAIN_ADD, PLAIN_RESIDUAL, GemmaRMSNorm, LayerNorm, RMSNorm
 from ._residual.stream import Contribution, OwedOutput, ResidualStream, StreamState
 from ._lifecycle import prepare_model, release_model
 from ._stage import StageBoundary, boundaries_of
@@ -92,6 +92,7 @@ __all__ = [
     "GemmaRMSNorm",
     "HandoffOutput",
     "Layout",
+    "LayerNorm",
     "Messages",
     "MissingPluginError",
     "MixerExit",

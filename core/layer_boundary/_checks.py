@@ -6,13 +6,44 @@ silently broadcast or promoted sum.
 
 from __future__ import annotations
 
+import operator
+
 import torch
 
-__all__ = ["check_rows", "expected_hidden"]
+__all__ = ["check_rows", "norm_hidden_size"]
 
 
-def expected_hidden(norm):
-    return getattr(norm, "hidden_size", None)
+def norm_hidden_size(norm, stage: str) -> int:
+    """The hidden size `stage`'s norm reads, which every compute output is checked against: the
+    norm's `hidden_size`, else its one-dimensional `normalized_shape` (torch's LayerNorm and
+    RMSNorm, with or without a weight), else the length of its 1-D `weight`. Any other norm is
+    refused here, at construction, naming the fix."""
+    size = getattr(norm, "hidden_size", None)
+    if size is not None and not isinstance(size, bool):
+        try:
+            size = operator.index(size)  # an int, or an integer type of another library
+        except TypeError:
+            size = None
+        if size is not None and size > 0:
+            return size
+    name = type(norm).__name__
+    shape = getattr(norm, "normalized_shape", None)
+    if shape is not None:
+        shape = (shape,) if isinstance(shape, int) else tuple(shape)
+        if len(shape) == 1:
+            return int(shape[0])
+        raise ValueError(
+            f"stage {stage}: its norm {name} normalizes over {list(shape)}, but a stage's norm reads rows of one hidden "
+            "size; build it over the last dimension only (normalized_shape=hidden_size)"
+        )
+    weight = getattr(norm, "weight", None)
+    if isinstance(weight, torch.Tensor) and weight.dim() == 1:
+        return int(weight.shape[0])
+    raise ValueError(
+        f"stage {stage}: cannot tell the hidden size of its norm ({name}): give the module a `hidden_size` attribute "
+        "(or a 1-D `weight` or `normalized_shape`), so compute outputs are checked before any collective; a read "
+        "that normalizes nothing still takes a module that names the hidden size"
+    )
 
 
 def check_rows(plan, value, rows: int, fwd, what: str) -> None:

@@ -100,7 +100,7 @@ class StageDescription:
     plain_update: bool
     #: this stage's read is a plain norm
     plain_read: bool
-    #: "rms", "gemma_rms" or "other"
+    #: "rms", "gemma_rms", "layer" (the core's LayerNorm) or "other"
     norm_kind: str
     hidden_size: Optional[int]
     eps: Optional[float]

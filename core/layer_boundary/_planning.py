@@ -18,6 +18,7 @@ from typing import Any, Mapping, Optional
 import attrs
 
 from . import _describe
+from ._checks import norm_hidden_size
 from ._contracts import ProducerReduction, ReductionPolicy, StageDescription, StageKind
 from ._errors import Messages, missing_feature
 from ._forward import BatchVariant, DpPadding, RowLayout
@@ -27,7 +28,7 @@ from ._ops import dp_gather, dp_reduce_scatter, dp_scatter, gather_slices, reduc
 from ._paths import (
     EntryMode, EntryPath, ExitPath, Owed, ReduceScatter, StagePath, completes_for_split, defers_to_next_input, writes_at_exit,
 )
-from ._residual.add_norm import GemmaRMSNorm, NormRead, is_rms_norm
+from ._residual.add_norm import GemmaRMSNorm, LayerNorm, NormRead, has_add_norm, is_rms_norm
 from ._row_publishers import bind_row_publishers, rows_in_scope
 from ._plugins.requests import CpPathRequest, DefersAllReduce, DefersFinalize
 from ._plugins.selection import RETURNED_NONE, select
@@ -65,6 +66,8 @@ def arriving_sum(decl, two_batch_overlap: bool = False) -> tuple[Owed, Optional[
 def _norm_kind(norm) -> str:
     if isinstance(norm, GemmaRMSNorm):
         return "gemma_rms"
+    if isinstance(norm, LayerNorm):
+        return "layer"
     return "rms" if is_rms_norm(norm) else "other"
 
 
@@ -105,7 +108,7 @@ class Stage:
             terminal=decl.terminal,
             is_branch=is_branch,
             enters_stack=decl.previous is None and not is_branch,
-            hidden_size=getattr(self.norm, "hidden_size", None),
+            hidden_size=norm_hidden_size(self.norm, self.label),
             output_sum=output_sum_group(decl),
             fusions=self.options.get("fusions"),
             qkv_latent_func=self.options.get("qkv_latent_func"),
@@ -279,7 +282,7 @@ def _entry_path(stage: Stage, variant: BatchVariant, candidates, publishers) -> 
         candidates=candidates if use_candidates else (),
         arrives_plain=arrives_plain,
         owed=owed,
-        add_norm=stage.norm.fused_add_forward if plain and is_rms_norm(stage.norm) and type(decl.read) is NormRead else None,
+        add_norm=stage.norm.fused_add_forward if plain and has_add_norm(stage.norm) and type(decl.read) is NormRead else None,
         compute_rows=rows,
     )
 

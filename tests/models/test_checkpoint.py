@@ -155,3 +155,47 @@ def test_the_cli_reports_before_spawning_one_line_exit_2(qwen3, tmp_path):
     assert out.returncode == 2, out.stderr
     lines = [line for line in out.stderr.splitlines() if line.strip()]
     assert len(lines) == 1 and "model.safetensors: truncated" in lines[0] and "spawning" not in out.stderr, out.stderr
+
+
+# --- the residual-shape families (olmo2, gpt_neox, cohere) ---------------------------------------
+
+
+@pytest.mark.parametrize("model", ["olmo2", "gpt_neox", "cohere"])
+def test_a_saved_residual_family_checkpoint_passes_and_loads_sharded(tmp_path, model):
+    """save_pretrained() folders of OLMo-2, GPT-NeoX and Cohere (tied head): checked, then loaded
+    at TP 2 (threaded) they give Hugging Face's logits."""
+    from layer_boundary import Topology
+    from layer_boundary_models.oracle import hf_logits
+    from layer_boundary.cli.runner import RunJob, make_requests, run_rank
+    from layer_boundary.testing import logits_rel_error
+    from layer_boundary.testing.threaded import run_threaded
+
+    cfg = model_config(model)
+    hf = hf_from_state(dict(cfg.hf), family(model).random_weights(cfg, torch.float64, 1), torch.float64)
+    hf.save_pretrained(tmp_path)
+    saved = json.loads((tmp_path / "config.json").read_text())
+    check_checkpoint(tmp_path, model_config(model, saved))
+    prompts, decode = make_requests(cfg.vocab_size, 2, 5, 1, seed=4)
+    job = RunJob(model=model, hf_config=saved, topology=Topology(tp=2), reduction="ar", dtype="float64", checkpoint=str(tmp_path),
+                 prompts=prompts, decode_tokens=decode)
+    ref = hf_logits(hf, [torch.tensor(p) for p in prompts], decode)
+    tolerance = max(1e-10, family(model).tolerances.get("float64", 0.0))
+    assert logits_rel_error(run_threaded(run_rank, Topology(tp=2), job, timeout=120), ref) < tolerance
+
+
+def test_gpt_neox_checkpoints_with_the_older_head_name_load(tmp_path):
+    """GPT-NeoX checkpoints name the head `embed_out` (transformers renames it on load)."""
+    from layer_boundary_models.weights import CheckpointSource
+
+    cfg = model_config("gpt_neox")
+    state = family("gpt_neox").random_weights(cfg, torch.float32, 2)
+    state["embed_out.weight"] = state.pop("lm_head.weight")
+    save_file(state, str(tmp_path / "model.safetensors"))
+    (tmp_path / "config.json").write_text(json.dumps(dict(cfg.hf)))
+    check_checkpoint(tmp_path, cfg)
+    from layer_boundary import Parallel
+    from layer_boundary_models import build_model
+
+    model = build_model(cfg, Parallel.single(), dtype=torch.float32)
+    family("gpt_neox").load_weights(model, CheckpointSource(str(tmp_path)))
+    assert torch.equal(model.lm_head.weight, state["embed_out.weight"])

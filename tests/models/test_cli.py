@@ -170,3 +170,40 @@ def test_numeric_options_are_refused_in_one_line(capsys, args, message):
     err = capsys.readouterr().err
     lines = [line for line in err.splitlines() if line.strip()]
     assert status == 2 and len(lines) == 1 and message in lines[0], err
+
+
+# --- the residual-shape families -----------------------------------------------------------------
+
+#: decode-step collectives of the 4-layer presets at TP 2: OLMo-2 adds its q/k statistic to the
+#: attention's sum over attention TP
+RESIDUAL_FAMILY_DECODE = {
+    "olmo2": {"all_reduce@attn_tp": 8, "all_reduce@tp": 4},
+    "gpt_neox": {"all_reduce@attn_tp": 4, "all_reduce@tp": 4},
+    "cohere": {"all_reduce@attn_tp": 4, "all_reduce@tp": 4},
+}
+
+
+@pytest.mark.gloo
+@pytest.mark.parametrize("model", list(RESIDUAL_FAMILY_DECODE))
+def test_run_checks_the_residual_families_against_hf(model):
+    out = cli("run", "--model", model, "--tp", "2", "--check", "hf", "--dtype", "float64", "--decode-steps", "2", "--json")
+    assert out.returncode == 0, out.stderr
+    data = json.loads(out.stdout)
+    assert data["check"]["passed"] is True and data["check"]["reference"] == "hf", data["check"]
+    assert data["collectives"]["decode_step"] == RESIDUAL_FAMILY_DECODE[model]
+
+
+@pytest.mark.parametrize("model", list(RESIDUAL_FAMILY_DECODE))
+def test_plan_on_the_residual_family_presets(model):
+    out = cli("plan", "--model", model, "--tp", "4", "--attn-dp", "2")
+    assert out.returncode == 0, out.stderr
+    assert "layer0.0:attention" in out.stdout and "layer3.1:ffn" in out.stdout
+    # OLMo-2's q/k statistic: a collective its attention issues, shown as a model-wide line
+    assert ("q/k norms over the whole projections" in out.stdout) == (model == "olmo2")
+
+
+def test_a_residual_family_config_the_models_cannot_run_is_one_line():
+    bad = json.dumps({**family("gpt_neox").preset(), "rope_parameters": {"rope_type": "yarn", "rope_theta": 1e4, "factor": 2.0}})
+    out = cli("run", "--model", "gpt_neox", "--hf-config", bad)
+    lines = [line for line in out.stderr.splitlines() if line.strip()]
+    assert out.returncode == 2 and len(lines) == 1 and "rope_parameters.rope_type='yarn'" in lines[0], out.stderr

@@ -32,6 +32,9 @@ SMALL = {
     # mHC's Sinkhorn loop unrolls in the graph: a few iterations trace the same ops as twenty
     "deepseek_v4": {"num_hidden_layers": 2, "layer_types": ["sliding_attention"] * 2, "mlp_layer_types": ["moe"] * 2, "hc_sinkhorn_iters": 3},
     "longcat_flash": {"num_layers": 1},
+    "olmo2": {"num_hidden_layers": 2},
+    "gpt_neox": {"num_hidden_layers": 2},
+    "cohere": {"num_hidden_layers": 2},
 }
 #: families whose eager MoE gathers each expert's rows (the compiled region runs them dense)
 DENSE_WHEN_COMPILED = {"nemotron_h", "deepseek_v4", "longcat_flash"}
@@ -105,6 +108,8 @@ def test_aot_eager_equals_eager_bitwise(weights_dir):
         _model_param("nemotron_h", Topology(tp=2), "ar", id="nemotron_h-tp2"),
         _model_param("deepseek_v4", Topology(tp=2), "ar", id="deepseek_v4-tp2"),
         _model_param("longcat_flash", Topology(tp=2), "ar", id="longcat-tp2"),
+        # the q/k statistic's all_reduce inside the attention's compute
+        _model_param("olmo2", Topology(tp=2), "ar", id="olmo2-tp2"),
     ],
 )
 def test_tp2_gloo_compiles_whole(gloo_world, weights_dir, model, topology, reduction):

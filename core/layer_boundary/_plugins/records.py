@@ -183,10 +183,16 @@ class AddNormKernel(_Record):
     per-head q/k norms, a first layer's input norm): `kernel(x, weight) -> normed`, new tensor
     out, the norm of x in fp32 times `weight + offset`, rounded once; None declines. A record
     without one declines every plain norm.
+
+    `norm_kinds`: the request kinds the factories implement (default the RMSNorm kinds, "rms"
+    and "gemma_rms"); a request of another kind is not handed to them.
     """
 
     contract_preparation: Optional[str] = None
     norm_factory: Optional[Callable] = None
+    #: the `AddNormRequest.norm_kind`s the kernels implement; the core asks the factories only
+    #: for these (a LayerNorm, kind "layer", never reaches an RMSNorm kernel)
+    norm_kinds: tuple = ("rms", "gemma_rms")
 
 
 @attrs.frozen(kw_only=True)

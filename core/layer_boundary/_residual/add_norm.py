@@ -1,4 +1,5 @@
-"""The plain residual: add, then RMSNorm, with the add accumulated in at least FP32.
+"""The plain residual: add, then a norm (RMSNorm or LayerNorm), with the add accumulated in at
+least FP32.
 
 `add_rms_norm` is the unfused reference every fused kernel is checked against: the sum is
 formed in max(dtype, fp32), rounded once into the new residual, and the norm reads the
@@ -7,7 +8,8 @@ unrounded sum (as fused add+norm kernels do). The norm statistic runs in `comput
 
 What the boundaries run is `RMSNorm.fused_add_forward`: the first `AddNormKernel` a plugin
 registers that accepts the norm's device and dtypes (one fused kernel), else `add_forward`
-(see `kernels.py`).
+(see `kernels.py`). `LayerNorm` runs its own torch `add_forward`: no plugin kernel declares the
+LayerNorm kind yet, so none is asked.
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ from . import ResidualOps, kernels
 __all__ = [
     "RMSNorm",
     "GemmaRMSNorm",
+    "LayerNorm",
     "PlainAdd",
     "NormRead",
     "PLAIN_ADD",
@@ -34,6 +37,7 @@ __all__ = [
     "kernel_refusal",
     "describe_add_norm",
     "prepare_norms",
+    "has_add_norm",
 ]
 
 
@@ -49,6 +53,8 @@ class RMSNorm(nn.Module):
     """
 
     offset = 0.0
+    #: what `AddNormRequest.norm_kind` calls this norm (kernels declare the kinds they implement)
+    norm_kind = "rms"
     #: the chosen add + norm per (device, residual dtype, contribution dtype), filled by the first
     #: call on each (an instance dict then shadows this empty one; see `kernels.py`)
     _add_norm_kernels = types.MappingProxyType({})
@@ -146,6 +152,7 @@ class GemmaRMSNorm(RMSNorm):
     """RMSNorm with a `(1 + w)` multiplier, scaled before rounding (the Gemma order)."""
 
     offset = 1.0
+    norm_kind = "gemma_rms"
 
     def __init__(
         self, hidden_size: int, eps: float = 1e-6, *, dtype=None, device=None, compute_dtype=torch.float32, kernels: bool = True
@@ -158,24 +165,97 @@ class GemmaRMSNorm(RMSNorm):
         return (normalized * (1.0 + self.weight.to(normalized.dtype))).to(out_dtype)
 
 
+class LayerNorm(nn.Module):
+    """LayerNorm, `(x - mean(x)) / sqrt(var(x) + eps) * weight + bias` over the last dimension,
+    with or without the bias.
+
+    The statistics and the affine run in `compute_dtype` and round once to the input's dtype (the
+    order of torch's and Cohere's kernels). `compute_dtype=torch.float32` (the default, like
+    `RMSNorm`) reproduces a norm that casts to fp32 first (Cohere's `CohereLayerNorm`, even in a
+    float64 model); `compute_dtype=None` computes in the wider of the input's dtype and fp32, as
+    `torch.nn.LayerNorm` does (GPT-NeoX).
+    """
+
+    norm_kind = "layer"
+
+    def __init__(
+        self, hidden_size: int, eps: float = 1e-5, *, bias: bool = True, dtype=None, device=None, compute_dtype=torch.float32
+    ):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(hidden_size, dtype=dtype, device=device))
+        self.bias = nn.Parameter(torch.zeros(hidden_size, dtype=dtype, device=device)) if bias else None
+        self.eps = float(eps)
+        self.compute_dtype = compute_dtype
+
+    @property
+    def hidden_size(self) -> int:
+        return self.weight.shape[0]
+
+    def _compute(self, dtype: torch.dtype) -> torch.dtype:
+        return _acc_dtype(dtype) if self.compute_dtype is None else self.compute_dtype
+
+    def _normalize(self, x: torch.Tensor) -> torch.Tensor:
+        xc = x.to(self._compute(x.dtype))
+        centered = xc - xc.mean(-1, keepdim=True)
+        return centered * torch.rsqrt(centered.pow(2).mean(-1, keepdim=True) + self.eps)
+
+    def _scale(self, normalized: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
+        y = normalized * self.weight.to(normalized.dtype)
+        if self.bias is not None:
+            y = y + self.bias.to(normalized.dtype)
+        return y.to(out_dtype)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.torch_forward(x)
+
+    def torch_forward(self, x: torch.Tensor) -> torch.Tensor:
+        """The norm in torch: statistics and affine in the compute dtype, rounded once."""
+        if x.shape[0] == 0:
+            return x.new_empty(x.shape)
+        return self._scale(self._normalize(x), x.dtype)
+
+    def add_forward(self, contribution: torch.Tensor, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(norm(c + r), c + r): the sum in max(dtype, fp32), rounded once into the residual; the
+        norm reads the unrounded sum (as `RMSNorm.add_forward`)."""
+        total = contribution.to(_acc_dtype(contribution.dtype)) + residual.to(_acc_dtype(residual.dtype))
+        new_residual = total.to(residual.dtype)
+        if total.shape[0] == 0:
+            return new_residual.new_empty(new_residual.shape), new_residual
+        return self._scale(self._normalize(total), residual.dtype), new_residual
+
+    def fused_add_forward(self, contribution: torch.Tensor, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """What the boundaries run for a plain add + LayerNorm: `add_forward` (no plugin kernel
+        implements the LayerNorm kind yet)."""
+        return self.add_forward(contribution, residual)
+
+    def extra_repr(self) -> str:
+        return f"{self.hidden_size}, eps={self.eps}, bias={self.bias is not None}"
+
+
 def is_rms_norm(norm) -> bool:
     """Whether `norm` is an RMSNorm whose add+norm the core (and fused kernels) can run."""
     return isinstance(norm, RMSNorm)
 
 
+def has_add_norm(norm) -> bool:
+    """Whether `norm` runs its own add + norm (`add_forward` / `fused_add_forward`: the sum in
+    FP32, the norm of the unrounded sum): the core's `RMSNorm` family and `LayerNorm`."""
+    return isinstance(norm, (RMSNorm, LayerNorm))
+
+
 def add_rms_norm(norm, contribution, residual):
-    """Unfused add + norm for any norm module; fused FP32 accumulation for an `RMSNorm`
+    """Unfused add + norm for any norm module; fused FP32 accumulation for the core's norms
     (the torch reference: never a plugin kernel)."""
-    if is_rms_norm(norm):
+    if has_add_norm(norm):
         return norm.add_forward(contribution, residual)
     new_residual = PLAIN_ADD.apply(contribution, residual)
     return norm(new_residual), new_residual
 
 
 def add_norm(norm, contribution, residual):
-    """What the boundaries run for a plain add + norm: the norm's chosen kernel for an
-    `RMSNorm` (`fused_add_forward`), else the unfused add then the norm."""
-    if is_rms_norm(norm):
+    """What the boundaries run for a plain add + norm: the norm's chosen kernel for the core's
+    norms (`fused_add_forward`), else the unfused add then the norm."""
+    if has_add_norm(norm):
         return norm.fused_add_forward(contribution, residual)
     new_residual = PLAIN_ADD.apply(contribution, residual)
     return norm(new_residual), new_residual

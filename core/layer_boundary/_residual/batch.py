@@ -12,7 +12,7 @@ from .._errors import Messages
 from .._forward import RowLayout
 from .._ops import align_rows
 from .._output import HandoffOutput, UnreducedOutput
-from .add_norm import is_rms_norm
+from .add_norm import has_add_norm
 from .stream import ResidualStream, StreamState
 
 ATTENTION_ROWS = RowLayout.DP_LOCAL
@@ -140,7 +140,7 @@ def norm(
             elif skip_empty and value.shape[0] == 0:
                 new_residual = update.apply(value, residual)
                 normed = new_residual
-            elif update.plain_add and is_rms_norm(layernorm):
+            elif update.plain_add and has_add_norm(layernorm):
                 normed, new_residual = layernorm.fused_add_forward(value, residual)
             else:
                 new_residual = update.apply(value, residual)

@@ -110,11 +110,14 @@ def _choose(norm, key: tuple, plain: bool) -> Choice:
 def _ask(request: AddNormRequest, plain: bool = False) -> tuple:
     """(name, kernel, declined) of the first record accepting `request` ((TORCH, None, all) if
     none); `plain`: asking the records' `norm_factory` (a record without one declines)."""
-    records = _manager.get_registry().add_norm_kernels
+    every = _manager.get_registry().add_norm_kernels
+    # a record whose kernels compute another norm kind is not asked (it declines by its declaration)
+    records = tuple(item for item in every if request.norm_kind in item.record.norm_kinds)
+    undeclared = tuple(item.name for item in every if request.norm_kind not in item.record.norm_kinds)
     subject = f"choosing the {'plain norm' if plain else 'add + norm'} of width {request.hidden_size} on {request.device}"
     chosen = select("add_norm_kernels", (request,), records=records, factory="norm_factory" if plain else "factory",
                     subject=subject, check=callable, error_type=TypeError)
-    declined = tuple(a.candidate for a in chosen.declined)
+    declined = undeclared + tuple(a.candidate for a in chosen.declined)
     if chosen.chosen is None:
         return TORCH, None, declined
     return chosen.chosen.candidate, chosen.value, declined

@@ -14,7 +14,8 @@ from torch import nn
 from layer_boundary import Linear, RMSNorm, RowParallelLinear, shard_rows
 from layer_boundary.plugin import DecodeLayout, StepLayout
 
-__all__ = ["RotaryEmbedding", "KernelRope", "KVCache", "StaticKVCache", "TPAttention", "StepLayout", "DecodeLayout", "BoundDecodeLayout"]
+__all__ = ["RotaryEmbedding", "KernelRope", "KVCache", "StaticKVCache", "TPAttention", "StepLayout", "DecodeLayout", "BoundDecodeLayout",
+           "attend_requests", "causal_probs"]
 
 
 class BoundDecodeLayout(DecodeLayout):
@@ -197,6 +198,45 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
     return out
 
 
+def causal_probs(scores: torch.Tensor, count: int, *, softcap: Optional[float] = None, window: Optional[int] = None) -> torch.Tensor:
+    """Softmax weights of `scores` [heads, count, total]: the last `count` of `total` positions
+    query (rows in order), the soft cap first, then the causal mask (and the sliding window's),
+    softmax in fp32, as Hugging Face's eager attention computes them."""
+    if softcap is not None:
+        scores = torch.tanh(scores / softcap) * softcap
+    total = scores.shape[-1]
+    if count > 1 or (window is not None and total > window):
+        # key j is visible to row i (position total - count + i) when j <= that position and,
+        # in a window, j > that position - window
+        mask = torch.ones(count, total, dtype=torch.bool, device=scores.device).tril(total - count)
+        if window is not None:
+            mask = mask.triu(total - count - window + 1)
+        scores = scores + torch.zeros_like(mask, dtype=scores.dtype).masked_fill(~mask, torch.finfo(scores.dtype).min)
+    return torch.softmax(scores, dim=-1, dtype=torch.float32).to(scores.dtype)
+
+
+def attend_requests(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, step, cache: Optional["KVCache"], layer: int, scaling: float, *,
+                    softcap: Optional[float] = None, window: Optional[int] = None):
+    """Causal attention of each request of `step` over its cached past and its new rows, as
+    Hugging Face's eager attention computes it (scores in the input's dtype, `causal_probs`):
+    q [tokens, heads, D], k and v [tokens, kv_heads, D] (KV heads shared by consecutive query
+    heads); the new keys and values join `cache` at `layer`. Returns [tokens, heads, D]."""
+    T, heads, D = q.shape
+    out = q.new_empty(T, heads, D)
+    groups = heads // k.shape[1]
+    for rid, start, count in zip(step.rids, step.starts, step.counts):
+        qs = q[start : start + count].transpose(0, 1)  # [heads, count, D]
+        ks = k[start : start + count].transpose(0, 1)
+        vs = v[start : start + count].transpose(0, 1)
+        if cache is not None:
+            ks, vs = cache.append(layer, rid, ks, vs)
+        ks = ks.repeat_interleave(groups, dim=0)
+        vs = vs.repeat_interleave(groups, dim=0)
+        probs = causal_probs(torch.matmul(qs, ks.transpose(1, 2)) * scaling, count, softcap=softcap, window=window)
+        out[start : start + count] = torch.matmul(probs, vs).transpose(0, 1)
+    return out
+
+
 class KernelRope:
     """A plugin's rope kernel bound to a step's positions: what the attention calls on its
     queries and keys in place of the (cos, sin) rotation (`RopeKernel`).
@@ -337,21 +377,8 @@ class TPAttention(nn.Module):
             w[q + kv :].copy_(v_full[rows])
 
     def _probs(self, scores: torch.Tensor, count: int) -> torch.Tensor:
-        """Softmax weights of `scores` [heads, count, total]: the last `count` of `total`
-        positions query (rows in order), the soft cap first, then the causal mask (and the
-        window's), softmax in fp32 as Hugging Face's eager attention."""
-        if self.softcap is not None:
-            scores = torch.tanh(scores / self.softcap) * self.softcap
-        total = scores.shape[-1]
-        window = self.sliding_window
-        if count > 1 or (window is not None and total > window):
-            # key j is visible to row i (position total - count + i) when j <= that position
-            # and, in a window, j > that position - window
-            mask = torch.ones(count, total, dtype=torch.bool, device=scores.device).tril(total - count)
-            if window is not None:
-                mask = mask.triu(total - count - window + 1)
-            scores = scores + torch.zeros_like(mask, dtype=scores.dtype).masked_fill(~mask, torch.finfo(scores.dtype).min)
-        return torch.softmax(scores, dim=-1, dtype=torch.float32).to(scores.dtype)
+        """`causal_probs` with this attention's soft cap and window."""
+        return causal_probs(scores, count, softcap=self.softcap, window=self.sliding_window)
 
     def _qkv(self, x):
         """q [tokens, heads, D], k and v [tokens, kv_heads, D]: views of one GEMM's output (rows
@@ -378,18 +405,7 @@ class TPAttention(nn.Module):
         if rope is not None:
             cos, sin = rope
             q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
-        out = q.new_empty(T, self.heads, D)
-        groups = self.heads // self.kv_heads
-        for rid, start, count, past in zip(step.rids, step.starts, step.counts, step.past):
-            qs = q[start : start + count].transpose(0, 1)  # [heads, count, D]
-            ks = k[start : start + count].transpose(0, 1)
-            vs = v[start : start + count].transpose(0, 1)
-            if cache is not None:
-                ks, vs = cache.append(self.layer, rid, ks, vs)
-            ks = ks.repeat_interleave(groups, dim=0)
-            vs = vs.repeat_interleave(groups, dim=0)
-            probs = self._probs(torch.matmul(qs, ks.transpose(1, 2)) * self.scaling, count)
-            out[start : start + count] = torch.matmul(probs, vs).transpose(0, 1)
+        out = attend_requests(q, k, v, step, cache, self.layer, self.scaling, softcap=self.softcap, window=self.sliding_window)
         return self.o_proj(out.reshape(T, self.heads * D))
 
     def _project(self, x, rope):

@@ -28,6 +28,9 @@ MODEL_CLASSES = {
     "longcat_flash": ("longcat", "LongcatForCausalLM"),
     "gemma2": ("gemma2", "GemmaSandwichLM"),
     "gemma3": ("gemma2", "GemmaSandwichLM"),
+    "olmo2": ("residual_models", "ResidualCausalLM"),
+    "gpt_neox": ("residual_models", "ResidualCausalLM"),
+    "cohere": ("residual_models", "ResidualCausalLM"),
 }
 
 

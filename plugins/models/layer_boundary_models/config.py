@@ -23,7 +23,7 @@ class ConfigError(PluginConfigError):
 
 
 #: the refusal of a model without pipeline stages
-NO_PIPELINE = "{model} runs without pipeline stages; use --pp 1 (qwen3, qwen3_moe, gemma, gemma2, gemma3 and nemotron_h take --pp)"
+NO_PIPELINE = "{model} runs without pipeline stages; use --pp 1 (qwen3, qwen3_moe, gemma, gemma2, gemma3, nemotron_h, olmo2, gpt_neox and cohere take --pp)"
 
 
 @attrs.frozen(kw_only=True)

@@ -71,9 +71,13 @@ def group_of(model, module):
 
 def describe_model(model) -> dict:
     """The model-wide lines of `layer-boundary plan`: what the attentions and the gated MLPs run
-    (or would run) for rope, decode attention and act(gate) * up."""
+    (or would run) for rope, decode attention and act(gate) * up, and a model's own notes
+    (`plan_notes()`: collectives its compute issues, such as OLMo-2's q/k statistic)."""
     from .attention_kernels import describe as describe_attention
     from .mlp_kernels import describe as describe_mlp
 
     lines = {"attention_kernels": describe_attention(model), "mlp_kernels": describe_mlp(model)}
+    notes = getattr(model, "plan_notes", None)  # a model's own lines: collectives its compute issues
+    if callable(notes):
+        lines.update(notes())
     return {k: v for k, v in lines.items() if v}

@@ -1,13 +1,13 @@
-"""The gated MLP, tensor-parallel over the TP group (its sum honours the exit's flags)."""
+"""The MLPs, tensor-parallel over the TP group (their sums honour the exit's flags): gated, and plain with optional biases."""
 
 from __future__ import annotations
 
 import torch
 from torch import nn
 
-from layer_boundary import RowParallelLinear, linear, shard_rows
+from layer_boundary import ColumnParallelLinear, RowParallelLinear, linear, shard_rows
 
-__all__ = ["TPGatedMLP", "activation", "activation_kind", "dense_experts"]
+__all__ = ["TPGatedMLP", "TPPlainMLP", "activation", "activation_kind", "dense_experts"]
 
 
 def dense_experts(x) -> bool:
@@ -72,3 +72,22 @@ class TPGatedMLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down(self.activate(linear(x, self.gate_up, self)))
+
+
+class TPPlainMLP(nn.Module):
+    """down(act(up(x))), up split by output feature and down by input feature over `group`;
+    with `bias`, up's bias is split with it and down's added once (after the sum, or on rank 0
+    when the sum is left to the boundary)."""
+
+    def __init__(self, hidden: int, intermediate: int, group, act: str, *, bias: bool = False, reduce_results=True, dtype=None, device=None):
+        super().__init__()
+        self.up = ColumnParallelLinear(hidden, intermediate, group, bias=bias, dtype=dtype, device=device)
+        self.down = RowParallelLinear(intermediate, hidden, group, bias=bias, reduce_results=reduce_results, dtype=dtype, device=device)
+        self.act = activation(act)
+
+    def load_full(self, up: torch.Tensor, down: torch.Tensor, up_bias=None, down_bias=None) -> None:
+        self.up.load_full(up, up_bias)
+        self.down.load_full(down, down_bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down(self.act(self.up(x)))

@@ -21,16 +21,26 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
-from layer_boundary import ProducerReduction, declare_attn, declare_ffn, layer_stack, make_stages, residual_batch
-from layer_boundary import get_forward
-from layer_boundary import ColumnParallelLinear, MoeFinalizeHandoff, RowParallelLinear, reduce_output, shard_cols, shard_rows
-from layer_boundary import SumGroup
-from layer_boundary import RMSNorm
+from layer_boundary import (
+    MoeFinalizeHandoff,
+    ProducerReduction,
+    RMSNorm,
+    SumGroup,
+    declare_attn,
+    declare_ffn,
+    get_forward,
+    layer_stack,
+    make_stages,
+    reduce_output,
+    residual_batch,
+    shard_cols,
+    shard_rows,
+)
 from .attention import KVCache, StepLayout, TPAttention
 from .config import ConfigError, FamilyConfig
 from .mamba import MambaStates, TPMamba2Mixer
+from .mlp import TPPlainMLP, activation, dense_experts
 from .parts import place_experts
-from .mlp import activation, dense_experts
 from .pipeline import PipelineHandoff, pipeline_layers
 
 __all__ = ["NemotronHConfig", "NemotronHRMSNorm", "NemotronHForCausalLM", "NemotronHCache", "stage_declaration", "pipeline_layers"]
@@ -262,23 +272,6 @@ class NemotronHRMSNorm(RMSNorm):
 
     def _scale(self, normalized: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
         return (self.weight.to(normalized.dtype) * normalized).to(out_dtype)
-
-
-class TPPlainMLP(nn.Module):
-    """down(act(up(x))), up split by output feature and down by input feature over `group`."""
-
-    def __init__(self, hidden: int, intermediate: int, group, act: str, *, reduce_results=True, dtype=None, device=None):
-        super().__init__()
-        self.up = ColumnParallelLinear(hidden, intermediate, group, dtype=dtype, device=device)
-        self.down = RowParallelLinear(intermediate, hidden, group, reduce_results=reduce_results, dtype=dtype, device=device)
-        self.act = activation(act)
-
-    def load_full(self, up: torch.Tensor, down: torch.Tensor) -> None:
-        self.up.load_full(up)
-        self.down.load_full(down)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down(self.act(self.up(x)))
 
 
 class NemotronHRouter(nn.Module):

@@ -38,6 +38,7 @@ def _family(model: str, description: str, *, config: str, weights: str, architec
 
 _DECODER = dict(config="config:DecoderConfig.from_hf", weights="weights")
 _SANDWICH = dict(config="gemma2_config:GemmaSandwichConfig.from_hf", weights="gemma2_family")
+_RESIDUAL = dict(config="residual_config:ResidualConfig.from_hf", weights="residual_families")
 
 #: every family this distribution ships, in the order `layer-boundary plugins` lists them
 FAMILIES = (
@@ -66,6 +67,15 @@ FAMILIES = (
             architecture="Gemma2ForCausalLM", **_SANDWICH),
     _family("gemma3", "Gemma 3 (text): Gemma 2's sandwich layers with per-head q/k norms and a local rope base for sliding layers",
             architecture="Gemma3ForCausalLM", model_type="gemma3_text", **_SANDWICH),
+    _family("olmo2", "OLMo-2: post-norm (h + norm(f(h))), q/k RMSNorms over the whole projections (a statistic across attention TP)",
+            architecture="Olmo2ForCausalLM", options=("tbo",), **_RESIDUAL,
+            # Hugging Face sums OLMo-2's q/k norm statistics in fp32 even in a float64 model: split over
+            # attention-TP ranks the partial sums add in another order (3e-7 at TP 2 and 4; exact on one rank)
+            tolerances={"float64": 1e-6}),
+    _family("gpt_neox", "GPT-NeoX: LayerNorm with bias, biases on every projection, partial rotary, parallel or sequential residual",
+            architecture="GPTNeoXForCausalLM", options=("tbo",), **_RESIDUAL),
+    _family("cohere", "Cohere: one LayerNorm feeding attention and MLP in parallel, interleaved rotary, per-head q/k norms, logit scale",
+            architecture="CohereForCausalLM", options=("tbo",), **_RESIDUAL),
 )
 
 

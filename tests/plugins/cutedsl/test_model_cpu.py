@@ -13,7 +13,7 @@ import torch
 
 from layer_boundary.plugin import ConfigError
 from layer_boundary_models import family, model_config
-from layer_boundary_models.oracle import build_hf_model
+from layer_boundary.cli.oracle import reference_of
 from layer_boundary import Parallel, Topology
 from layer_boundary import GemmaRMSNorm, RMSNorm
 from layer_boundary.testing.threaded import run_threaded
@@ -48,7 +48,7 @@ def test_the_gemma_final_norm_option():
     with pytest.raises(ConfigError, match="only qwen3_moe accepts it"):
         model_config("qwen3_moe", dict(MOE_CONFIG, layer_boundary_final_norm="layernorm"))
     with pytest.raises(ConfigError, match="no Hugging Face model has"):
-        build_hf_model(dict(config.hf), torch.float32)
+        reference_of(family("qwen3_moe"), config, torch.float32, state=state)
 
 
 @pytest.mark.parametrize("tp", [1, 2])

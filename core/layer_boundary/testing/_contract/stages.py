@@ -83,6 +83,7 @@ class _OtherNorm(torch.nn.Module):
     def __init__(self, hidden, dtype, device):
         super().__init__()
         self.inner = torch.nn.LayerNorm(hidden, bias=False, dtype=dtype, device=device)
+        self.hidden_size = hidden  # what the boundary checks compute outputs against
 
     def forward(self, x):
         return self.inner(x)

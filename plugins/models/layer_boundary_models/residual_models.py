@@ -1,0 +1,190 @@
+"""OLMo-2, GPT-NeoX and Cohere written against the public API: three residual shapes on the
+boundaries the pre-norm decoders use, each layer two stages (attention, then the MLP).
+
+- post-norm (OLMo-2): `h = h + post_norm(attn(h))`, `h = h + post_norm(mlp(h))`. Each stage
+  reads the residual unnormed and declares its post-norm as the `output_transform`, which runs
+  on the sublayer's complete output (after its sum), before the add.
+- parallel (GPT-NeoX's `use_parallel_residual`, Cohere): `h = h + attn(n1(h)) + mlp(n2(h))`.
+  The MLP stage reads `READ_BEFORE_UPDATE`: the norm of the residual before the attention's
+  output joins it (Cohere: n2 is n1, the one input LayerNorm).
+- sequential (GPT-NeoX otherwise): pre-norm, `h = h + attn(n1(h))`, `h = h + mlp(n2(h))`.
+
+Every stage completes its own sum (two a layer); see `residual_reads`.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+from torch import nn
+
+from layer_boundary import LayerNorm, OutputTransform, declare_attn, declare_ffn, layer_stack, make_stages, residual_batch
+from .attention import KVCache, StepLayout
+from .config import ConfigError
+from .mlp import TPGatedMLP, TPPlainMLP
+from .overlapped import run_layers
+from .pipeline import PipelineHandoff, pipeline_layers
+from .residual_attention import Rotary, ShardedAttention
+from .residual_config import PARALLEL, POST_NORM, ResidualConfig
+from .residual_norms import Olmo2RMSNorm
+from .residual_reads import READ_BEFORE_UPDATE, Unnormed
+
+__all__ = ["ResidualLayer", "ResidualCausalLM", "make_norm", "pipeline_edge"]
+
+
+def make_norm(config: ResidualConfig, *, dtype=None, device=None) -> nn.Module:
+    """The family's hidden-size norm: OLMo-2's RMSNorm, GPT-NeoX's LayerNorm with bias
+    (statistics as wide as the input, as torch.nn.LayerNorm), Cohere's LayerNorm without bias
+    (statistics in fp32)."""
+    H, eps = config.hidden_size, config.norm_eps
+    if config.model_type == "olmo2":
+        return Olmo2RMSNorm(H, eps, dtype=dtype, device=device)
+    if config.model_type == "gpt_neox":
+        return LayerNorm(H, eps, bias=True, compute_dtype=None, dtype=dtype, device=device)
+    return LayerNorm(H, eps, bias=False, dtype=dtype, device=device)
+
+
+def pipeline_edge(config: ResidualConfig):
+    """`previous=` of a pipeline stage's first layer: the MLP stage before it, which the previous
+    pipeline stage built, described from this side of the cut (the same facts)."""
+    if config.residual == POST_NORM:
+        return declare_ffn(output_transform=POST_NORM_ON_THE_PREVIOUS_STAGE)
+    if config.residual == PARALLEL:
+        return declare_ffn(read=READ_BEFORE_UPDATE)
+    return declare_ffn()
+
+
+def _on_the_previous_stage(x):
+    raise RuntimeError("the post_feedforward_layernorm before a pipeline cut runs on the sending stage, which completes its sum")
+
+
+#: the output transform of the MLP stage before a pipeline cut, as the receiving stage describes
+#: it: the sender completes that sum and applies the norm before the handoff
+POST_NORM_ON_THE_PREVIOUS_STAGE = OutputTransform(_on_the_previous_stage, name="post_feedforward_layernorm (previous stage)")
+
+
+class ResidualLayer(nn.Module):
+    """One layer, two stages; `previous` is the declaration of the MLP stage before it (None for
+    the first layer of the model)."""
+
+    def __init__(self, config: ResidualConfig, layer_id: int, parallel, rotary: Rotary, previous=None, *, fusions=None, dtype=None,
+                 device=None):
+        super().__init__()
+        H = config.hidden_size
+        self.layer_id = layer_id
+        self.self_attn = ShardedAttention(config, parallel, layer_id, rotary, dtype=dtype, device=device)
+        tp = parallel.groups["tp"]
+        if config.gated_mlp:
+            self.mlp = TPGatedMLP(H, config.intermediate_size, tp, config.hidden_act, dtype=dtype, device=device)
+        else:
+            self.mlp = TPPlainMLP(H, config.intermediate_size, tp, config.hidden_act, bias=config.mlp_bias, dtype=dtype, device=device)
+        options = {"fusions": fusions} if fusions is not None else {}
+        if config.residual == POST_NORM:
+            self.post_attention_layernorm = make_norm(config, dtype=dtype, device=device)
+            self.post_feedforward_layernorm = make_norm(config, dtype=dtype, device=device)
+            attn = declare_attn(output_transform=OutputTransform(self.post_attention_layernorm, name="post_attention_layernorm"))
+            ffn = declare_ffn(output_transform=OutputTransform(self.post_feedforward_layernorm, name="post_feedforward_layernorm"))
+            attn_norm = ffn_norm = Unnormed(H)
+        else:
+            self.input_layernorm = make_norm(config, dtype=dtype, device=device)
+            attn, attn_norm = declare_attn(), self.input_layernorm
+            if config.model_type == "cohere":  # one norm feeds both branches
+                ffn_norm = self.input_layernorm
+            else:
+                self.post_attention_layernorm = make_norm(config, dtype=dtype, device=device)
+                ffn_norm = self.post_attention_layernorm
+            ffn = declare_ffn(read=READ_BEFORE_UPDATE) if config.residual == PARALLEL else declare_ffn()
+        self.attn_boundary, self.ffn_boundary = make_stages(
+            (attn, attn_norm, {**options, "producer": self.self_attn}),
+            (ffn, ffn_norm, options),
+            previous=previous,
+            terminal=layer_id == config.num_layers - 1,
+            label=f"layer{layer_id}",
+        )
+
+    def forward(self, hidden_states, forward, step: StepLayout, rope, cache: Optional[KVCache]):
+        hidden_states = self.attention(hidden_states, forward, step, rope, cache)
+        return self.feed_forward(hidden_states, forward)
+
+    def attention(self, hidden_states, forward, step: StepLayout, rope, cache: Optional[KVCache]):
+        hidden_states = self.attn_boundary.prepare(hidden_states, forward)
+        if hidden_states.shape[0] != 0:
+            hidden_states = self.self_attn(hidden_states, step, rope, cache)
+        return self.attn_boundary.finish(hidden_states, forward)
+
+    def feed_forward(self, hidden_states, forward):
+        hidden_states = self.ffn_boundary.prepare(hidden_states, forward)
+        with self.ffn_boundary.exit(forward) as output:
+            hidden_states = self.mlp(hidden_states)
+        return output.finish(hidden_states)
+
+    def operations(self, hidden_states, forward, step: StepLayout, rope, cache: Optional[KVCache]):
+        """The layer for two-batch overlap: `yield` between its stages (no scope is open there)."""
+        hidden_states = self.attention(hidden_states, forward, step, rope, cache)
+        yield
+        return self.feed_forward(hidden_states, forward)
+
+
+class ResidualCausalLM(nn.Module):
+    """Embedding, layers, final norm and a replicated LM head (times Cohere's logit scale); under
+    pipeline parallelism this stage's layers, the embedding on the first stage and the final
+    norm and head on the last (a tied head keeps its own copy there)."""
+
+    def __init__(self, config: ResidualConfig, parallel, *, reduction="ar", fusions=None, dtype=None, device=None):
+        super().__init__()
+        if not isinstance(config, ResidualConfig):
+            raise ConfigError(f"ResidualCausalLM builds olmo2, gpt_neox and cohere configs, got {type(config).__name__}")
+        config.check_topology(parallel.topology)
+        self.config = config
+        self.parallel = parallel
+        H = config.hidden_size
+        pp, stage = parallel.topology.pp, parallel.pp_rank
+        self.layer_ids = pipeline_layers(config.num_layers, pp, stage)
+        self.is_first, self.is_last = stage == 0, stage == pp - 1
+        self.rotary = Rotary(config).to(device) if device is not None else Rotary(config)
+        self.embed_tokens = nn.Embedding(config.vocab_size, H, dtype=dtype, device=device) if self.is_first else None
+        self.layers = nn.ModuleList()
+        previous = pipeline_edge(config) if self.layer_ids[0] else None
+        with layer_stack(parallel, reduction=reduction):
+            for i in self.layer_ids:
+                layer = ResidualLayer(config, i, parallel, self.rotary, previous, fusions=fusions, dtype=dtype, device=device)
+                self.layers.append(layer)
+                previous = layer.ffn_boundary.declaration
+        self.norm = self.lm_head = None
+        if self.is_last:
+            self.norm = make_norm(config, dtype=dtype, device=device)
+            self.lm_head = nn.Linear(H, config.vocab_size, bias=False, dtype=dtype, device=device)
+            if config.tie_word_embeddings and self.embed_tokens is not None:
+                self.lm_head.weight = self.embed_tokens.weight
+        self.handoff = PipelineHandoff(parallel, H, dtype or torch.get_default_dtype()) if pp > 1 else None
+
+    def new_cache(self) -> KVCache:
+        return KVCache(self.config.num_layers)
+
+    def plan_notes(self) -> dict:
+        """Model-wide lines for `layer-boundary plan`: the collectives compute issues itself."""
+        attn = self.layers[0].self_attn if len(self.layers) else None
+        if attn is None or attn.qk_norm is None:
+            return {}
+        what = attn.qk_norm.collective or "nothing (one attention-TP rank)"
+        return {"qk_norm": f"q/k norms over the whole projections (statistics across attention TP): {what} per layer"}
+
+    def forward(self, input_ids: torch.Tensor, forward, step: StepLayout, cache: Optional[KVCache] = None) -> Optional[torch.Tensor]:
+        """Logits [tokens, vocab] for this rank's attention rows; None on an earlier pipeline stage."""
+        if self.is_first:
+            residual_batch.start(forward)
+            hidden_states = self.embed_tokens(input_ids)
+        else:
+            tensors = self.handoff.receive(step.num_tokens, input_ids.device)
+            hidden_states = self.layers[0].attn_boundary.from_pp(tensors, forward)
+        rope = self.rotary(step.positions, hidden_states.dtype)
+        hidden_states = run_layers(self.layers, hidden_states, forward, step, rope, cache)
+        if not self.is_last:
+            self.handoff.send(residual_batch.to_pp(hidden_states, forward))
+            return None
+        hidden_states = residual_batch.norm(hidden_states, forward, self.norm, skip_empty=True)
+        logits = self.lm_head(hidden_states)
+        if self.config.logit_scale is not None:
+            logits = logits * self.config.logit_scale
+        return logits
