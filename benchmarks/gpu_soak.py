@@ -389,7 +389,7 @@ def _job(args) -> dict:
     else:
         from layer_boundary_models import family
 
-        hf = dict(family("qwen3").preset)
+        hf = family("qwen3").preset()
     layers = args.layers or (2 if on_gpu and args.size == "tiny" else hf["num_hidden_layers"])
     hf["num_hidden_layers"] = layers
     from layer_boundary.cli.progress import wanted

@@ -43,8 +43,8 @@ def bind_row_publishers(stage, registry) -> tuple[tuple, bool]:
                         check=PublishesRows, error_type=TypeError)
         publisher = chosen.value
         if publisher is None:
-            names = ", ".join(item.name for item in records)
-            raise NotImplementedError(f"stage {stage.label}: no {kind!r} row adapter ({names}) supports this stage")
+            reasons = "; ".join(f"{a.candidate}: {a.reason}" for a in chosen.declined)
+            raise NotImplementedError(f"stage {stage.label}: no {kind!r} row adapter supports this stage ({reasons})")
         bound.append((kind, publisher))
         if stage.kind is StageKind.FFN and getattr(publisher, "fused_consumer_only", False):
             fused_only = True

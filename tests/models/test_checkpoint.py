@@ -165,7 +165,7 @@ def test_a_saved_residual_family_checkpoint_passes_and_loads_sharded(tmp_path, m
     """save_pretrained() folders of OLMo-2, GPT-NeoX and Cohere (tied head): checked, then loaded
     at TP 2 (threaded) they give Hugging Face's logits."""
     from layer_boundary import Topology
-    from layer_boundary_models.oracle import hf_logits
+    from layer_boundary.cli.oracle import hf_logits
     from layer_boundary.cli.runner import RunJob, make_requests, run_rank
     from layer_boundary.testing import logits_rel_error
     from layer_boundary.testing.threaded import run_threaded
@@ -185,7 +185,6 @@ def test_a_saved_residual_family_checkpoint_passes_and_loads_sharded(tmp_path, m
 
 def test_gpt_neox_checkpoints_with_the_older_head_name_load(tmp_path):
     """GPT-NeoX checkpoints name the head `embed_out` (transformers renames it on load)."""
-    from layer_boundary_models.weights import CheckpointSource
 
     cfg = model_config("gpt_neox")
     state = family("gpt_neox").random_weights(cfg, torch.float32, 2)

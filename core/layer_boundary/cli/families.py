@@ -83,7 +83,9 @@ def check_options(item, options: dict) -> None:
     for option in sorted(k for k, v in options.items() if v and k in ("lora", "fp8", "tbo")):
         if option not in item.record.options:
             supported = ", ".join(sorted(item.record.options)) or "none"
-            raise UsageError(f"--{option}: model {item.record.model!r} does not support it (its options: {supported})")
+            others = sorted({r.record.model for r in get_registry().model_families if option in r.record.options})
+            raise UsageError(f"--{option}: model {item.record.model!r} does not support it (its options: {supported}); "
+                             f"--{option} runs with: {', '.join(others) or 'no installed model'}")
 
 
 def build(item, config, parallel, *, reduction: Any = "ar", fusions=None, dtype=None, device=None, options=None):

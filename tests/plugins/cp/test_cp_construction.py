@@ -131,7 +131,7 @@ def test_adapters_are_asked_in_priority_order_and_every_reason_is_kept(inline_pl
 
 def test_an_adapter_that_returns_something_else_is_an_error(inline_plugin):
     inline_plugin(_Broken(), name="broken")
-    with pytest.raises(TypeError, match="CP path provider 'test.broken' must return a StagePath"):
+    with pytest.raises(TypeError, match="CP path provider 'test.broken' of plugin 'broken' .* returned 'a path', which is not a StagePath"):
         layer(planning(Topology(tp=2, attn_cp=2)))
 
 
@@ -164,6 +164,7 @@ def test_a_cp_batch_needs_a_token_mapping_for_its_own_rows():
 def test_run_refuses_a_model_with_a_stage_without_a_cp_path(monkeypatch, fresh_registry, inline_plugin):
     """The server-argument check: `run --attn-cp` builds the model first and names the stage."""
     from layer_boundary.cli.main import UsageError
+    from layer_boundary.cli.families import find_family
     from layer_boundary.cli.run_cmd import _preflight
     from layer_boundary_models import model_config
 
@@ -171,7 +172,8 @@ def test_run_refuses_a_model_with_a_stage_without_a_cp_path(monkeypatch, fresh_r
     reset_registry()
     inline_plugin(_Refusing(), name="refusing")
     with pytest.raises(UsageError) as info:
-        _preflight(model_config("qwen3"), Topology(tp=2, attn_cp=2), "ar")
+        item = find_family("qwen3")
+        _preflight(item, model_config("qwen3"), Topology(tp=2, attn_cp=2), "ar", {})
     assert str(info.value) == (
         f"--attn-cp 2: {NO_CP} (stage layer0.0:attention: test.refusing: attention is not handled by test.refusing)"
     )

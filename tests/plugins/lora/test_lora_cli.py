@@ -22,7 +22,7 @@ def test_run_with_adapters_matches_peft():
 @pytest.mark.parametrize(
     "args, message",
     [
-        (["--model", "qwen3_moe", "--lora", "2"], "model 'qwen3_moe' has no LoRA reference layers; LoRA runs with: qwen3"),
+        (["--model", "qwen3_moe", "--lora", "2"], "--lora: model 'qwen3_moe' does not support it (its options: fp8, tbo); --lora runs with: qwen3"),
         (["--model", "qwen3", "--lora", "-1"], "argument --lora: must be >= 0, got -1; pass 0 or more"),
     ],
 )

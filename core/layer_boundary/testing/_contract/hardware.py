@@ -38,7 +38,9 @@ def _hardware_free_report(record, registered, descriptions, baseline_tops: set, 
                           allow: set) -> ContractReport:
     """What `record`'s factory does when no accelerator is present (CUDA hidden or absent)."""
     report = ContractReport(record.name, kind_of(record))
-    own = {_top(getattr(record.factory, "__module__", "") or "")} | allow  # the plugin's own package
+    # the plugin's own package: where its factory lives (a `lazy` factory names it)
+    home = getattr(record.factory, "target", None) or getattr(record.factory, "__module__", "") or ""
+    own = {_top(home)} | allow
     if registered is not None and plugin_imports:
         report.add("without_hardware", f"importing plugin {registered.plugin!r} imported {', '.join(plugin_imports)}; "
                                        "keep heavy imports inside factories, after the applicability checks")
