@@ -12,7 +12,7 @@ import attrs
 
 from layer_boundary.plugin import ConfigError as PluginConfigError
 
-__all__ = ["FamilyConfig", "DecoderConfig", "ConfigError", "FINAL_NORM_KEY", "NO_PIPELINE", "fp8_option"]
+__all__ = ["FamilyConfig", "DecoderConfig", "check_dense_split", "ConfigError", "FINAL_NORM_KEY", "NO_PIPELINE", "fp8_option"]
 
 #: a reference-model option (not a Hugging Face key): "gemma" gives qwen3_moe a (1 + w) final norm
 FINAL_NORM_KEY = "layer_boundary_final_norm"
@@ -139,27 +139,32 @@ class DecoderConfig(FamilyConfig):
 
     def check_topology(self, topology) -> None:
         """Raise `ConfigError` naming the fix when the topology cannot split this model."""
-        attn_tp, tp = topology.attn_tp, topology.tp
-        if topology.pp > self.num_layers:
-            raise ConfigError(f"--pp {topology.pp} is more than the {self.num_layers} layers of this model")
-        if self.num_heads % attn_tp:
-            raise ConfigError(
-                f"num_attention_heads={self.num_heads} is not divisible by attention TP {attn_tp}; choose --tp/--attn-dp so that attention TP divides it"
-            )
-        kv = self.num_kv_heads
-        if kv % attn_tp and attn_tp % kv:
-            raise ConfigError(
-                f"num_key_value_heads={kv} and attention TP {attn_tp} must divide one another (split or replicate KV heads)"
-            )
-        if self.intermediate_size % tp:
-            raise ConfigError(f"intermediate_size={self.intermediate_size} is not divisible by TP {tp}")
+        check_dense_split(self, topology)
         if self.sparse_layers:
             if self.num_experts % topology.moe_ep:
                 raise ConfigError(f"num_experts={self.num_experts} is not divisible by moe_ep={topology.moe_ep}")
             if self.moe_intermediate_size % topology.moe_tp:
                 raise ConfigError(f"moe_intermediate_size={self.moe_intermediate_size} is not divisible by moe_tp={topology.moe_tp}")
-            if self.shared_expert_intermediate_size % tp:
-                raise ConfigError(f"shared_expert_intermediate_size={self.shared_expert_intermediate_size} is not divisible by TP {tp}")
+            if self.shared_expert_intermediate_size % topology.tp:
+                raise ConfigError(f"shared_expert_intermediate_size={self.shared_expert_intermediate_size} is not divisible by TP {topology.tp}")
+
+
+def check_dense_split(config, topology) -> None:
+    """Raise `ConfigError` naming the fix unless `topology` splits a dense decoder of `config`:
+    pipeline stages over its layers, query heads and KV heads over attention TP (KV heads may be
+    replicated), the MLP width over TP."""
+    attn_tp, tp = topology.attn_tp, topology.tp
+    if topology.pp > config.num_layers:
+        raise ConfigError(f"--pp {topology.pp} is more than the {config.num_layers} layers of this model")
+    if config.num_heads % attn_tp:
+        raise ConfigError(
+            f"num_attention_heads={config.num_heads} is not divisible by attention TP {attn_tp}; choose --tp/--attn-dp so that attention TP divides it"
+        )
+    kv = config.num_kv_heads
+    if kv % attn_tp and attn_tp % kv:
+        raise ConfigError(f"num_key_value_heads={kv} and attention TP {attn_tp} must divide one another (split or replicate KV heads)")
+    if config.intermediate_size % tp:
+        raise ConfigError(f"intermediate_size={config.intermediate_size} is not divisible by TP {topology.tp}")
 
 
 #: the static FP8 scale of the reference models: |y| up to 8 maps onto E4M3's 448

@@ -10,7 +10,7 @@ from typing import Optional
 import torch
 from torch import nn
 
-from layer_boundary import declare_attn, declare_ffn, layer_stack, make_stages, residual_batch
+from layer_boundary import declare_attn, declare_ffn, layer_stack, make_stages
 from layer_boundary import GemmaRMSNorm, RMSNorm
 from .attention import DecodeLayout, KernelRope, KVCache, RotaryEmbedding, StaticKVCache, StepLayout, TPAttention
 from .config import ConfigError, DecoderConfig
@@ -19,7 +19,7 @@ from .mlp import TPGatedMLP
 from .moe import TPMoE
 from .overlapped import run_layers
 from .parts import output_head
-from .pipeline import PipelineHandoff, pipeline_layers
+from .pipeline import PipelineHandoff, enter_stage, leave_stage, pipeline_layers
 
 __all__ = ["DecoderLayer", "CausalLM"]
 
@@ -154,12 +154,7 @@ class CausalLM(nn.Module):
     def forward(self, input_ids: torch.Tensor, forward, step: StepLayout, cache: Optional[KVCache] = None) -> Optional[torch.Tensor]:
         """Logits [tokens, vocab] for this rank's attention rows; None on an earlier pipeline
         stage (its output went to the next stage)."""
-        if self.is_first:
-            residual_batch.start(forward)
-            hidden_states = self.embed(input_ids)
-        else:
-            tensors = self.handoff.receive(step.num_tokens, input_ids.device)
-            hidden_states = self.layers[0].attn_boundary.from_pp(tensors, forward)
+        hidden_states = enter_stage(self, input_ids, forward, step)
         if isinstance(cache, StaticKVCache):
             # the step's cache facts once for every layer; the rotation by a plugin's kernel
             # (prepare_model chose it) or by factors looked up in the cache's table
@@ -175,8 +170,4 @@ class CausalLM(nn.Module):
         else:
             rope = self.rotary(step.positions, hidden_states.dtype)
         hidden_states = run_layers(self.layers, hidden_states, forward, step, rope, cache)
-        if not self.is_last:
-            self.handoff.send(residual_batch.to_pp(hidden_states, forward))
-            return None
-        hidden_states = residual_batch.norm(hidden_states, forward, self.norm, skip_empty=True, handoff_norm=self.handoff_norm)
-        return self.lm_head(hidden_states)
+        return leave_stage(self, hidden_states, forward, self.norm, handoff_norm=self.handoff_norm)

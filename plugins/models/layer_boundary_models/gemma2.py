@@ -17,11 +17,11 @@ from typing import Optional
 import torch
 from torch import nn
 
-from layer_boundary import GemmaRMSNorm, OutputTransform, declare_attn, declare_ffn, layer_stack, make_stages, residual_batch
+from layer_boundary import GemmaRMSNorm, OutputTransform, declare_attn, declare_ffn, layer_stack, make_stages
 from .attention import DecodeLayout, KVCache, RotaryEmbedding, StaticKVCache, StepLayout, TPAttention
 from .gemma2_config import GemmaSandwichConfig
 from .mlp import TPGatedMLP
-from .pipeline import PipelineHandoff, pipeline_layers
+from .pipeline import PipelineHandoff, enter_stage, leave_stage, pipeline_layers
 
 __all__ = ["SandwichDecoderLayer", "GemmaSandwichLM"]
 
@@ -144,12 +144,7 @@ class GemmaSandwichLM(nn.Module):
         stage (its output went to the next stage)."""
         if forward.extras.get("tbo"):
             raise NotImplementedError(f"{self.config.model_type} runs without two-batch overlap")
-        if self.is_first:
-            residual_batch.start(forward)
-            hidden_states = self.embed(input_ids)
-        else:
-            tensors = self.handoff.receive(step.num_tokens, input_ids.device)
-            hidden_states = self.layers[0].attn_boundary.from_pp(tensors, forward)
+        hidden_states = enter_stage(self, input_ids, forward, step)
         if isinstance(cache, StaticKVCache):
             if isinstance(step, DecodeLayout):
                 step = cache.bind(step)  # the step's write index and masks, once for every layer
@@ -158,11 +153,9 @@ class GemmaSandwichLM(nn.Module):
             ropes = {kind: rotary(step.positions, hidden_states.dtype) for kind, rotary in self.rotary.items()}
         for layer in self.layers:
             hidden_states = layer(hidden_states, forward, step, ropes, cache)
-        if not self.is_last:
-            self.handoff.send(residual_batch.to_pp(hidden_states, forward))
+        logits = leave_stage(self, hidden_states, forward, self.norm)
+        if logits is None:
             return None
-        hidden_states = residual_batch.norm(hidden_states, forward, self.norm, skip_empty=True)
-        logits = self.lm_head(hidden_states)
         cap = self.config.final_logit_softcapping
         if cap is not None:
             logits = torch.tanh(logits / cap) * cap

@@ -8,6 +8,7 @@ import torch
 from layer_boundary.plugin import TensorSource
 
 from .gemma2_config import GemmaSandwichConfig
+from .weights import load_stage_ends
 
 __all__ = ["load_weights", "random_weights"]
 
@@ -26,14 +27,7 @@ def load_weights(model, src: TensorSource) -> None:
     def to(t):
         return t.to(dtype=ref.dtype, device=ref.device)
 
-    if model.embed_tokens is not None:
-        model.embed_tokens.weight.copy_(to(src.require("model.embed_tokens.weight")))
-    if model.lm_head is not None:
-        model.norm.weight.copy_(to(src.require("model.norm.weight")))
-        if not cfg.tie_word_embeddings:
-            model.lm_head.weight.copy_(to(src.require("lm_head.weight")))
-        elif model.embed_tokens is None:  # the last stage's own copy of a tied head
-            model.lm_head.weight.copy_(to(src.require("model.embed_tokens.weight")))
+    load_stage_ends(model, src, to)
     for i, layer in zip(model.layer_ids, model.layers):
         p = f"model.layers.{i}"
         for name in LAYER_NORMS:

@@ -22,7 +22,9 @@ from typing import Optional
 
 import torch
 
-__all__ = ["pipeline_layers", "PipelineHandoff"]
+from layer_boundary import residual_batch
+
+__all__ = ["pipeline_layers", "PipelineHandoff", "enter_stage", "leave_stage"]
 
 
 def pipeline_layers(num_layers: int, pp: int, stage: int) -> range:
@@ -64,3 +66,23 @@ class PipelineHandoff:
         self._handoff(stage, hidden.shape[0], hidden.device, payload)
         for index in range(stage + 1, pp - 1):
             self._handoff(index, hidden.shape[0], hidden.device, None)
+
+
+def enter_stage(model, input_ids: torch.Tensor, forward, step) -> torch.Tensor:
+    """The hidden states this pipeline stage starts from: the embedding on the first stage
+    (`model.embed(ids)`, the residual stream started), else the previous stage's handoff into
+    the first layer's attention boundary."""
+    if model.is_first:
+        residual_batch.start(forward)
+        return model.embed(input_ids)
+    tensors = model.handoff.receive(step.num_tokens, input_ids.device)
+    return model.layers[0].attn_boundary.from_pp(tensors, forward)
+
+
+def leave_stage(model, hidden_states, forward, final_norm, **norm_options) -> Optional[torch.Tensor]:
+    """Leave this stage: hand the stream to the next stage (None), or on the last stage leave
+    the stack through `final_norm` and return the LM head's logits."""
+    if not model.is_last:
+        model.handoff.send(residual_batch.to_pp(hidden_states, forward))
+        return None
+    return model.lm_head(residual_batch.norm(hidden_states, forward, final_norm, skip_empty=True, **norm_options))

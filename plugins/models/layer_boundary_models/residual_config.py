@@ -12,7 +12,7 @@ from typing import Any, Mapping, Optional
 
 import attrs
 
-from .config import ConfigError, FamilyConfig
+from .config import ConfigError, FamilyConfig, check_dense_split
 from .mlp import activation
 
 __all__ = ["ResidualConfig", "POST_NORM", "PARALLEL", "SEQUENTIAL"]
@@ -121,21 +121,9 @@ class ResidualConfig(FamilyConfig):
 
     def check_topology(self, topology) -> None:
         """Raise `ConfigError` naming the fix when the topology cannot split this model."""
-        attn_tp, tp = topology.attn_tp, topology.tp
         if topology.attn_cp > 1:
             raise ConfigError(f"{self.model_type} runs without context parallel attention; use --attn-cp 1")
-        if topology.pp > self.num_layers:
-            raise ConfigError(f"--pp {topology.pp} is more than the {self.num_layers} layers of this model")
-        if self.num_heads % attn_tp:
-            raise ConfigError(
-                f"num_attention_heads={self.num_heads} is not divisible by attention TP {attn_tp}; choose --tp/--attn-dp so "
-                "that attention TP divides it"
-            )
-        kv = self.num_kv_heads
-        if kv % attn_tp and attn_tp % kv:
-            raise ConfigError(f"num_key_value_heads={kv} and attention TP {attn_tp} must divide one another (split or replicate KV heads)")
-        if self.intermediate_size % tp:
-            raise ConfigError(f"intermediate_size={self.intermediate_size} is not divisible by TP {tp}")
+        check_dense_split(self, topology)
 
 
 def _positive(cfg: Mapping, key: str) -> int:

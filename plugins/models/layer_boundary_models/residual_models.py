@@ -19,12 +19,12 @@ from typing import Optional
 import torch
 from torch import nn
 
-from layer_boundary import LayerNorm, OutputTransform, declare_attn, declare_ffn, layer_stack, make_stages, residual_batch
+from layer_boundary import LayerNorm, OutputTransform, declare_attn, declare_ffn, layer_stack, make_stages
 from .attention import KVCache, StepLayout
 from .config import ConfigError
 from .mlp import TPGatedMLP, TPPlainMLP
 from .overlapped import run_layers
-from .pipeline import PipelineHandoff, pipeline_layers
+from .pipeline import PipelineHandoff, enter_stage, leave_stage, pipeline_layers
 from .residual_attention import Rotary, ShardedAttention
 from .residual_config import PARALLEL, POST_NORM, ResidualConfig
 from .residual_norms import Olmo2RMSNorm
@@ -170,21 +170,15 @@ class ResidualCausalLM(nn.Module):
         what = attn.qk_norm.collective or "nothing (one attention-TP rank)"
         return {"qk_norm": f"q/k norms over the whole projections (statistics across attention TP): {what} per layer"}
 
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        return self.embed_tokens(input_ids)
+
     def forward(self, input_ids: torch.Tensor, forward, step: StepLayout, cache: Optional[KVCache] = None) -> Optional[torch.Tensor]:
         """Logits [tokens, vocab] for this rank's attention rows; None on an earlier pipeline stage."""
-        if self.is_first:
-            residual_batch.start(forward)
-            hidden_states = self.embed_tokens(input_ids)
-        else:
-            tensors = self.handoff.receive(step.num_tokens, input_ids.device)
-            hidden_states = self.layers[0].attn_boundary.from_pp(tensors, forward)
+        hidden_states = enter_stage(self, input_ids, forward, step)
         rope = self.rotary(step.positions, hidden_states.dtype)
         hidden_states = run_layers(self.layers, hidden_states, forward, step, rope, cache)
-        if not self.is_last:
-            self.handoff.send(residual_batch.to_pp(hidden_states, forward))
-            return None
-        hidden_states = residual_batch.norm(hidden_states, forward, self.norm, skip_empty=True)
-        logits = self.lm_head(hidden_states)
-        if self.config.logit_scale is not None:
+        logits = leave_stage(self, hidden_states, forward, self.norm)
+        if logits is not None and self.config.logit_scale is not None:
             logits = logits * self.config.logit_scale
         return logits

@@ -13,7 +13,7 @@ import torch
 from layer_boundary.plugin import TensorSource
 
 
-__all__ = ["load_weights", "random_weights"]
+__all__ = ["load_weights", "random_weights", "load_stage_ends"]
 
 
 def _experts(src: TensorSource, prefix: str, num_experts: int):
@@ -28,6 +28,20 @@ def _experts(src: TensorSource, prefix: str, num_experts: int):
     return torch.stack(gate_up), torch.stack(down)
 
 
+def load_stage_ends(model, src: TensorSource, to) -> None:
+    """The embedding on a pipeline stage that holds it, the final norm and the head on the last
+    (a tied head from the embedding: the last stage's own copy where the embedding is elsewhere),
+    from the `model.` names of Hugging Face decoders; `to` casts a tensor for the model."""
+    if model.embed_tokens is not None:
+        model.embed_tokens.weight.copy_(to(src.require("model.embed_tokens.weight")))
+    if model.lm_head is not None:
+        model.norm.weight.copy_(to(src.require("model.norm.weight")))
+        if not model.config.tie_word_embeddings:
+            model.lm_head.weight.copy_(to(src.require("lm_head.weight")))
+        elif model.embed_tokens is None:  # the last stage's own copy of a tied head
+            model.lm_head.weight.copy_(to(src.require("model.embed_tokens.weight")))
+
+
 @torch.no_grad()
 def load_weights(model, src: TensorSource) -> None:
     """Copy every weight of a reference `CausalLM` from `src` (HF names), sharded per rank: the
@@ -40,14 +54,7 @@ def load_weights(model, src: TensorSource) -> None:
     def to(t):
         return t.to(dtype=ref.dtype, device=ref.device)
 
-    if model.embed_tokens is not None:
-        model.embed_tokens.weight.copy_(to(src.require("model.embed_tokens.weight")))
-    if model.lm_head is not None:
-        model.norm.weight.copy_(to(src.require("model.norm.weight")))
-        if not cfg.tie_word_embeddings:
-            model.lm_head.weight.copy_(to(src.require("lm_head.weight")))
-        elif model.embed_tokens is None:  # the last stage's own copy of a tied head
-            model.lm_head.weight.copy_(to(src.require("model.embed_tokens.weight")))
+    load_stage_ends(model, src, to)
     for i, layer in zip(model.layer_ids, model.layers):
         p = f"model.layers.{i}"
         layer.input_layernorm.weight.copy_(to(src.require(f"{p}.input_layernorm.weight")))
