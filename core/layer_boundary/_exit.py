@@ -384,7 +384,6 @@ class MixerExit(_ExitScope):
         return complete_reduced(plan, path.exit, out, fwd)
 
 
-
 class ParallelFfnExit(FfnExit):
     """The exit scope of a parallel-residual FFN (`ExitPath.joins_carried`).
 
