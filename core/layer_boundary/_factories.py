@@ -195,8 +195,10 @@ def declare_ffn(
     `parallel_residual=True` declares the FFN a parallel branch of the attention before it
     (GPT-NeoX's `use_parallel_residual`, Cohere: `h + attn(n1(h)) + mlp(n2(h))`): its input is
     its norm of the residual the attention read, and the attention's partial output joins this
-    FFN's partial output, so one sum completes both (see `check_parallel_branch` for what may
-    take part).
+    FFN's partial output, so one sum completes both. Construction refuses, naming the stage, a
+    parallel FFN without an attention right before it, a MoE or LOCAL_TAIL one, an update on
+    either stage that is not a plain add left for the next input, an output transform on either,
+    a read that is not a (quantizing) norm read, and context parallel.
     """
     reduction = ProducerReduction(reduction)
     if reduction is ProducerReduction.PARTIAL:

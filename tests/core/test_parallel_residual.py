@@ -348,3 +348,27 @@ def test_postprocess_completes_the_carried_output_too():
     scoped = run_threaded(lambda p: _postprocessed_rank(p, scoped=True), Topology(tp=2))
     unscoped = run_threaded(lambda p: _postprocessed_rank(p, scoped=False), Topology(tp=2))
     assert all(torch.equal(a, b) for a, b in zip(scoped, unscoped))
+
+
+def test_a_quantizing_read_norms_the_residual_the_attention_read():
+    """An FP8 read on the parallel FFN quantizes the norm of the residual before the attention's
+    output joins it; the joined output then adds both branches to that residual."""
+    from layer_boundary._residual.quant import Fp8Input, QuantNormRead, fp8_residual
+
+    ops = fp8_residual("fp8_dynamic", attention=False)
+    norms = [RMSNorm(H), RMSNorm(H)]
+    with torch.no_grad():
+        norms[1].weight.copy_(torch.tensor([0.5, 1.0, 1.5, 2.0]))
+    attn, ffn = make_stages((declare_attn(residual=ops), norms[0]), (declare_ffn(residual=ops, parallel_residual=True), norms[1]),
+                            parallel=Parallel.single(), terminal=True)
+    fwd = Forward(Parallel.single(), 3)
+    residual_batch.start(fwd)
+    x = torch.randn(3, H, generator=torch.Generator().manual_seed(0))
+    a = attn.prepare(x, fwd) * 0.5
+    q = ffn.prepare(attn.finish(a, fwd), fwd)
+    want = QuantNormRead("fp8_dynamic").read(x, norms[1])[0]
+    assert isinstance(q, Fp8Input) and torch.equal(q.data.view(torch.uint8), want.data.view(torch.uint8))
+    with ffn.exit(fwd) as out:
+        y = q.dequantize(torch.float32) * 0.25
+    h = residual_batch.fold(out.finish(y), fwd)
+    torch.testing.assert_close(h, x + a + y)
