@@ -27,6 +27,8 @@ def entry(path, plan) -> list[str]:
         steps.append("all_reduce@tp over the DP-gathered rows (completes the attention-TP sum and gathers DP)")
         steps.append(f"keep this DP rank's rows as the residual; {norm} on full rows")
         steps.append("(fallback when the sum arrives complete: add + norm locally, then all_gatherv@attn_dp)")
+    elif path.mode is EntryMode.PARALLEL:
+        steps += _parallel_entry(path, plan)
     elif path.mode is EntryMode.SCATTER:
         steps.append("reduce_scatterv@attn_tp onto attention-TP slices when a sum is owed (else take the slice)")
         steps.append(f"update and read on the slice with {norm}")
@@ -46,12 +48,52 @@ def entry(path, plan) -> list[str]:
     return steps
 
 
+def _attention_sum(plan) -> str:
+    """The attention sum a parallel-residual FFN carries, as the plan names it."""
+    if plan.parallel.topology.attn_tp == 1:
+        return "the attention's output (complete: one attention-TP rank)"
+    return "the attention's attn_tp partial (its declared sum)"
+
+
+def _parallel_entry(path, plan) -> list[str]:
+    rows = "this rank's slice of the residual" if path.residual_rows is RowLayout.ATTN_TP_SLICE else "the residual"
+    return [
+        f"read {rows} as the attention read it (its output still pending) with {plan.norm_name}",
+        f"carry {_attention_sum(plan)} to this stage's exit, where it joins this FFN's partial (parallel residual)",
+    ]
+
+
+def _parallel_exit(path, plan) -> list[str]:
+    g = path.sum_group.group_name
+    if path.group.size == 1:
+        return [f"add {_attention_sum(plan)} to this FFN's output (one rank: nothing to sum)"]
+    steps = [f"compute leaves its {g} sum; {_attention_sum(plan)} joins this FFN's partial: one sum over {g} completes both"]
+    if path.compute_rows is RowLayout.DP_GATHERED:
+        steps[0] = (
+            f"compute leaves its {g} sum; {_attention_sum(plan)} joins this FFN's partial in this DP rank's slot of the full "
+            f"rows (zeros elsewhere): one sum over {g} completes both, each slot adding its own attention ranks' outputs"
+        )
+    if path.may_defer:
+        steps.append(f"defer that all_reduce@{g} to the next input when the batch has tokens (fuse_mlp_allreduce)")
+    if path.scatter is not None:
+        steps.append(path.scatter.name)
+    otherwise = "else " if path.may_defer or path.scatter is not None else ""
+    keep = f", keep {path.output_move_name}" if path.output_move_name else ""
+    steps.append(f"{otherwise}all_reduce@{g} here (fuse_mlp_allreduce){keep}")
+    return steps
+
+
 def exit(path, plan) -> list[str]:  # noqa: A001 - the plan's "exit" half
     g = path.sum_group.name
     on_rows = f", on {path.output_rows.short}" if path.output_rows is not RowLayout.DP_LOCAL else ""
     if path.role is ExitRole.DECLARED or path.leaves_declared:
         take = f"take {path.output_move_name}; " if path.output_move_name else ""
+        following = plan.declaration.following
+        if following is not None and following.parallel_residual:
+            return [f"{take}leave the {g} sum (declared) to the parallel-residual FFN after it, which carries it to its exit{on_rows}"]
         return [f"{take}leave the {g} sum (declared) for the next input{on_rows}"]
+    if path.joins_carried:
+        return _parallel_exit(path, plan)
     steps = []
     if path.may_defer and not plan.fused_consumer_only:
         steps.append(f"defer the {g} all-reduce to the next input when the batch has tokens (fuse_mlp_allreduce)")

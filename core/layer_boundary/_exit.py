@@ -14,9 +14,9 @@ from ._checks import check_rows
 from ._errors import Messages
 from ._forward import _SCOPE, ComputeFlags, RowLayout
 from ._fusions import FusionError
-from ._ops import align_rows
+from ._ops import align_rows, dp_slot
 from ._output import HandoffOutput, UnreducedOutput
-from ._residual.stream import REPLACED_PENDING, Contribution
+from ._residual.stream import CARRIED, REPLACED_PENDING, Contribution
 
 __all__ = [
     "FfnExit",
@@ -29,6 +29,8 @@ __all__ = [
     "complete_reduced",
     "plain_ffn_exit",
     "PlainFfnExit",
+    "ParallelFfnExit",
+    "join_reduced",
     "NO_SKIP",
 ]
 
@@ -69,6 +71,9 @@ _DEFER_SUM = _DEFERRALS[(True, False)]
 _SCATTERS = {
     owns: ExitDecision(ComputeFlags(mlp_reduce_scatter=True, owns_local_tail=owns), reduce_scatter=True) for owns in (True, False)
 }
+#: a parallel-residual FFN's decision to complete its joined sum at the exit: compute still leaves
+#: its sum, which the boundary runs once the attention's output has joined it
+_JOIN_NOW = ExitDecision(ComputeFlags(fuse_mlp_allreduce=True))
 
 
 def _stream(fwd):
@@ -378,3 +383,66 @@ class MixerExit(_ExitScope):
             return _leave_sum(plan, path.exit, out, fwd, declared=decision.declared)
         return complete_reduced(plan, path.exit, out, fwd)
 
+
+class ParallelFfnExit(FfnExit):
+    """The exit scope of a parallel-residual FFN (`ExitPath.joins_carried`).
+
+    Compute always leaves its sum to the boundary. `finish()` adds the attention output that
+    the stage's input carried (`CARRIED`) to the FFN's partial output, then one sum completes
+    both: deferred to the next input (ordinary rows), reduce-scattered onto the output rows, or
+    all-reduced here and moved to them.
+    """
+
+    __slots__ = ()
+
+    @classmethod
+    def open(cls, plan, fwd) -> "ParallelFfnExit":
+        path = plan.path_for(fwd)
+        _stream(fwd)
+        ex = path.exit
+        scatter = ex.scatter
+        if scatter is not None and scatter.eligible(fwd):
+            return cls(plan, path, fwd, _SCATTERS[False])
+        defer = ex.may_defer and fwd.num_tokens > 0
+        if defer and plan.fused_consumer_only:
+            defer = any(p.can_defer_all_reduce(plan, fwd) for p in plan.all_reduce_providers)
+        return cls(plan, path, fwd, _DEFER_SUM if defer else _JOIN_NOW)
+
+    def finish(self, out):
+        self._begin_finish()
+        plan, path, fwd, decision = self.plan, self.path, self.fwd, self.decision
+        if not isinstance(out, torch.Tensor):
+            raise TypeError(f"stage {plan.label}: a parallel-residual FFN returns its partial output as a tensor, got {type(out).__name__}")
+        ex = path.exit
+        check_rows(plan, out, compute_rows(ex, fwd), fwd, "FFN output")
+        joined = out + _take_carried(plan, ex, fwd, complete=False)
+        if decision.defer_sum:
+            owed = UnreducedOutput(joined, ex.group, ex.sum_group, declared=False)
+            return _stream(fwd).record(Contribution(None, plan.declaration.update, owed=owed))
+        if decision.reduce_scatter:
+            return record_complete(plan, ex, ex.scatter.run(joined, fwd, ex.group), fwd)
+        return complete_reduced(plan, ex, joined if ex.group.size == 1 else ex.group.all_reduce(joined), fwd)
+
+
+def join_reduced(plan, ex, out, fwd):
+    """A parallel-residual FFN's output that compute already reduced (no exit scope): the carried
+    attention output completes on its own sum and joins it."""
+    return complete_reduced(plan, ex, out + _take_carried(plan, ex, fwd, complete=True), fwd)
+
+
+def _take_carried(plan, ex, fwd, *, complete: bool):
+    """Take the attention output a parallel-residual FFN's input carried off the stream, on the
+    exit's compute rows: its partial (or, `complete=True`, its completed sum; over one
+    attention-TP rank it is complete anyway), in this DP rank's slot of DP-gathered rows."""
+    stream = _stream(fwd)
+    carried = stream.pending
+    if carried is None or stream.handle is not CARRIED:
+        raise RuntimeError(
+            f"stage {plan.label}: a parallel-residual FFN's exit adds the attention output its prepare() took; call this "
+            "stage's prepare() with the attention's handle first"
+        )
+    stream.pending = stream.handle = None
+    owed = carried.owed
+    attention = carried.value if owed is None else owed.complete() if complete else owed.partial
+    carried.owed = carried.value = None  # consumed: the attention's handle retains nothing
+    return dp_slot(attention, fwd) if ex.compute_rows is RowLayout.DP_GATHERED else attention

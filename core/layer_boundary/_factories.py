@@ -71,6 +71,9 @@ class StageDeclaration:
     #: what it needs itself (`Forward.cp`); otherwise a CP batch gathers its input to full rows
     takes_cp_shard: bool = False
     output_transform: Optional[OutputTransform] = None
+    #: an FFN that runs beside the attention before it (`h + attn(n1(h)) + mlp(n2(h))`): it reads
+    #: the residual that attention read, and its output joins the attention's owed sum
+    parallel_residual: bool = False
     previous: Optional["StageDeclaration"] = None
     prepared_from: Optional["StageDeclaration"] = None
     following: Optional["StageDeclaration"] = None
@@ -103,6 +106,7 @@ class StageDeclaration:
             tuple(getattr(self.update, f) for f in UPDATE_FLAGS),
             tuple(getattr(self.read, f) for f in READ_FLAGS),
             self.output_transform is not None,
+            self.parallel_residual,
         )
 
     def describe(self) -> str:
@@ -116,6 +120,8 @@ class StageDeclaration:
             extras.append("local_tail")
         if self.residual != "core.plain":
             extras.append(self.residual)
+        if self.parallel_residual:
+            extras.append("parallel_residual")
         return name + (f"[{','.join(extras)}]" if extras else "")
 
 
@@ -181,13 +187,24 @@ def declare_ffn(
     read=None,
     update=None,
     output_transform: Optional[OutputTransform] = None,
+    parallel_residual: bool = False,
 ) -> StageDeclaration:
     """An FFN stage (dense, or `sparse=True` for MoE). `next_sparse` describes the next layer's
-    FFN, from which two-batch-overlap handoff rows derive."""
+    FFN, from which two-batch-overlap handoff rows derive.
+
+    `parallel_residual=True` declares the FFN a parallel branch of the attention before it
+    (GPT-NeoX's `use_parallel_residual`, Cohere: `h + attn(n1(h)) + mlp(n2(h))`): its input is
+    its norm of the residual the attention read, and the attention's partial output joins this
+    FFN's partial output, so one sum completes both. Construction refuses, naming the stage, a
+    parallel FFN without an attention right before it, a MoE or LOCAL_TAIL one, an update on
+    either stage that is not a plain add left for the next input, an output transform on either,
+    a read that is not a (quantizing) norm read, and context parallel.
+    """
     reduction = ProducerReduction(reduction)
     if reduction is ProducerReduction.PARTIAL:
         raise ValueError(Messages.PARTIAL_FFN)
-    return _declaration(StageKind.FFN, reduction, residual, read, update, output_transform, sparse=sparse, next_sparse=next_sparse)
+    return _declaration(StageKind.FFN, reduction, residual, read, update, output_transform, sparse=sparse, next_sparse=next_sparse,
+                        parallel_residual=bool(parallel_residual))
 
 
 # ---------------------------------------------------------------------------------------------

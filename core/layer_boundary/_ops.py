@@ -20,6 +20,7 @@ __all__ = [
     "dp_gather",
     "dp_scatter",
     "dp_partial_sum",
+    "dp_slot",
     "dp_reduce_scatter",
     "take_slice",
     "gather_slices",
@@ -45,15 +46,19 @@ def dp_scatter(full: torch.Tensor, fwd: Forward) -> torch.Tensor:
     return full[fwd.dp_offset : fwd.dp_offset + fwd.num_tokens]
 
 
-def dp_partial_sum(partial: torch.Tensor, fwd: Forward) -> torch.Tensor:
-    """One TP all-reduce that both completes an attention-TP partial sum and gathers over DP.
+def dp_slot(x: torch.Tensor, fwd: Forward) -> torch.Tensor:
+    """Attention rows -> full rows holding them in this rank's DP slot, zeros elsewhere (no
+    communication): a sum of such buffers over the TP group adds the attention-TP partials of
+    every slot."""
+    buffer = x.new_zeros((fwd.full_rows,) + tuple(x.shape[1:]))
+    buffer[fwd.dp_offset : fwd.dp_offset + x.shape[0]] = x
+    return buffer
 
-    Each rank places its partial in its DP slot of a zeroed full-rows buffer; the sum over the
-    TP group adds the attention-TP partials of every slot.
-    """
-    buffer = partial.new_zeros((fwd.full_rows,) + tuple(partial.shape[1:]))
-    buffer[fwd.dp_offset : fwd.dp_offset + partial.shape[0]] = partial
-    return fwd.parallel.groups["tp"].all_reduce(buffer)
+
+def dp_partial_sum(partial: torch.Tensor, fwd: Forward) -> torch.Tensor:
+    """One TP all-reduce that both completes an attention-TP partial sum and gathers over DP
+    (each rank's partial in its DP slot, `dp_slot`)."""
+    return fwd.parallel.groups["tp"].all_reduce(dp_slot(partial, fwd))
 
 
 def dp_reduce_scatter(full_partial: torch.Tensor, fwd: Forward) -> torch.Tensor:

@@ -59,6 +59,9 @@ class EntryMode(enum.Enum):
     DP_PARTIAL = "dp_partial"  #: one TP all-reduce completes the attention-TP sum and gathers over DP
     SCATTER = "scatter"  #: reduce-scatter onto attention-TP slices, update and read on the slice
     BRANCH = "branch"  #: a prepared branch, entered through `branch_input` only
+    #: a parallel-residual FFN: read the residual the attention before it read, and carry that
+    #: attention's pending output (nothing completes here) to this stage's exit
+    PARALLEL = "parallel"
 
 
 class ExitRole(enum.Enum):
@@ -160,11 +163,17 @@ class ExitPath:
     #: the producer's update runs at this exit (`writes_at_exit`): the output completes here and
     #: the stream is written; nothing is deferred or left declared
     writes_at_exit: bool = False
+    #: a parallel-residual FFN: the attention output its input carried joins this exit's partial
+    #: output (on the compute rows; into this DP rank's slot of them when they are DP-gathered),
+    #: and one sum completes both
+    joins_carried: bool = False
     #: the decision of an FFN exit that no batch fact can change (exits then share it)
     static_decision: Any = attrs.field(init=False)
 
     def __attrs_post_init__(self):
-        static = self.role is ExitRole.FFN and not (self.may_defer or self.handoff_ok or self.asks_finalize or self.scatter is not None)
+        static = self.role is ExitRole.FFN and not self.joins_carried and not (
+            self.may_defer or self.handoff_ok or self.asks_finalize or self.scatter is not None
+        )
         object.__setattr__(self, "static_decision", COMPLETE_NOW if static else None)
 
     @classmethod

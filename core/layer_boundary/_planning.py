@@ -25,6 +25,7 @@ from ._forward import BatchVariant, DpPadding, RowLayout
 from ._fusions import build_providers, consumer_candidates, equivalent_groups, read_format
 from ._layout import SumGroup
 from ._ops import dp_gather, dp_reduce_scatter, dp_scatter, gather_slices, reduce_scatter_slices, take_slice
+from ._parallel_residual import check_parallel_branch
 from ._paths import (
     EntryMode, EntryPath, ExitPath, Owed, ReduceScatter, StagePath, completes_for_split, defers_to_next_input, writes_at_exit,
 )
@@ -243,6 +244,8 @@ def _entry_path(stage: Stage, variant: BatchVariant, candidates, publishers) -> 
     topo = stage.parallel.topology
     if stage.is_branch:
         return EntryPath(mode=EntryMode.BRANCH)
+    if decl.parallel_residual:
+        return _parallel_entry(stage, variant)
     owed, _ = arriving_sum(decl, stage.two_batch_overlap)
     source = decl.previous
     arrives_plain = None if source is None else bool(source.update.plain_add)
@@ -285,6 +288,19 @@ def _entry_path(stage: Stage, variant: BatchVariant, candidates, publishers) -> 
         add_norm=stage.norm.fused_add_forward if plain and has_add_norm(stage.norm) and type(decl.read) is NormRead else None,
         compute_rows=rows,
     )
+
+
+def _parallel_entry(stage: Stage, variant: BatchVariant) -> EntryPath:
+    """A parallel-residual FFN's input: its norm of the residual the attention read, on that
+    residual's rows, then moved to the compute rows; the attention's output stays pending."""
+    if variant in SLICE_VARIANTS:
+        return EntryPath(mode=EntryMode.PARALLEL, residual_rows=RowLayout.ATTN_TP_SLICE, input_move=gather_slices,
+                         input_move_name="all_gatherv@attn_tp of the input slices", arrives_plain=True, owed=Owed.DECLARED,
+                         capture_allocates=True)
+    if stage.parallel.topology.attn_dp > 1:
+        return EntryPath(mode=EntryMode.PARALLEL, input_move=dp_gather, input_move_name="all_gatherv@attn_dp of the input to full rows",
+                         arrives_plain=True, owed=Owed.DECLARED, compute_rows=RowLayout.DP_GATHERED)
+    return EntryPath(mode=EntryMode.PARALLEL, arrives_plain=True, owed=Owed.DECLARED)
 
 
 class _LatentMove:
@@ -349,6 +365,8 @@ def _exit(stage: Stage, variant: BatchVariant, finalize_ok: bool) -> ExitPath:
     deferrable_update = not at_exit and transform is None
     if decl.kind is StageKind.ATTENTION:
         return ExitPath.of(stage)
+    if decl.parallel_residual:
+        return _parallel_exit(stage, variant)
     if decl.kind is StageKind.MIXER:
         following = decl.following
         leaves = not at_exit and (slices or (following is not None and following.kind is StageKind.FFN))
@@ -376,6 +394,22 @@ def _exit(stage: Stage, variant: BatchVariant, finalize_ok: bool) -> ExitPath:
         handoff_ok=leaves and finalize_ok and scoped and not at_exit,
         asks_finalize=finalize_ok,
     )
+
+
+def _parallel_exit(stage: Stage, variant: BatchVariant) -> ExitPath:
+    """A parallel-residual FFN's exit: compute always leaves its sum, the attention output the
+    input carried joins it, and one sum over TP completes both (deferred to the next input,
+    reduce-scattered onto the output rows, or all-reduced here and moved to them)."""
+    decl, topo, policy = stage.declaration, stage.parallel.topology, stage.policy
+    if variant in SLICE_VARIANTS:
+        return ExitPath.of(stage, output_rows=RowLayout.ATTN_TP_SLICE, output_move=take_slice, output_move_name="this rank's slice",
+                           scatter=_scatter_route(policy.allows_rs, policy.allows_rsv, dp=False), joins_carried=True)
+    if topo.attn_dp > 1:
+        return ExitPath.of(stage, compute_rows=RowLayout.DP_GATHERED, output_move=dp_scatter, output_move_name="this DP rank's rows",
+                           scatter=_scatter_route(policy.allows_rs, policy.allows_rsv, dp=True), joins_carried=True)
+    leaves = defers_to_next_input(topo, variant) and not completes_for_split(decl, stage.two_batch_overlap)
+    may_defer = leaves and not decl.terminal and stage.group(stage.output_sum).size > 1
+    return ExitPath.of(stage, may_defer=may_defer, joins_carried=True)
 
 
 def stage_paths(stage: Stage, candidates, *, finalize_ok: bool, publishers: tuple = ()) -> dict[BatchVariant, StagePath]:
@@ -414,6 +448,8 @@ def _context_parallel(stage: Stage, ordinary: StagePath, registry) -> tuple[Opti
 
 
 def _plan(stage: Stage, registry) -> StagePlan:
+    if stage.declaration.parallel_residual:
+        check_parallel_branch(stage)
     providers = tuple(build_providers(stage.fusions, stage.description, registry))
     finalize = tuple(p for p, _ in providers if isinstance(p, DefersFinalize))
     all_reduce = tuple(p for p, _ in providers if isinstance(p, DefersAllReduce))

@@ -14,9 +14,9 @@ from ._fusions import run_candidates
 from ._ops import align_rows, dp_partial_sum, dp_scatter, move_input, reduce_scatter_slices
 from ._output import HandoffOutput, UnreducedOutput
 from ._paths import EntryMode, Owed
-from ._residual.stream import StreamState
+from ._residual.stream import CARRIED, StreamState
 
-__all__ = ["run_entry", "run_local"]
+__all__ = ["run_entry", "run_local", "run_parallel"]
 
 ATTENTION_ROWS = RowLayout.DP_LOCAL
 SLICE_ROWS = RowLayout.ATTN_TP_SLICE
@@ -156,6 +156,40 @@ def run_entry(plan, entry, hidden, fwd, capture_output=None, captured=None, post
     if capture_output is not None:  # residual on a share of the rows: the capture gathers (allocates)
         _capture(capture_output, _to_producer_rows(residual, entry, fwd), owned=True)
     return _finish_entry(plan, entry, inp, residual, fwd, captured, owned=False)
+
+
+def run_parallel(plan, entry, hidden, fwd):
+    """A parallel-residual FFN's input (`EntryMode.PARALLEL`): its norm of the residual the
+    attention before it read. The attention's output stays pending, held for this stage's exit
+    (the stream's handle becomes `CARRIED`, so no other call can take it); nothing completes here."""
+    stream = fwd.residual_stream
+    if stream is None:
+        raise RuntimeError(Messages.NOT_STARTED)
+    pending = stream.pending
+    if pending is None:
+        raise RuntimeError(
+            f"stage {plan.label}: a parallel-residual FFN reads the residual its attention read and takes that attention's "
+            "output to its exit, but no attention output is pending (residual_batch.fold() or written() applied it, or the "
+            "stack starts here); pass the attention's finish() handle straight to this prepare()"
+        )
+    stream.check(hidden)
+    if not pending.update.plain_add:
+        raise RuntimeError(
+            f"producer update does not match the boundary's capability at stage {plan.label}: {pending.update!r} arrived where "
+            "plain_add=True was declared by previous="
+        )
+    if pending.owed is not None and owed_mismatch(entry, pending.owed):
+        _raise_owed(plan, entry, pending)
+    if pending.transform is not None:
+        raise RuntimeError(
+            f"stage {plan.label}: the arriving output has an output transform ({pending.transform!r}), which a parallel "
+            "residual cannot join into one sum, but previous= declares none; describe the real producer"
+        )
+    residual = align_rows(stream.residual, stream.rows, entry.residual_rows, fwd)
+    inp, _ = plan.read.read(residual, plan.norm)  # a norm read: the residual stays as it is
+    stream.handle = CARRIED
+    move = entry.input_move
+    return inp if move is None else move_input(inp, move, fwd)
 
 
 def _check_post_addition(plan, stream, extra) -> None:

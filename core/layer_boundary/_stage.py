@@ -7,7 +7,10 @@ from typing import Mapping
 from ._checks import check_rows
 from ._contracts import StageKind
 from ._errors import Messages
-from ._exit import COMPLETE_NOW, FfnExit, MixerExit, PlainFfnExit, complete_reduced, compute_rows, plain_ffn_exit, record_attention, record_lean
+from ._exit import (
+    COMPLETE_NOW, FfnExit, MixerExit, ParallelFfnExit, PlainFfnExit, complete_reduced, compute_rows, join_reduced, plain_ffn_exit,
+    record_attention, record_lean,
+)
 from ._exit import _Tensor  # the hot exits' shared shortcut (see _exit.py)
 from ._features import resolve_branch_transport
 from ._forward import BatchVariant, RowLayout
@@ -15,7 +18,7 @@ from ._ops import align_rows
 from ._output import UnreducedOutput
 from ._paths import EntryMode, Owed
 from ._planning import StagePlan, arriving_sum, plan_stages
-from ._prepare import run_entry, run_local
+from ._prepare import run_entry, run_local, run_parallel
 from ._residual.stream import ResidualStream
 from ._row_publishers import publish_rows
 from ._plugins.manager import get_registry
@@ -53,6 +56,7 @@ class StageBoundary:
         "_lean_ordinary",
         "_recording_ordinary",
         "_plain_ordinary",
+        "_ffn_exit",
         "branch_transport",
     )
 
@@ -95,6 +99,8 @@ class StageBoundary:
         self._lean_ordinary = self._lean_entries.get(_ORDINARY)
         self._recording_ordinary = self._recording_exits.get(_ORDINARY)
         self._plain_ordinary = self._plain_exits.get(_ORDINARY)
+        #: the exit scope an FFN opens when its decision depends on the batch
+        self._ffn_exit = ParallelFfnExit if plan.declaration.parallel_residual else FfnExit
         #: a prepared branch's transport (`branch_input`), found once here
         self.branch_transport = resolve_branch_transport(self) if plan.declaration.prepared_from is not None else None
 
@@ -142,6 +148,8 @@ class StageBoundary:
         if capturing and plan.kind is StageKind.FFN:
             what = "post_residual_addition" if post_residual_addition is not None else "capture_output"
             raise TypeError(f"FFN prepare() does not accept {what}; capture at an attention input or the final norm")
+        if entry.mode is EntryMode.PARALLEL:
+            return run_parallel(plan, entry, hidden_states, forward)
         if entry.precheck is not None:
             entry.precheck(forward)
             if entry.mode is EntryMode.LOCAL and not capturing:
@@ -187,7 +195,7 @@ class StageBoundary:
                 return FfnExit(self.plan, path, forward, path.exit.static_decision)
         kind = self.plan.kind
         if kind is StageKind.FFN:
-            return FfnExit.open(self.plan, forward)
+            return self._ffn_exit.open(self.plan, forward)
         if kind is StageKind.MIXER:
             return MixerExit.open(self.plan, forward)
         raise RuntimeError("an attention stage (PARTIAL) publishes its output with finish(), not exit()")
@@ -199,6 +207,8 @@ class StageBoundary:
             raise RuntimeError("postprocess() is for FFN and mixer stages; attention publishes with finish()")
         path = self.plan.path_for(forward)
         check_rows(self.plan, output, compute_rows(path.exit, forward), forward, "output")
+        if path.exit.joins_carried:
+            return join_reduced(self.plan, path.exit, output, forward)
         return complete_reduced(self.plan, path.exit, output, forward)
 
     # capture and pipeline ---------------------------------------------------------------------
@@ -233,6 +243,11 @@ class StageBoundary:
         plan = self.plan
         if plan.enters_stack or plan.is_branch:
             raise RuntimeError("from_pp() belongs on the first stage after a pipeline cut (a stage with previous=)")
+        if plan.declaration.parallel_residual:
+            raise RuntimeError(
+                f"from_pp() at stage {plan.label}: a parallel-residual FFN reads the residual its attention read, in the same "
+                "forward, so no pipeline cut lies between them; cut before the attention"
+            )
         check_pp_transport(transport)
         if "residual" not in tensors and not residual_optional:
             raise ValueError(

@@ -175,11 +175,11 @@ def test_numeric_options_are_refused_in_one_line(capsys, args, message):
 # --- the residual-shape families -----------------------------------------------------------------
 
 #: decode-step collectives of the 4-layer presets at TP 2: OLMo-2 adds its q/k statistic to the
-#: attention's sum over attention TP
+#: attention's sum over attention TP; the parallel residual joins the attention's sum into the MLP's
 RESIDUAL_FAMILY_DECODE = {
     "olmo2": {"all_reduce@attn_tp": 8, "all_reduce@tp": 4},
-    "gpt_neox": {"all_reduce@attn_tp": 4, "all_reduce@tp": 4},
-    "cohere": {"all_reduce@attn_tp": 4, "all_reduce@tp": 4},
+    "gpt_neox": {"all_reduce@tp": 4},
+    "cohere": {"all_reduce@tp": 4},
 }
 
 

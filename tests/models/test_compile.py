@@ -110,6 +110,10 @@ def test_aot_eager_equals_eager_bitwise(weights_dir):
         _model_param("longcat_flash", Topology(tp=2), "ar", id="longcat-tp2"),
         # the q/k statistic's all_reduce inside the attention's compute
         _model_param("olmo2", Topology(tp=2), "ar", id="olmo2-tp2"),
+        # the parallel residual: the attention's partial carried to the MLP's exit and joined with
+        # its partial (one sum deferred to the next input; under attention DP, in the DP slot)
+        _model_param("gpt_neox", Topology(tp=2), "ar", id="gpt_neox-tp2"),
+        _model_param("cohere", Topology(tp=2, attn_dp=2), "rs+rsv", id="cohere-dp2"),
     ],
 )
 def test_tp2_gloo_compiles_whole(gloo_world, weights_dir, model, topology, reduction):

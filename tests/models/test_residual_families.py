@@ -1,8 +1,9 @@
 """OLMo-2 (post-norm), GPT-NeoX (LayerNorm with biases, partial rotary, parallel and sequential
 residual) and Cohere (one LayerNorm feeding both branches, per-head q/k norms, logit scale)
 against Hugging Face in float64, in the threaded world: TP 1, 2 and 4, attention DP 2, two
-pipeline stages, sequence parallel, prefill and decode steps; the collectives each layer issues;
-OLMo-2's q/k statistic across attention TP; configs refused at parse."""
+pipeline stages, sequence parallel, prefill and decode steps; the collectives each layer issues
+(one sum a layer for the parallel residual, also under gloo); OLMo-2's q/k statistic across
+attention TP; configs refused at parse."""
 
 import functools
 
@@ -152,14 +153,22 @@ PER_STEP = {
         {"all_reduce@attn_tp": 8, "all_reduce@tp": 4},
         {"all_reduce@attn_tp": 8, "all_gatherv@attn_dp": 4, "all_reduce@tp": 4},
     ),
-    # two stages a layer, two sums: the attention's completes at the MLP input, the MLP's at the next input
+    # the parallel residual: the attention's partial joins the MLP's, one sum a layer (deferred to the
+    # next input); under attention DP it joins in its DP slot of the gathered rows, and the MLP's
+    # reduce-scatter completes both
     "gpt_neox": (
-        {"all_reduce@attn_tp": 4, "all_reduce@tp": 4},
-        {"all_reduce@attn_tp": 4, "all_gatherv@attn_dp": 4, "reduce_scatterv@tp": 4, "all_gatherv@attn_tp": 4},
+        {"all_reduce@tp": 4},
+        {"all_gatherv@attn_dp": 4, "reduce_scatterv@tp": 4, "all_gatherv@attn_tp": 4},
     ),
     "cohere": (
+        {"all_reduce@tp": 4},
+        {"all_gatherv@attn_dp": 4, "reduce_scatterv@tp": 4, "all_gatherv@attn_tp": 4},
+    ),
+    # the sequential residual: each stage's own sum, two a layer (under attention DP the attention's
+    # completes as it gathers the MLP's input: one all_reduce@tp over the DP-gathered rows)
+    "gpt_neox-sequential": (
         {"all_reduce@attn_tp": 4, "all_reduce@tp": 4},
-        {"all_reduce@attn_tp": 4, "all_gatherv@attn_dp": 4, "reduce_scatterv@tp": 4, "all_gatherv@attn_tp": 4},
+        {"all_reduce@tp": 4, "reduce_scatterv@tp": 4, "all_gatherv@attn_tp": 4},
     ),
 }
 
@@ -169,6 +178,28 @@ def test_collectives_per_decode_step(weights_dir, case):
     tp2, dp2 = PER_STEP[case]
     assert _run(case, "tp2", weights_dir)[0]["collectives"]["decode1"] == tp2
     assert _run(case, "dp2xtp2", weights_dir)[0]["collectives"]["decode1"] == dp2
+
+
+@pytest.mark.parametrize("case", ["gpt_neox", "cohere"])
+def test_the_parallel_residual_issues_one_all_reduce_a_layer(weights_dir, case):
+    """Where attention TP is TP, prefill and decode: one all_reduce@tp a layer on every rank
+    (the sequential residual of the same model issues two)."""
+    for topo in ("tp2", "tp4"):
+        for result in _run(case, topo, weights_dir):
+            assert {phase: counts for phase, counts in result["collectives"].items()} == dict.fromkeys(
+                result["collectives"], {"all_reduce@tp": 4}
+            ), (topo, result["rank"])
+    assert _run("gpt_neox-sequential", "tp4", weights_dir)[0]["collectives"]["prefill"] == {"all_reduce@attn_tp": 4, "all_reduce@tp": 4}
+
+
+@pytest.mark.gloo
+def test_the_parallel_residual_under_gloo(gloo_world, weights_dir):
+    """GPT-NeoX at TP 2 on real gloo ranks: Hugging Face's logits, one all-reduce a layer."""
+    job, ref = _case("gpt_neox", weights_dir)
+    job = attrs.evolve(job, topology=Topology(tp=2))
+    results = gloo_world(2).run(run_rank, Topology(tp=2), job)
+    assert rel_error(results, ref) < TOLERANCE["float64"]
+    assert all(r["collectives"]["decode1"] == r["collectives"]["prefill"] == {"all_reduce@tp": 4} for r in results)
 
 
 # --- OLMo-2's q/k norms over the whole projections -----------------------------------------------
@@ -224,14 +255,21 @@ def test_plan_names_the_qk_statistic_collective():
     assert "qk_norm" not in lines  # Cohere's q/k norms are per head: nothing crosses ranks
 
 
-def test_parallel_residual_plan_completes_both_sums_unfused():
-    """Two stages a layer: the MLP stage's read is not a plain norm, so the attention's sum
-    completes unfused at its input, and the MLP's sum defers to the next attention input."""
+def test_parallel_residual_plan_joins_both_sums():
+    """The MLP reads the residual the attention read and carries the attention's partial to its
+    exit, where one sum completes both: deferred to the next attention's input, or under
+    attention DP reduce-scattered over TP with the attention's partial in its DP slot."""
     _, _, plans, _ = build_plan_report("gpt_neox", None, Topology(tp=2), "ar")
     ffn = next(p for p in plans if p["label"] == "layer1.1:ffn")
-    assert ffn["variants"]["ordinary"]["entry"][0].startswith("complete the declared sum unfused")
+    assert ffn["stage"] == "ffn[parallel_residual]"
+    ordinary = ffn["variants"]["ordinary"]
+    assert ordinary["entry"][0] == "read the residual as the attention read it (its output still pending) with LayerNorm"
+    assert "one sum over tp completes both" in ordinary["exit"][0] and "defer that all_reduce@tp" in ordinary["exit"][1]
     attn = next(p for p in plans if p["label"] == "layer1.0:attention")
-    assert attn["producer"] == "ffn" and "complete" in attn["variants"]["ordinary"]["entry"][0]
+    assert attn["producer"] == "ffn[parallel_residual]" and "complete" in attn["variants"]["ordinary"]["entry"][0]
+    _, _, plans, _ = build_plan_report("cohere", None, Topology(tp=4, attn_dp=2), "rs+rsv")
+    exit_lines = next(p for p in plans if p["label"] == "layer1.1:ffn")["variants"]["ordinary"]["exit"]
+    assert "attn_tp partial" in exit_lines[0] and "DP rank's slot" in exit_lines[0] and exit_lines[1].startswith("reduce_scatter@tp")
 
 
 # --- configs refused at parse --------------------------------------------------------------------

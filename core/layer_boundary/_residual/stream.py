@@ -25,11 +25,29 @@ from .._errors import Messages
 from .._forward import RowLayout
 from .._output import HandoffOutput, OutputTransform, UnreducedOutput
 
-__all__ = ["Contribution", "OwedOutput", "ResidualStream", "StreamState"]
+__all__ = ["Contribution", "OwedOutput", "ResidualStream", "StreamState", "CARRIED"]
 
 _ATTENTION_ROWS = RowLayout.DP_LOCAL
 #: a producer recorded its output while the previous one was still pending
 REPLACED_PENDING = "cannot replace an unconsumed producer contribution"
+
+
+class _Carried:
+    """The stream's handle while a parallel-residual FFN runs: the attention's output stays
+    pending for that FFN's exit, and no other call can take it (the model never holds this)."""
+
+    __slots__ = ()
+
+    def __repr__(self) -> str:
+        return "CARRIED"
+
+
+CARRIED = _Carried()
+#: a call passed an output on while a parallel-residual FFN held the attention's output
+CARRIED_OUTPUT = (
+    "a parallel-residual FFN's prepare() took the attention's output to its exit; finish that FFN's exit "
+    "(`with boundary.exit(forward) as out: ...; h = out.finish(y)`) and pass on the handle it returns"
+)
 
 
 class StreamState(str, enum.Enum):
@@ -139,7 +157,7 @@ class ResidualStream:
 
     def check(self, hidden) -> None:
         if hidden is not self.handle or self.handle is None:
-            raise RuntimeError(Messages.FOREIGN_OUTPUT)
+            raise RuntimeError(CARRIED_OUTPUT if self.handle is CARRIED else Messages.FOREIGN_OUTPUT)
 
     # producer side ------------------------------------------------------------------------
     def record(self, contribution: Contribution):

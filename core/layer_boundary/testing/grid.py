@@ -10,6 +10,7 @@ Stage codes:
 - "attn": attention (PARTIAL), mixes tokens with a prefix sum, output sum over attention TP;
 - "mixer": a SCOPED token mixer (RowParallelLinear honouring the exit's flags);
 - "ffn": dense FFN over the TP group on full rows;
+- "pffn": the same FFN as a parallel-residual branch of the attention before it;
 - "moe": routed experts over EP x TP (may hand its finalize off when asked);
 - "tail": a LOCAL_TAIL dense FFN adding a replicated component after its sum.
 """
@@ -76,7 +77,7 @@ class _Stage(nn.Module):
             self.down = RowParallelLinear(spec.attn_width, H, g, reduce_results=code == "mixer", dtype=torch.float64)
             self.up.load_full(_weights(gen, spec.attn_width, H))
             self.down.load_full(_weights(gen, H, spec.attn_width))
-        elif code in ("ffn", "tail"):
+        elif code in ("ffn", "tail", "pffn"):
             g = groups["tp"]
             self.up = ColumnParallelLinear(H, spec.ffn_width, g, dtype=torch.float64)
             self.down = RowParallelLinear(spec.ffn_width, H, g, reduce_results=True, dtype=torch.float64)
@@ -109,14 +110,14 @@ class _Stage(nn.Module):
             return declare_attn(reduction=ProducerReduction.SCOPED, output_transform=t)
         if self.code == "tail":
             return declare_ffn(reduction=ProducerReduction.LOCAL_TAIL, output_transform=t)
-        return declare_ffn(sparse=self.code == "moe", output_transform=t)
+        return declare_ffn(sparse=self.code == "moe", output_transform=t, parallel_residual=self.code == "pffn")
 
     def compute(self, h: torch.Tensor) -> torch.Tensor:
         if self.code in ("attn", "mixer"):
             t = self.up(quant(h))
             t = quant(torch.cumsum(t, dim=0) * 0.25)
             return self.down(t)
-        if self.code in ("ffn", "tail"):
+        if self.code in ("ffn", "tail", "pffn"):
             out = self.down(quant(self.up(quant(h)) * 0.5))
             if self.code == "tail" and get_forward().owns_local_tail:
                 out = out + quant(h) * 0.5
@@ -162,7 +163,7 @@ class GridModel(nn.Module):
         boundaries = []
         i = start
         while i < end:
-            pair = spec.paired and i + 1 < end and codes[i] in ("attn", "mixer") and codes[i + 1] in ("ffn", "moe", "tail")
+            pair = spec.paired and i + 1 < end and codes[i] in ("attn", "mixer") and codes[i + 1] in ("ffn", "moe", "tail", "pffn")
             n = 2 if pair else 1
             items = [
                 (decls[j], all_stages[j].norm) + ((opts,) if opts else ()) for j in range(i, i + n)

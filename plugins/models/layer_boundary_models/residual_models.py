@@ -5,11 +5,13 @@ boundaries the pre-norm decoders use, each layer two stages (attention, then the
   reads the residual unnormed and declares its post-norm as the `output_transform`, which runs
   on the sublayer's complete output (after its sum), before the add.
 - parallel (GPT-NeoX's `use_parallel_residual`, Cohere): `h = h + attn(n1(h)) + mlp(n2(h))`.
-  The MLP stage reads `READ_BEFORE_UPDATE`: the norm of the residual before the attention's
-  output joins it (Cohere: n2 is n1, the one input LayerNorm).
+  The MLP stage is declared `declare_ffn(parallel_residual=True)`: it reads its norm of the
+  residual the attention read (Cohere: n2 is n1, the one input LayerNorm), and the attention's
+  partial output joins the MLP's, so one sum completes both (one all-reduce a layer where
+  attention TP is TP).
 - sequential (GPT-NeoX otherwise): pre-norm, `h = h + attn(n1(h))`, `h = h + mlp(n2(h))`.
 
-Every stage completes its own sum (two a layer); see `residual_reads`.
+The post-norm and sequential shapes complete each stage's own sum (two a layer).
 """
 
 from __future__ import annotations
@@ -28,7 +30,7 @@ from .pipeline import PipelineHandoff, enter_stage, leave_stage, pipeline_layers
 from .residual_attention import Rotary, ShardedAttention
 from .residual_config import PARALLEL, POST_NORM, ResidualConfig
 from .residual_norms import Olmo2RMSNorm
-from .residual_reads import READ_BEFORE_UPDATE, Unnormed
+from .residual_reads import Unnormed
 
 __all__ = ["ResidualLayer", "ResidualCausalLM", "make_norm", "pipeline_edge"]
 
@@ -50,9 +52,7 @@ def pipeline_edge(config: ResidualConfig):
     pipeline stage built, described from this side of the cut (the same facts)."""
     if config.residual == POST_NORM:
         return declare_ffn(output_transform=POST_NORM_ON_THE_PREVIOUS_STAGE)
-    if config.residual == PARALLEL:
-        return declare_ffn(read=READ_BEFORE_UPDATE)
-    return declare_ffn()
+    return declare_ffn(parallel_residual=config.residual == PARALLEL)
 
 
 def _on_the_previous_stage(x):
@@ -94,7 +94,7 @@ class ResidualLayer(nn.Module):
             else:
                 self.post_attention_layernorm = make_norm(config, dtype=dtype, device=device)
                 ffn_norm = self.post_attention_layernorm
-            ffn = declare_ffn(read=READ_BEFORE_UPDATE) if config.residual == PARALLEL else declare_ffn()
+            ffn = declare_ffn(parallel_residual=config.residual == PARALLEL)
         self.attn_boundary, self.ffn_boundary = make_stages(
             (attn, attn_norm, {**options, "producer": self.self_attn}),
             (ffn, ffn_norm, options),
