@@ -7,7 +7,7 @@ import torch
 from torch import nn
 
 from layer_boundary import Forward, ForwardMode, Parallel, RMSNorm, Topology, declare_attn, declare_ffn, layer_stack, make_stages, residual_batch
-from layer_boundary._residual.kernels import prepare_norms
+from layer_boundary._residual.add_norm import prepare_norms
 from layer_boundary.bench.host import Stack
 from layer_boundary.collectives import CollectivesBase
 from layer_boundary.compiling import CountingBackend, compile_model, graph_breaks, reset_graph_breaks

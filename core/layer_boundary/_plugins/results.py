@@ -43,7 +43,7 @@ def _spec(shape, dtype, device) -> str:
 
 def _got(value) -> str:
     if isinstance(value, torch.Tensor):
-        return _spec(value.shape, value.dtype, value.device)
+        return f"a tensor {_spec(value.shape, value.dtype, value.device)}"
     return f"a {type(value).__name__}"
 
 
@@ -68,7 +68,7 @@ def result_problem(who: str, plugin: Optional[str], what: str, value: Any, shape
     """The message of a result that is not what was asked: `who` (the candidate and its plugin,
     in words) returned `what` as `value` where a tensor of `shape` like `like` was asked."""
     return (
-        f"{who} returned a wrong {what}: {_difference(value, shape, like)} (got {_got(value)}, asked "
+        f"{who} returned a wrong {what}: {_difference(value, shape, like)} (got {_got(value)}, asked a tensor "
         f"{_spec(shape, like.dtype, like.device)}); {disable_hint(plugin)}"
     )
 

@@ -64,8 +64,8 @@ class _CheckedRope:
 
     def __call__(self, q, k, *rest):
         q_out, k_out = _pair(self.kernel(q, k, *rest), self.who, self.plugin)
-        return (check_result(q_out, q.shape, q, self.who, self.plugin, "queries"),
-                check_result(k_out, k.shape, k, self.who, self.plugin, "keys"))
+        return (check_result(q_out, q.shape, q, self.who, self.plugin, "query output"),
+                check_result(k_out, k.shape, k, self.who, self.plugin, "key output"))
 
 
 class _CheckedActivation:
