@@ -32,10 +32,18 @@ from .._plugins.requests import AddNormRequest
 from .._plugins.results import matches, pair_matches, pair_problem, raised, result_problem
 from .._plugins.selection import Selection, select
 
-__all__ = ["TORCH", "Choice", "choose", "choose_norm", "choices_of", "first_call", "first_norm_call", "forget", "chain"]
+__all__ = ["TORCH", "Choice", "choose", "choose_norm", "choices_of", "first_call", "first_norm_call", "forget", "chain",
+           "OUTPUTS", "kernel_who"]
 
 #: the name of the norm's own torch path in plans and choices
 TORCH = "core.torch"
+#: what an add + norm kernel returns, in messages
+OUTPUTS = ("normed output", "new residual")
+
+
+def kernel_who(source: str, plain: bool = False) -> str:
+    """A chosen record (`Answer.source`) as messages name it: "add + norm kernel record ..."."""
+    return f"{'norm' if plain else 'add + norm'} kernel {source}"
 
 #: norms holding cached choices, emptied when the registry is forgotten
 _NORMS: "weakref.WeakSet" = weakref.WeakSet()
@@ -87,7 +95,7 @@ def _bound(kernel: Callable, norm, who: str, plugin: Optional[str]) -> Callable:
         except Exception as exc:
             raise raised(who, plugin, exc) from exc
         if not pair_matches(out, residual):
-            raise FusionError(pair_problem(out, residual, who, plugin, names=("normed output", "new residual")))
+            raise FusionError(pair_problem(out, residual, who, plugin, names=OUTPUTS))
         return out
 
     return run
@@ -116,7 +124,7 @@ def _choose(norm, key: tuple, plain: bool) -> Choice:
             selection = by_request[request] = _ask(request, plain=plain)
         chosen = selection.chosen
         if chosen is not None:
-            who = f"{'norm' if plain else 'add + norm'} kernel {chosen.source}"
+            who = kernel_who(chosen.source, plain)
             run = (_bound_norm if plain else _bound)(chosen.value, norm, who, chosen.plugin)
             choice = Choice(chosen.candidate, run, _names(selection), plugin=chosen.plugin, selection=selection)
     if choice is None:
@@ -150,7 +158,7 @@ def _bound_norm(kernel: Callable, norm, who: str, plugin: Optional[str]) -> Call
         except Exception as exc:
             raise raised(who, plugin, exc) from exc
         if not matches(out, x.shape, x):
-            raise FusionError(result_problem(who, plugin, "normed output", out, x.shape, x))
+            raise FusionError(result_problem(who, plugin, OUTPUTS[0], out, x.shape, x))
         return out
 
     return run
