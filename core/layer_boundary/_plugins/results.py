@@ -84,17 +84,18 @@ def check_result(value: Any, shape, like: torch.Tensor, who: str, plugin: Option
 def pair_matches(out: Any, like: torch.Tensor, plain: bool = True) -> bool:
     """Whether `out` is (compute input, new residual), both shaped, typed and placed like the
     residual `like`; a compute input in a quantized format (`plain=False`, an `Fp8Input`) only
-    has the residual's shape."""
-    if type(out) is not tuple and type(out) is not list:
-        return False
-    if len(out) != 2:
+    has the residual's shape. (`matches` twice, inlined: it runs on every fused call.)"""
+    if (type(out) is not tuple and type(out) is not list) or len(out) != 2:
         return False
     first, second = out
-    if not matches(second, like.shape, like):
+    shape, dtype, cpu = like.shape, like.dtype, like.is_cpu
+    if not (isinstance(second, torch.Tensor) and second.shape == shape and second.dtype is dtype
+            and ((cpu and second.is_cpu) or second.device == like.device)):
         return False
-    if plain:
-        return matches(first, like.shape, like)
-    return getattr(first, "shape", None) == like.shape
+    if not plain:
+        return getattr(first, "shape", None) == shape
+    return (isinstance(first, torch.Tensor) and first.shape == shape and first.dtype is dtype
+            and ((cpu and first.is_cpu) or first.device == like.device))
 
 
 def pair_problem(out: Any, like: torch.Tensor, who: str, plugin: Optional[str], plain: bool = True,
