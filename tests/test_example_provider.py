@@ -140,6 +140,17 @@ def test_a_model_run_uses_it_and_still_matches_hugging_face(example_site, tmp_pa
     assert len(calls) == 2  # both ranks
     for lines in calls.values():
         assert lines == ["3 torch.float64"] * (per_step * data["config"]["decode_steps"])
+    # the run's kernel report names the example at every input it took, with its own call count
+    kernels = data["kernels"]
+    assert kernels["rank"] == 0 and kernels["ranks_differ"] == [] and kernels["counting"].startswith("eager")
+    taken = [b for b in kernels["boundaries"] if b["candidates"]]
+    assert len(taken) == per_step
+    for b in taken:
+        assert {"candidate": RECORD, "plugin": "example"} in b["providers"]["chosen"]
+        mine = next(c for c in b["candidates"] if c["candidate"] == "example.fused_add_rmsnorm")
+        assert mine == {"candidate": "example.fused_add_rmsnorm", "plugin": "example", "accepted": data["config"]["decode_steps"],
+                        "declined": 1}  # the prefill's rows are above its cap
+    assert sum(c["accepted"] for b in taken for c in b["candidates"] if c["plugin"] == "example") == len(next(iter(calls.values())))
 
 
 def _job(tmp_path) -> RunJob:

@@ -11,23 +11,39 @@ Providers are plain objects with any of the capabilities of `layer_boundary.plug
 - `DefersAllReduce`: `can_defer_all_reduce(plan, forward)`, may an FFN whose sum is not a
   single all-reduce leave it to the next input.
 
-Every decision a provider makes per batch must be the same on all ranks.
+Every decision a provider makes per batch must be the same on all ranks. A candidate's result
+is checked against the residual it completes (shape, dtype, device: metadata only) before
+anything reads it; a wrong one is the plugin's `FusionError`. Inside `counting_candidates()`,
+eager calls count each candidate's answers per stage (what `layer-boundary run` reports).
 """
 
 from __future__ import annotations
 
-from typing import Any, Optional
+import contextlib
+import threading
+from collections import Counter
+from typing import Any, Iterator, Optional, Sequence
 
 import attrs
+import torch
 
 from . import _debug as debug
 from ._contracts import FusedMlpInput, StageKind
 from ._errors import FusionError
 from ._layout import SumGroup
 from ._plugins.requests import AttentionInputFusion, FfnInputFusion
-from ._plugins.selection import select
+from ._plugins.results import pair_matches, pair_problem
+from ._plugins.selection import disable_hint, select
 
-__all__ = ["Candidate", "FusionError", "build_providers", "consumer_candidates", "equivalent_groups"]
+__all__ = [
+    "Candidate",
+    "FusionError",
+    "build_providers",
+    "consumer_candidates",
+    "counting_candidates",
+    "equivalent_groups",
+    "run_candidates",
+]
 
 
 @attrs.frozen
@@ -35,17 +51,26 @@ class Candidate:
     """A consumer candidate bound to one plan, with where it came from."""
 
     fused: FusedMlpInput
-    source: str  #: "plugin 'x' record 'x.y'" or "the stage's fusions= provider"
+    source: str  #: "record 'x.y' of plugin 'x' (distribution d)" or "the stage's fusions= provider P"
     accepts: Optional[frozenset]  #: sum groups it can complete (None: any)
+    #: the plugin that contributed it (None: the stage's own `fusions=` provider)
+    plugin: Optional[str] = None
+    #: the label of the stage it is bound to
+    stage: str = ""
 
     @property
     def name(self) -> str:
         return self.fused.name or getattr(self.fused.run, "__name__", "candidate")
 
+    @property
+    def who(self) -> str:
+        """The candidate and where it came from, for messages."""
+        return f"fusion candidate {self.name!r} from {self.source}"
 
-def build_providers(explicit: Any, description, registry) -> list[tuple[Any, str]]:
-    """(provider, source) pairs: the explicit provider, then every registry provider whose
-    factory accepts this stage, in the selection order."""
+
+def build_providers(explicit: Any, description, registry) -> list[tuple[Any, str, Optional[str]]]:
+    """(provider, source, plugin) triples: the explicit provider, then every registry provider
+    whose factory accepts this stage, in the selection order."""
     given = () if explicit is None else explicit if isinstance(explicit, (list, tuple)) else (explicit,)
     chosen = select(
         "fusion_providers",
@@ -55,8 +80,9 @@ def build_providers(explicit: Any, description, registry) -> list[tuple[Any, str
         first=False,
         subject=f"building stage {description.label}",
         error_type=FusionError,
+        label=description.label,
     )
-    return [(a.value, a.source) for a in chosen.accepted]
+    return [(a.value, a.source, a.plugin) for a in chosen.accepted]
 
 
 def equivalent_groups(topology) -> dict[SumGroup, frozenset]:
@@ -78,15 +104,17 @@ def read_format(read) -> Optional[str]:
     return "plain" if read.plain_norm else None
 
 
-def consumer_candidates(stage, providers) -> tuple[Candidate, ...]:
+def consumer_candidates(stage, providers, plugins: Sequence[Optional[str]] = ()) -> tuple[Candidate, ...]:
     """The ordered consumer candidates of `stage`'s input; the last one never declines. Only
-    candidates producing the read's own format are kept."""
+    candidates producing the read's own format are kept. `plugins` names each provider's plugin
+    (None, or missing: the stage's own provider)."""
     ffn = stage.kind is StageKind.FFN
     capability = FfnInputFusion if ffn else AttentionInputFusion
     groups = equivalent_groups(stage.parallel.topology)
     wanted = read_format(stage.read)
     out: list[Candidate] = []
-    for provider, source in providers:
+    for index, (provider, source) in enumerate(providers):
+        plugin = plugins[index] if index < len(plugins) else None
         if not isinstance(provider, capability):
             continue
         offered = provider.ffn_input(stage) if ffn else provider.attention_input(stage)
@@ -95,14 +123,47 @@ def consumer_candidates(stage, providers) -> tuple[Candidate, ...]:
             if not fused.always and fused.output_format != wanted:
                 continue
             accepts = None if fused.completes is None else groups[fused.completes]
-            out.append(Candidate(fused, source, accepts))
+            out.append(Candidate(fused, source, accepts, plugin, stage.label))
             if fused.always:
                 return tuple(out)
     raise FusionError("the candidate chain has no last-resort candidate; the built-in 'core' plugin must be registered")
 
 
+#: per thread (a rank of a threaded world runs in one), the answers counted inside
+#: `counting_candidates()`; empty when nothing counts, so the hot path reads one global
+_COUNTING: dict[int, Counter] = {}
+
+
+@contextlib.contextmanager
+def counting_candidates() -> Iterator[Counter]:
+    """Count, in this thread, each consumer candidate's answers at run time: keys
+    `(stage label, candidate name, "accepted" | "declined")`. Eager calls only: a call inside
+    torch.compile or a CUDA-graph capture is not counted (a graph replays what it captured)."""
+    key = threading.get_ident()
+    counts: Counter = Counter()
+    previous = _COUNTING.get(key)
+    _COUNTING[key] = counts
+    try:
+        yield counts
+    finally:
+        if previous is None:
+            _COUNTING.pop(key, None)
+        else:
+            _COUNTING[key] = previous
+
+
+def _count(cand: Candidate, accepted: bool, residual) -> None:
+    if torch.compiler.is_compiling():
+        return
+    counts = _COUNTING.get(threading.get_ident())
+    if counts is None or (getattr(residual, "is_cuda", False) and torch.cuda.is_current_stream_capturing()):
+        return
+    counts[(cand.stage, cand.name, "accepted" if accepted else "declined")] += 1
+
+
 def run_candidates(candidates, owed, residual, fwd, is_handoff: bool):
-    """Try candidates in order; the first non-None result wins."""
+    """Try candidates in order; the first non-None result wins. A plugin's result is checked
+    (`pair_matches`, metadata only) before it is returned."""
     sum_group = owed.sum_group
     for cand in candidates:
         fused = cand.fused
@@ -118,15 +179,18 @@ def run_candidates(candidates, owed, residual, fwd, is_handoff: bool):
         except Exception as exc:
             if fused.always:  # the core's own completion: its error is not a plugin's
                 raise
-            raise FusionError(
-                f"fusion candidate {cand.name!r} from {cand.source} raised: {type(exc).__name__}: {exc}"
-            ) from exc
+            raise FusionError(f"{cand.who} raised {type(exc).__name__}: {exc}; {disable_hint(cand.plugin)}") from exc
+        if _COUNTING:
+            _count(cand, out is not None, residual)
         if out is not None:
+            plain = fused.output_format == "plain"
+            if not fused.always and type(residual) is torch.Tensor and not pair_matches(out, residual, plain):
+                raise FusionError(pair_problem(out, residual, cand.who, cand.plugin, plain))
             return out
         if checking and _versions(owed, residual) != before:
             raise FusionError(
-                f"fusion candidate {cand.name!r} from {cand.source} declined after modifying its inputs; a candidate "
-                "must return None before it touches an input or starts a collective"
+                f"{cand.who} declined after modifying its inputs; a candidate must return None before it touches an "
+                f"input or starts a collective; {disable_hint(cand.plugin)}"
             )
     raise FusionError("every fusion candidate declined, including the last-resort one")  # pragma: no cover
 

@@ -440,7 +440,7 @@ def _context_parallel(stage: Stage, ordinary: StagePath, registry) -> tuple[Opti
         return isinstance(path, StagePath) and path.variant is variant
 
     chosen = select("cp_paths", (CpPathRequest(stage, ordinary),), records=providers, subject=f"planning stage {stage.label}",
-                    check=is_cp_path, error_type=TypeError)
+                    check=is_cp_path, error_type=TypeError, label=stage.label)
     if chosen.chosen is not None:
         return chosen.value, None
     return None, "; ".join(f"{a.candidate} does not apply" if a.reason == RETURNED_NONE else f"{a.candidate}: {a.reason}"
@@ -450,10 +450,11 @@ def _context_parallel(stage: Stage, ordinary: StagePath, registry) -> tuple[Opti
 def _plan(stage: Stage, registry) -> StagePlan:
     if stage.declaration.parallel_residual:
         check_parallel_branch(stage)
-    providers = tuple(build_providers(stage.fusions, stage.description, registry))
+    built = build_providers(stage.fusions, stage.description, registry)
+    providers = tuple((p, source) for p, source, _ in built)
     finalize = tuple(p for p, _ in providers if isinstance(p, DefersFinalize))
     all_reduce = tuple(p for p, _ in providers if isinstance(p, DefersAllReduce))
-    candidates = consumer_candidates(stage, providers)
+    candidates = consumer_candidates(stage, providers, [plugin for _, _, plugin in built])
     publishers, fused_only = bind_row_publishers(stage, registry)
     paths = stage_paths(stage, candidates, finalize_ok=bool(finalize), publishers=publishers)
     refusal = _slice_refusal(stage)

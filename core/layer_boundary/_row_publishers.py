@@ -40,7 +40,7 @@ def bind_row_publishers(stage, registry) -> tuple[tuple, bool]:
         if not records:
             raise missing_feature(f"the {kind!r} row adapter that stage {stage.label} asks for ({OPTION}=)", kind)
         chosen = select("row_publishers", (request,), records=records, subject=f"planning stage {stage.label}",
-                        check=PublishesRows, error_type=TypeError)
+                        check=PublishesRows, error_type=TypeError, label=stage.label)
         publisher = chosen.value
         if publisher is None:
             reasons = "; ".join(f"{a.candidate}: {a.reason}" for a in chosen.declined)

@@ -28,7 +28,24 @@ __all__ = ["ProcessWorld", "RankError", "RankTimeout", "worker_parallel"]
 
 
 class RankError(RuntimeError):
-    """A rank raised; the message carries its traceback."""
+    """A rank raised; the message carries its traceback. `failures` holds, per failed rank,
+    `(rank, chain)`: the exceptions of the error's chain (the raised one first, then its causes),
+    each `(class names of its type's MRO, message)`, so a caller can tell one kind of failure
+    (a plugin's) from another without parsing tracebacks."""
+
+    def __init__(self, message: str, failures: tuple = ()):
+        super().__init__(message)
+        self.failures = tuple(failures)
+
+
+def _chain(exc: BaseException) -> list:
+    """(MRO class names, message) of `exc` and each exception it was raised from or during."""
+    out, seen = [], set()
+    while exc is not None and id(exc) not in seen:
+        seen.add(id(exc))
+        out.append((tuple(c.__name__ for c in type(exc).__mro__), str(exc)))
+        exc = exc.__cause__ or exc.__context__
+    return out
 
 
 class RankTimeout(TimeoutError):
@@ -87,8 +104,8 @@ def _worker(
         try:
             parallel = worker_parallel(topology) if topology is not None else rank
             conn.send(("ok", fn(parallel, *args, **kwargs)))
-        except BaseException:  # noqa: BLE001
-            conn.send(("error", traceback.format_exc()))
+        except BaseException as exc:  # noqa: BLE001
+            conn.send(("error", traceback.format_exc(), _chain(exc)))
     try:
         dist.destroy_process_group()
     except Exception:  # noqa: BLE001
@@ -210,6 +227,7 @@ class ProcessWorld:
         deadline = timeout if timeout is not None else self.timeout
         results: list[Any] = [None] * self.size
         errors: list[str] = []
+        failures: list[tuple] = []
         pending = dict(enumerate(self._conns))
         end = time.monotonic() + deadline
         while pending:
@@ -220,13 +238,14 @@ class ProcessWorld:
                 rank = next(r for r, c in pending.items() if c is conn)
                 del pending[rank]
                 try:
-                    status, payload = conn.recv()
+                    status, payload, *chain = conn.recv()
                 except (EOFError, OSError):
                     self._procs[rank].join(5)  # reap it, so its exit code is known
                     errors.append(f"rank {rank}: died (exit code {self._procs[rank].exitcode})")
                     continue
                 if status == "error":
                     errors.append(f"rank {rank}:\n{payload}")
+                    failures.append((rank, chain[0] if chain else []))
                 else:
                     results[rank] = payload
             if errors:
@@ -235,7 +254,8 @@ class ProcessWorld:
         if errors:
             self.close()
             waiting = f" (ranks {missing} still waiting, likely in a collective with the failed rank)" if missing else ""
-            raise RankError(f"{self.backend} world: {what} failed on {len(errors)} rank(s){waiting}\n" + "\n".join(errors))
+            raise RankError(f"{self.backend} world: {what} failed on {len(errors)} rank(s){waiting}\n" + "\n".join(errors),
+                            failures)
         if missing:
             dead = [r for r in missing if not self._procs[r].is_alive()]
             self.close()

@@ -36,7 +36,9 @@ numerics `add_rms_norm` and the quantized reads (`Fp8Input`, `quantize_fp8`, `fp
 Selection (the one rule every extension point follows): `select` asks candidates in order
 and records who declined and why (`Selection`, `Answer`; `recording()` collects them),
 `select_agreed` settles a choice across a group's ranks; `lazy("pkg.module:attr")` names code a
-record imports only when called.
+record imports only when called. `check_result` holds a chosen kernel's return to its request
+(shape, dtype, device: metadata only), a wrong one a `FusionError` naming the record and its
+plugin (`result_problem` words it).
 
 Model families: `StepLayout`, `DecodeLayout` (the rows of a step), `TensorSource`,
 `StateDictSource` (weights by Hugging Face name), `ConfigError`, `BuildRequest`,
@@ -122,6 +124,7 @@ from ._plugins.requests import (
     RowPublisherRequest,
     TokenMappingRequest,
 )
+from ._plugins.results import check_result, result_problem
 from ._plugins.selection import Answer, Selection, disable_hint, recording, select, select_agreed
 from ._residual.add_norm import add_rms_norm, is_rms_norm
 from ._residual.quant import FP8_DTYPE, Fp8Input, fp8_residual, norm_fp32, quantize_fp8
@@ -161,6 +164,8 @@ __all__ = [
     "Answer",
     "recording",
     "disable_hint",
+    "check_result",
+    "result_problem",
     # requests
     "CpPathRequest",
     "TokenMappingRequest",

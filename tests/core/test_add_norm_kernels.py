@@ -499,12 +499,12 @@ def test_contract_checks_the_plain_norm_purity_and_parity():
 
     for name, norm_factory, rule in (("t.inplace", in_place, "purity"), ("t.wrong", wrong, "parity")):
         record = AddNormKernel(name=name, factory=good_add_norm, norm_factory=norm_factory, description="test")
-        with pytest.raises(ContractViolation, match=rf"\[{rule}\] RMSNorm float32 H=64 on cpu \(no add\)"):
+        with pytest.raises(ContractViolation, match=rf"\[{rule}\] RMSNorm float32 \(statistics in float32\) H=64 on cpu \(no add\)"):
             check_add_norm_kernel(record, settings=ContractSettings(dtypes=("float32",)))
     check_add_norm_kernel(AddNormKernel(name="t.addonly", factory=good_add_norm, description="test"),
                           settings=ContractSettings(dtypes=("float32",)))  # no norm factory: nothing more to check
     # a record that declines every add + norm still has its plain norm checked
-    with pytest.raises(ContractViolation, match=r"\[parity\] RMSNorm float32 H=64 on cpu \(no add\)"):
+    with pytest.raises(ContractViolation, match=r"\[parity\] RMSNorm float32 \(statistics in float32\) H=64 on cpu \(no add\)"):
         check_add_norm_kernel(AddNormKernel(name="t.normonly", factory=lambda request: None, norm_factory=wrong, description="test"),
                               settings=ContractSettings(dtypes=("float32",)))
     good_norm = NormKernels(("t.goodnorm", 0, True)).records[0]

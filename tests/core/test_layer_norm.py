@@ -226,8 +226,9 @@ def _request(kind):
 
 def test_a_kind_a_record_does_not_declare_is_never_handed_to_it(fresh_registry, inline_plugin):
     plugin = inline_plugin(EveryRequest(), name="everyrequest")
-    assert kernels._ask(_request("rms"))[0] == "rms_only.k"
-    name, kernel, declined = kernels._ask(_request("layer"))
+    assert kernels._ask(_request("rms")).chosen.candidate == "rms_only.k"
+    chosen = kernels._ask(_request("layer"))
+    name, declined = chosen.chosen.candidate, [a.candidate for a in chosen.declined]
     assert name == "layer_too.k" and "rms_only.k" in declined
     # the installed plugins' RMSNorm kernels (flashinfer, cutedsl) declare no LayerNorm either
     rms_records = [i.name for i in get_registry().add_norm_kernels if "layer" not in i.record.norm_kinds]

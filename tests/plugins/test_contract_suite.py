@@ -202,7 +202,7 @@ def test_a_wrong_return_shape_is_caught():
     def just_the_input(norm, owed, residual, fwd):
         return correct(norm, owed, residual, fwd)[0]
 
-    violation(provider(just_the_input), "parity", match=r"must return \(input, new_residual\)")
+    violation(provider(just_the_input), "parity", match=r"returned a tensor \(3, 64\) float32 on cpu where a pair \(compute input, new residual\) was asked")
 
 
 def test_a_false_preserves_residual_claim_is_caught():

@@ -93,6 +93,9 @@ class Selection:
     answers: tuple[Answer, ...] = ()
     #: a candidate's failure, kept instead of raised (`errors="collect"`)
     error: Optional[str] = None
+    #: the stage (its label) the selection is made for, when it is made for one: run reports
+    #: attribute the chain to that boundary
+    label: Optional[str] = None
 
     @property
     def accepted(self) -> tuple[Answer, ...]:
@@ -114,13 +117,16 @@ class Selection:
     def summary(self) -> dict:
         """A JSON-ready account: the point, the subject, the chosen candidate, the declines."""
         chosen = self.chosen
-        return {
+        out = {
             "point": self.point,
             "subject": self.subject,
             "chosen": None if chosen is None else chosen.candidate,
             "plugin": None if chosen is None else chosen.plugin,
             "declined": [a.summary() for a in self.declined],
         }
+        if self.label is not None:
+            out["label"] = self.label
+        return out
 
 
 _RECORDING: contextvars.ContextVar[Optional[list]] = contextvars.ContextVar("layer_boundary_selections", default=None)
@@ -185,6 +191,7 @@ def select(
     check: Any = None,
     errors: str = "raise",
     error_type: Optional[Callable[[str], Exception]] = PluginError,
+    label: Optional[str] = None,
 ) -> Selection:
     """Ask the candidates of extension point `point` (a registry field such as
     "fusion_providers") with `factory(*args, **kwargs)`, in the selection order.
@@ -197,8 +204,10 @@ def select(
     (other than `NotImplementedError`) or returns an object without the capability raises
     `error_type` naming it, or with `errors="collect"` ends the asking with the failure kept in
     `Selection.error` (callers that must first agree with other ranks); `error_type=None` lets a
-    candidate's own exception through (a residual kind refusing the caller's options)."""
-    return _keep(_ask(point, args, kwargs or {}, records, explicit, first, subject, factory, check, errors, error_type))
+    candidate's own exception through (a residual kind refusing the caller's options). `label`
+    names the stage the selection is made for (kept on the `Selection`)."""
+    selection = _ask(point, args, kwargs or {}, records, explicit, first, subject, factory, check, errors, error_type)
+    return _keep(selection if label is None else attrs.evolve(selection, label=label))
 
 
 def _ask(point, args, kwargs, records, explicit, first, subject, factory, check, errors, error_type) -> Selection:

@@ -12,28 +12,42 @@ The choice is per rank and changes no collective, so ranks may differ (one rank'
 failing to load costs it speed, not agreement). It is forgotten when the registry is (a plugin
 installed or disabled, `reset_registry()`) and when the norm moves (`.to()`, `.half()`).
 A norm built with `kernels=False`, or whose class overrides the math, always runs torch.
+
+A plugin's kernel is called through a closure that checks its return against the request
+(shape, dtype and device of both outputs: metadata only) and turns a wrong return, or an
+exception, into a `FusionError` naming the record, its plugin and the switch that disables it.
 """
 
 from __future__ import annotations
 
 import weakref
-from typing import Callable
+from typing import Callable, Optional
 
 import attrs
 import torch
 
+from .._errors import FusionError
 from .._plugins import manager as _manager
 from .._plugins.requests import AddNormRequest
-from .._plugins.selection import select
+from .._plugins.results import matches, pair_matches, pair_problem, raised, result_problem
+from .._plugins.selection import Answer, Selection, select
 
-__all__ = ["TORCH", "Choice", "choose", "choose_norm", "first_call", "first_norm_call", "forget", "chain"]
+__all__ = ["TORCH", "Choice", "choose", "choose_norm", "choices_of", "first_call", "first_norm_call", "forget", "chain",
+           "OUTPUTS", "kernel_who"]
 
 #: the name of the norm's own torch path in plans and choices
 TORCH = "core.torch"
+#: what an add + norm kernel returns, in messages
+OUTPUTS = ("normed output", "new residual")
+
+
+def kernel_who(source: str, plain: bool = False) -> str:
+    """A chosen record (`Answer.source`) as messages name it: "add + norm kernel record ..."."""
+    return f"{'norm' if plain else 'add + norm'} kernel {source}"
 
 #: norms holding cached choices, emptied when the registry is forgotten
 _NORMS: "weakref.WeakSet" = weakref.WeakSet()
-#: request -> (record name, kernel, declined names): norms with equal facts share one answer
+#: request -> the `Selection` that answered it: norms with equal facts share one answer
 _BY_REQUEST: dict = {}
 #: the same for plain norms (`norm_factory`)
 _BY_NORM_REQUEST: dict = {}
@@ -50,6 +64,10 @@ class Choice:
     declined: tuple[str, ...] = ()
     #: why no kernel was asked (`kernels=False`, the norm's own math), or ""
     reason: str = ""
+    #: the plugin of the chosen record (None: the norm's own torch path)
+    plugin: Optional[str] = None
+    #: the selection that made the choice (its declines carry their reasons); None when no record was asked
+    selection: Optional[Selection] = attrs.field(default=None, eq=False, repr=False)
 
 
 def request_for(norm, device: torch.device, dtype: torch.dtype, contribution_dtype: torch.dtype) -> AddNormRequest:
@@ -68,9 +86,17 @@ def request_for(norm, device: torch.device, dtype: torch.dtype, contribution_dty
     )
 
 
-def _bound(kernel: Callable, norm) -> Callable:
+def _bound(kernel: Callable, norm, who: str, plugin: Optional[str]) -> Callable:
+    """The chosen add + norm with the norm's weight bound in, its return checked."""
+
     def run(contribution, residual):
-        return kernel(contribution, residual, norm.weight)
+        try:
+            out = kernel(contribution, residual, norm.weight)
+        except Exception as exc:
+            raise raised(who, plugin, exc) from exc
+        if not pair_matches(out, residual):
+            raise FusionError(pair_problem(out, residual, who, plugin, names=OUTPUTS))
+        return out
 
     return run
 
@@ -89,45 +115,66 @@ def _choose(norm, key: tuple, plain: bool) -> Choice:
     if choice is not None:
         return choice
     reason = norm.kernel_refusal(plain=plain)
-    declined: tuple = ()
+    selection = None
     choice = None
     if not reason:
         request = request_for(norm, key[0], key[1], key[-1])
-        answer = by_request.get(request)
-        if answer is None:
-            answer = by_request[request] = _ask(request, plain=plain)
-        name, kernel, declined = answer
-        if kernel is not None:
-            choice = Choice(name, (_bound_norm if plain else _bound)(kernel, norm), declined)
+        selection = by_request.get(request)
+        if selection is None:
+            selection = by_request[request] = _ask(request, plain=plain)
+        chosen = selection.chosen
+        if chosen is not None:
+            who = kernel_who(chosen.source, plain)
+            run = (_bound_norm if plain else _bound)(chosen.value, norm, who, chosen.plugin)
+            choice = Choice(chosen.candidate, run, _names(selection), plugin=chosen.plugin, selection=selection)
     if choice is None:
-        choice = Choice(TORCH, norm.torch_forward if plain else norm.add_forward, declined, reason)
+        run = norm.torch_forward if plain else norm.add_forward
+        choice = Choice(TORCH, run, _names(selection), reason, selection=selection)
     choices[key] = choice
     norm.__dict__.setdefault(f"{prefix}_kernels", {})[key] = choice.run
     _NORMS.add(norm)
     return choice
 
 
-def _ask(request: AddNormRequest, plain: bool = False) -> tuple:
-    """(name, kernel, declined) of the first record accepting `request` ((TORCH, None, all) if
-    none); `plain`: asking the records' `norm_factory` (a record without one declines)."""
+def _names(selection: Optional[Selection]) -> tuple[str, ...]:
+    return () if selection is None else tuple(a.candidate for a in selection.declined)
+
+
+def _ask(request: AddNormRequest, plain: bool = False) -> Selection:
+    """The selection of the first record accepting `request` (none: the torch path runs);
+    `plain`: asking the records' `norm_factory` (a record without one declines). A record whose
+    kernels compute another norm kind is not asked: it declines by its declaration."""
     every = _manager.get_registry().add_norm_kernels
-    # a record whose kernels compute another norm kind is not asked (it declines by its declaration)
     records = tuple(item for item in every if request.norm_kind in item.record.norm_kinds)
-    undeclared = tuple(item.name for item in every if request.norm_kind not in item.record.norm_kinds)
     subject = f"choosing the {'plain norm' if plain else 'add + norm'} of width {request.hidden_size} on {request.device}"
     chosen = select("add_norm_kernels", (request,), records=records, factory="norm_factory" if plain else "factory",
                     subject=subject, check=callable, error_type=TypeError)
-    declined = undeclared + tuple(a.candidate for a in chosen.declined)
-    if chosen.chosen is None:
-        return TORCH, None, declined
-    return chosen.chosen.candidate, chosen.value, declined
+    undeclared = tuple(Answer(item.name, item.plugin, item.distribution, reason=f"implements {', '.join(item.record.norm_kinds)}, "
+                              f"not {request.norm_kind}") for item in every if request.norm_kind not in item.record.norm_kinds)
+    return attrs.evolve(chosen, answers=undeclared + chosen.answers) if undeclared else chosen
 
 
-def _bound_norm(kernel: Callable, norm) -> Callable:
+def _bound_norm(kernel: Callable, norm, who: str, plugin: Optional[str]) -> Callable:
+    """The chosen plain norm with the norm's weight bound in, its return checked."""
+
     def run(x):
-        return kernel(x, norm.weight)
+        try:
+            out = kernel(x, norm.weight)
+        except Exception as exc:
+            raise raised(who, plugin, exc) from exc
+        if not matches(out, x.shape, x):
+            raise FusionError(result_problem(who, plugin, OUTPUTS[0], out, x.shape, x))
+        return out
 
     return run
+
+
+def choices_of(norm) -> list[tuple[str, tuple, Choice]]:
+    """What `norm` has chosen so far: ("add + norm" or "norm", key, choice) per device and
+    dtypes it ran (or was prepared) with."""
+    out = [("add + norm", key, c) for key, c in norm.__dict__.get("_add_norm_choices", {}).items()]
+    out += [("norm", key, c) for key, c in norm.__dict__.get("_norm_choices", {}).items()]
+    return out
 
 
 def choose_norm(norm, device: torch.device, dtype: torch.dtype) -> Choice:

@@ -1,6 +1,7 @@
 """`layer-boundary` (and `python -m layer_boundary`): plugins, run, plan, bench.
 
-Bad input exits with status 2 and one line naming the fix, never a traceback.
+Bad input exits with status 2 and one line naming the fix, never a traceback; a plugin that
+fails at run time exits with status 3 and one line naming it (`usage.EXIT_STATUSES`).
 """
 
 from __future__ import annotations
@@ -8,9 +9,9 @@ from __future__ import annotations
 import sys
 from typing import Optional, Sequence
 
-from .usage import UsageError
+from .usage import EXIT_BAD_INPUT, EXIT_PLUGIN_FAILED, PluginFailure, UsageError
 
-__all__ = ["main", "UsageError"]
+__all__ = ["main", "UsageError", "PluginFailure"]
 
 
 def _parser():
@@ -43,10 +44,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         return 2
     try:
         return int(args.handler(args) or 0)
-    except UsageError as exc:
+    except (UsageError, PluginFailure) as exc:
         for line in str(exc).splitlines() or [""]:  # several problems: one line each
             print(f"layer-boundary {args.command}: error: {line}", file=sys.stderr)
-        return 2
+        return EXIT_PLUGIN_FAILED if isinstance(exc, PluginFailure) else EXIT_BAD_INPUT
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)
         return 130

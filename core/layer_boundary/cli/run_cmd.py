@@ -1,6 +1,9 @@
 """`layer-boundary run`: spawn ranks, run a reference model through the boundaries (prefill then
-decode steps), check the logits against Hugging Face or a single rank, report timings and the
-collectives each step issued.
+decode steps), check the logits against Hugging Face or a single rank, report timings, the
+collectives each step issued and which kernels ran (`kernel_report`).
+
+Exit status (`usage.EXIT_STATUSES`): 1 a failed check, 2 bad input, 3 a plugin that failed
+while the model was built, prepared or run.
 """
 
 from __future__ import annotations
@@ -14,14 +17,19 @@ from pathlib import Path
 
 import torch
 
-from .._errors import missing_feature
+from .._errors import FusionError, missing_feature
 from .._families import ConfigError
 from .._options import non_negative_int, positive_float, positive_int
 from .._parallel import Topology, TopologyError
+from .._plugins.manager import PluginError
 from .._policy import resolve_reduction
 from .families import INPUT_ERRORS, build, check_options, check_requirements, family_config, find_family, load_hf_config
+from .kernel_report import choices, summary_lines
 from .progress import wanted
-from .usage import UsageError
+from .usage import EXIT_CHECK_FAILED, EXIT_STATUSES, PluginFailure, UsageError
+
+#: the errors of a plugin failing (its candidate, kernel or factory), exit status 3
+PLUGIN_ERRORS = (FusionError, PluginError)
 
 #: the largest relative error each dtype may show against the reference
 TOLERANCES = {"float64": 1e-10, "float32": 1e-4, "bfloat16": 3e-2, "float16": 1e-2}
@@ -32,7 +40,7 @@ FP8_TOLERANCE = 0.1
 
 
 def add_parser(sub) -> None:
-    p = sub.add_parser("run", help="run a reference model through the boundaries and check it")
+    p = sub.add_parser("run", help="run a reference model through the boundaries and check it", epilog=EXIT_STATUSES)
     p.add_argument("--model", default="qwen3", help="a registered model family: qwen3 (default), qwen3_moe, gemma, ... (`layer-boundary plugins` lists them)")
     p.add_argument("--hf-config", help="a Hugging Face config: inline JSON, a config.json or a folder (default: embedded tiny)")
     p.add_argument("--checkpoint", help="a checkpoint folder (config.json + *.safetensors, or shards and model.safetensors.index.json), checked before any rank starts")
@@ -255,6 +263,13 @@ def _summaries(results, job):
 
 
 def run(args) -> int:
+    try:
+        return _run(args)
+    except PLUGIN_ERRORS as exc:  # a plugin failed in this process (the meta build, torchrun, --check single)
+        raise PluginFailure(str(exc)) from None
+
+
+def _run(args) -> int:
     from .runner import DTYPES, RunJob, make_requests
 
     args.dtype = args.dtype or ("bfloat16" if args.device == "cuda" else "float32")
@@ -335,6 +350,7 @@ def run(args) -> int:
         },
         "timings": timings,
         "collectives": collectives,
+        "kernels": _kernels(results),
     }
     if args.save_logits:
         torch.save({"logits": _logits(results), "config": out["config"]}, args.save_logits)
@@ -342,7 +358,27 @@ def run(args) -> int:
         print(json.dumps(out, indent=2))
     else:
         _print_human(out)
-    return 0 if check["passed"] in (True, None) else 1
+    return 0 if check["passed"] in (True, None) else EXIT_CHECK_FAILED
+
+
+def _kernels(results) -> dict:
+    """Rank 0's kernel report, and whether every rank chose the same (counts aside); the ranks
+    whose choices differ are listed (a per-rank add + norm kernel may, without changing a
+    collective)."""
+    by_rank = {r["rank"]: r["kernels"] for r in results}
+    first = min(by_rank)
+    differ = [rank for rank, report in sorted(by_rank.items()) if choices(report) != choices(by_rank[first])]
+    return {"rank": first, **by_rank[first], "ranks_differ": differ}
+
+
+def _plugin_failure(exc) -> "PluginFailure | None":
+    """The first rank failure a plugin caused (anywhere in its exception chain), as one line."""
+    names = {t.__name__ for t in PLUGIN_ERRORS}
+    for rank, chain in sorted(exc.failures, key=lambda f: f[0]):
+        for mro, message in chain:
+            if names & set(mro):
+                return PluginFailure(f"rank {rank}: {message}")
+    return None
 
 
 def _launch(job, topology, args, say):
@@ -357,7 +393,9 @@ def _launch(job, topology, args, say):
         print(world.note, file=sys.stderr, flush=True)  # shown with --json too: the timings below are not measurements
     try:
         return world.run(run_rank, topology, job)
-    except (RankError, RankTimeout) as exc:
+    except RankError as exc:
+        raise _plugin_failure(exc) or UsageError(f"a rank failed: {exc}") from None
+    except RankTimeout as exc:
         raise UsageError(f"a rank failed: {exc}") from None
     finally:
         world.close()
@@ -403,6 +441,10 @@ def _print_human(out):
     for step, counts in c.items():
         text = ", ".join(f"{k} x{v}" for k, v in counts.items()) or "none"
         print(f"collectives per {step} (rank 0): {text}")
+    kernels = out["kernels"]
+    first, second = summary_lines(kernels)
+    print(f"kernels (rank {kernels['rank']}): {first}")
+    print(f"  {second}" + (f" (ranks {kernels['ranks_differ']} chose otherwise; see --json)" if kernels["ranks_differ"] else ""))
     nodes = out["config"]["nodes"]
     if nodes["count"] > 1:
         print(f"nodes: {nodes['count']} (node of each rank: {nodes['of_rank']}; TP groups within a node: {nodes['tp_within_a_node']})")

@@ -4,10 +4,14 @@ The same function runs in spawned ranks, under torchrun, and in the test worlds;
 family only through its registered `ModelFamily` record (build, load weights) and the model's
 calling convention (`model(input_ids, forward, step, cache)`, `new_cache()`, and optionally
 `forward_extras(step)`: per-forward facts the model's stages read).
+
+What the rank ran is recorded as it is chosen: every selection made while the model is built and
+prepared, and (in eager runs) every fusion candidate's answers per stage (`kernel_report`).
 """
 
 from __future__ import annotations
 
+import contextlib
 import time
 from typing import Optional
 
@@ -16,12 +20,14 @@ import torch
 
 from .._families import StepLayout
 from .._forward import DpPadding, Forward, ForwardMode
+from .._fusions import counting_candidates
 from .._lifecycle import prepare_model, release_model
 from .._plugins.requests import TokenMappingRequest
-from .._plugins.selection import select
+from .._plugins.selection import recording, select
 from ..collectives import CollectiveCounter, CountingCollectives
 from ..nodes import node_hash, node_layout
 from .families import build, family_config, find_family
+from .kernel_report import rank_report
 from .progress import progress
 from .sources import open_source
 
@@ -96,12 +102,13 @@ def run_rank(parallel, job: RunJob, *, fusions=None) -> dict:
     config = family_config(item, job.hf_config)
     dtype = DTYPES[job.dtype]
     t0 = time.perf_counter()
-    model = build(item, config, counted, reduction=job.reduction, fusions=fusions, dtype=dtype, device=device, options=job.options)
-    source = open_source(torch.load(job.weights, map_location="cpu") if job.weights else None, job.checkpoint)
-    item.record.load_weights(model, source)
+    with recording() as selections:  # every choice the build and the plugins' preparation make
+        model = build(item, config, counted, reduction=job.reduction, fusions=fusions, dtype=dtype, device=device, options=job.options)
+        source = open_source(torch.load(job.weights, map_location="cpu") if job.weights else None, job.checkpoint)
+        item.record.load_weights(model, source)
+        # plugins' workspaces and kernels, sized for the largest step (the prefill), on every rank
+        prepare_model(model, max_tokens=max(1, sum(len(p) for p in job.prompts)))
     extras_of = getattr(model, "forward_extras", None)
-    # plugins' workspaces and kernels, sized for the largest step (the prefill), on every rank
-    prepare_model(model, max_tokens=max(1, sum(len(p) for p in job.prompts)))
     build_s = time.perf_counter() - t0
     # where the ranks run: this rank's node, and its groups' node layouts (one all_gather each,
     # so every member of a group holds the same table; uncounted, before the first step)
@@ -125,42 +132,46 @@ def run_rank(parallel, job: RunJob, *, fusions=None) -> dict:
     collectives: dict[str, dict] = {}
     # a bar on rank 0 (the launcher decided whether its stderr is a terminal: job.progress)
     bar = progress(len(steps), "  run", enabled=job.progress and parallel.rank == 0)
-    for index, (name, mode) in enumerate(steps):
-        if index == 0:
-            ids = [torch.tensor(job.prompts[r]) for r in mine]
-            per_request = requests_of(lambda r: len(job.prompts[r]))
-            step = StepLayout(mine, [len(job.prompts[r]) for r in mine], [0] * len(mine), device=device, dp_request_counts=per_request)
-        else:
-            ids = [torch.tensor([job.decode_tokens[index - 1][r]]) for r in mine]
-            per_request = requests_of(lambda r: 1)
-            past = [len(job.prompts[r]) + index - 1 for r in mine]
-            step = StepLayout(mine, [1] * len(mine), past, device=device, dp_request_counts=per_request)
-        dp_counts = tuple(sum(counts) for counts in per_request)
-        input_ids = (torch.cat(ids) if ids else torch.zeros(0, dtype=torch.long)).to(device)
-        # prefill under attention CP is a CP batch (each CP rank computes its share of the rows); decode is ordinary
-        cp = token_mapping(counted, step.counts, job.options.get("cp_order"), device) if topo.attn_cp > 1 and index == 0 else None
-        fwd = Forward(
-            counted,
-            step.num_tokens,
-            dp_counts=dp_counts,
-            dp_padding=DpPadding(job.dp_padding),
-            mode=mode,
-            sequence_parallel=job.sequence_parallel and mode is ForwardMode.EXTEND,
-            cp=cp,
-            extras={**job.options, **(extras_of(step) if extras_of is not None else {})},
-        )
-        counter.reset()
-        _sync(device)
-        start = time.perf_counter()
-        out = run_model(input_ids, fwd, step, cache)
-        _sync(device)
-        timings[name] = time.perf_counter() - start
-        collectives[name] = counter.snapshot()
-        if out is not None:  # None: an earlier pipeline stage, whose output went to the next stage
-            for r, s, c in zip(step.rids, step.starts, step.counts):
-                logits[r].append(out[s : s + c].float().cpu() if dtype in (torch.bfloat16, torch.float16) else out[s : s + c].cpu())
-        bar.update(1, step=name)
+    # eager forwards count each fusion candidate's answers; a compiled graph replays what it traced
+    counting = counting_candidates() if job.compile is None else contextlib.nullcontext(None)
+    with counting as answers:
+        for index, (name, mode) in enumerate(steps):
+            if index == 0:
+                ids = [torch.tensor(job.prompts[r]) for r in mine]
+                per_request = requests_of(lambda r: len(job.prompts[r]))
+                step = StepLayout(mine, [len(job.prompts[r]) for r in mine], [0] * len(mine), device=device, dp_request_counts=per_request)
+            else:
+                ids = [torch.tensor([job.decode_tokens[index - 1][r]]) for r in mine]
+                per_request = requests_of(lambda r: 1)
+                past = [len(job.prompts[r]) + index - 1 for r in mine]
+                step = StepLayout(mine, [1] * len(mine), past, device=device, dp_request_counts=per_request)
+            dp_counts = tuple(sum(counts) for counts in per_request)
+            input_ids = (torch.cat(ids) if ids else torch.zeros(0, dtype=torch.long)).to(device)
+            # prefill under attention CP is a CP batch (each CP rank computes its share of the rows); decode is ordinary
+            cp = token_mapping(counted, step.counts, job.options.get("cp_order"), device) if topo.attn_cp > 1 and index == 0 else None
+            fwd = Forward(
+                counted,
+                step.num_tokens,
+                dp_counts=dp_counts,
+                dp_padding=DpPadding(job.dp_padding),
+                mode=mode,
+                sequence_parallel=job.sequence_parallel and mode is ForwardMode.EXTEND,
+                cp=cp,
+                extras={**job.options, **(extras_of(step) if extras_of is not None else {})},
+            )
+            counter.reset()
+            _sync(device)
+            start = time.perf_counter()
+            out = run_model(input_ids, fwd, step, cache)
+            _sync(device)
+            timings[name] = time.perf_counter() - start
+            collectives[name] = counter.snapshot()
+            if out is not None:  # None: an earlier pipeline stage, whose output went to the next stage
+                for r, s, c in zip(step.rids, step.starts, step.counts):
+                    logits[r].append(out[s : s + c].float().cpu() if dtype in (torch.bfloat16, torch.float16) else out[s : s + c].cpu())
+            bar.update(1, step=name)
     bar.close()
+    kernels = rank_report(model, selections, answers, job.compile)
     release_model(model)
     report = parallel.attn_tp_rank == 0 and parallel.attn_cp_rank == 0 and parallel.pp_rank == topo.pp - 1
     return {
@@ -172,6 +183,7 @@ def run_rank(parallel, job: RunJob, *, fusions=None) -> dict:
         "node_layouts": groups,
         "collectives": collectives,
         "tokens": {name: (sum(len(p) for p in job.prompts) if i == 0 else len(job.prompts)) for i, (name, _) in enumerate(steps)},
+        "kernels": kernels,
         "graphs": None if backend is None else backend.graphs,
         "graph_breaks": None if backend is None else graph_breaks() - breaks_before,
     }

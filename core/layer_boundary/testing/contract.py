@@ -30,14 +30,19 @@ Rules of a fusion provider (`FUSION_CHECKS`):
   left every input tensor unchanged (values and version counters), and never raised;
 - rank_uniform: every decision (accept or decline, `can_defer_*`) is identical on every rank
   for identical batch facts, and accepted results are bitwise identical across ranks;
-- parity: accepted results match the unfused reference (`add_rms_norm` of the completed sum)
-  within the dtype's tolerance, and a candidate claiming `preserves_residual` keeps it.
+- parity: accepted results are (compute input, new residual) shaped, typed and placed like the
+  residual (a wrong one reported with the message a run raises), match the unfused reference
+  (`add_rms_norm` of the completed sum) within the dtype's tolerance, and a candidate claiming
+  `preserves_residual` keeps it.
 
 Rules of an add + norm kernel (`ADD_NORM_CHECKS`, `check_add_norm_kernel`): record,
-construction (the factory answers every request with a callable or None, never raising), purity
-(new tensors out, contribution and residual unchanged: values and version counters) and parity
-(the torch reference `add_rms_norm` within the dtype's tolerance, zero rows included; a record
-that accepts nothing fails, unless its `contract_preparation` readies reference kernels).
+construction (the factory answers every request with a callable or None, never raising: each
+dtype with every norm statistic dtype the models ask for it, float32 for all rows and the rows'
+own where wider), purity (new tensors out, contribution and residual unchanged: values and
+version counters) and parity (outputs shaped, typed and placed as asked, a wrong one reported
+with the message a run raises; the torch reference `add_rms_norm` within the dtype's tolerance,
+zero rows included; a record that accepts nothing fails, unless its `contract_preparation`
+readies reference kernels).
 
 Rules of a residual kind (`RESIDUAL_CHECKS`): record, without_hardware, construction (the
 factory returns `ResidualOps`, the same flags twice), parity (`update_and_read` equals `read`
@@ -117,7 +122,7 @@ def _report(record_ref, check: str, device: str, settings: ContractSettings, opt
         if isinstance(record, FusionProvider):
             _PASSES[key] = runtime_report(record_ref if world is not None else record, name, settings, world)
         elif isinstance(record, AddNormKernel):
-            _PASSES[key] = add_norm_report(record, settings)
+            _PASSES[key] = add_norm_report(record, settings, registered)
         else:
             _PASSES[key] = residual_report(record, options, settings)
     return _PASSES[key]

@@ -13,6 +13,10 @@ Fixtures:
 - `inline_plugin(obj, name=...)`: register hook implementations for the test's duration
   (`layer_boundary.plugin.register_inline`: the checks of an installed plugin apply).
 
+Marks: `gpu` (a test that needs a CUDA GPU; `contract_params` marks its CUDA cases with it),
+registered here so a plugin author's suite runs it with `--strict-markers` and without
+`PytestUnknownMarkWarning`; `-m "not gpu"` leaves those cases out.
+
 The provider contract suite a plugin's records must pass is `layer_boundary.testing.contract`
 (`contract_params(...)` for one pytest case per rule and device).
 """
@@ -23,6 +27,14 @@ import pytest
 
 from .._plugins.manager import register_inline, reset_registry, unregister_inline
 from .threaded import ThreadWorld
+
+#: the marks this plugin's users' tests carry (the contract suite's CUDA cases: `gpu`)
+MARKS = {"gpu": "needs a CUDA GPU (the contract suite's CUDA cases; they skip without one)"}
+
+
+def pytest_configure(config):
+    for name, description in MARKS.items():
+        config.addinivalue_line("markers", f"{name}: {description}")
 
 
 @pytest.fixture

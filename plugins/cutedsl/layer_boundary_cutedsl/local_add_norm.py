@@ -73,6 +73,9 @@ class AddNormFactory:
             return f"{dtype} rows"
         if request.compute_dtype not in ks.norm_compute_dtypes:
             return f"norm statistics in {request.compute_dtype}"
+        if request.compute_dtype != torch.promote_types(dtype, torch.float32):
+            # the kernels (and their float64 references) take the statistic in max(rows, float32)
+            return f"norm statistics in {request.compute_dtype} for {dtype} rows"
         if request.offset not in (0.0, 1.0):
             return f"weight offset {request.offset}"
         elem = torch.empty((), dtype=dtype).element_size()

@@ -1,11 +1,13 @@
 """The contract of an `AddNormKernel` (a local add + RMSNorm kernel), one pass per device.
 
-- construction: the factory answers every request of the pass (RMSNorm and Gemma, each dtype,
-  the settings' width) with a callable or None, never raising;
+- construction: the factory answers every request of the pass (RMSNorm and Gemma, each dtype
+  with each statistic dtype the models ask for it (`compute_dtypes`), the settings' width)
+  with a callable or None, never raising;
 - purity: an accepted kernel returns new tensors and leaves contribution and residual unchanged
   (values and version counters): the caller may still hold both (captures, snapshots);
-- parity: its (normed, new residual) match the torch reference `add_rms_norm` within the dtype's
-  tolerance, at every row count of the settings (zero rows included). A record that accepts no
+- parity: its (normed, new residual) are shaped, typed and placed as asked (a wrong one is
+  reported with the message a run raises) and match the torch reference `add_rms_norm` within
+  the dtype's tolerance, at every row count of the settings (zero rows included). A record that accepts no
   request on a device fails parity there unless it names a `contract_preparation` (then the pass
   runs the factory that returns on this machine; cutedsl and flashinfer bind their reference
   kernels) - or, on CUDA, whatever the hardware takes.
@@ -18,14 +20,28 @@ import importlib
 
 import torch
 
-from ..._plugins.selection import call_record
+from ..._plugins.results import matches, pair_matches, pair_problem, result_problem
+from ..._plugins.selection import Answer, call_record
 from ..._residual.add_norm import GemmaRMSNorm, RMSNorm, add_rms_norm
-from ..._residual.kernels import request_for
+from ..._residual.kernels import OUTPUTS, kernel_who, request_for
 from .report import DTYPES, ContractReport, ContractSettings, relative_error
 
-__all__ = ["ADD_NORM_CHECKS", "add_norm_report"]
+__all__ = ["ADD_NORM_CHECKS", "add_norm_report", "compute_dtypes"]
 
 ADD_NORM_CHECKS = ("record", "construction", "purity", "parity")
+
+
+def compute_dtypes(dtype: torch.dtype) -> list[torch.dtype]:
+    """The norm statistic dtypes asked with rows of `dtype`: float32, as every shipped model's
+    norms compute (float64 rows included: `run --dtype float64` asks AddNormRequest(dtype=float64,
+    compute_dtype=float32)), and the rows' own dtype where it is wider (float64 statistics, as the
+    float64 test grids ask)."""
+    widest = torch.promote_types(dtype, torch.float32)
+    return [torch.float32] + ([widest] if widest != torch.float32 else [])
+
+
+def _dtype(dtype: torch.dtype) -> str:
+    return str(dtype).replace("torch.", "")
 
 
 def _factory(record, device: str):
@@ -49,31 +65,36 @@ def _norm_factory(record, device: str, prepared):
     return getattr(prepared, "norm_factory", None)
 
 
-def add_norm_report(record, settings: ContractSettings) -> ContractReport:
+def add_norm_report(record, settings: ContractSettings, registered=None) -> ContractReport:
     report = ContractReport(record.name, "add norm kernel")
     device = torch.device(settings.device)
     factory = _factory(record, settings.device)
     norm_factory = _norm_factory(record, settings.device, factory)
+    # the record as a run names it (`Answer.source`), so a wrong return reads as it would there
+    plugin = None if registered is None else registered.plugin
+    source = Answer(record.name, plugin, None if registered is None else registered.distribution).source
     g = torch.Generator().manual_seed(settings.seed)
     accepted = 0
     for norm_cls in (RMSNorm, GemmaRMSNorm):
         for dtype_name in settings.dtypes:
             dtype = DTYPES[dtype_name]
-            # float64 rows take float64 statistics (the reference then matches to 1e-10)
-            norm = norm_cls(settings.hidden_size, dtype=dtype, compute_dtype=torch.promote_types(dtype, torch.float32))
-            with torch.no_grad():
-                norm.weight.copy_((0.0 if norm.offset else 1.0) + 0.1 * torch.randn(settings.hidden_size, generator=g))
-            norm = norm.to(device)
-            case = f"{norm_cls.__name__} {dtype_name} H={settings.hidden_size} on {settings.device}"
-            request = request_for(norm, device, dtype, dtype)
-            kernel = _construct(report, factory, request, case)
-            if kernel is not None:
-                accepted += 1
-                for rows in settings.rows:
-                    _run(report, kernel, norm, rows, dtype, dtype_name, settings, g, f"{case} T={rows}")
-            # the plain norm is its own answer: a record may run it and decline the add + norm
-            if norm_factory is not None:
-                accepted += _plain(report, norm_factory, norm, request, dtype, dtype_name, settings, g, case)
+            for compute in compute_dtypes(dtype):
+                norm = norm_cls(settings.hidden_size, dtype=dtype, compute_dtype=compute)
+                with torch.no_grad():
+                    norm.weight.copy_((0.0 if norm.offset else 1.0) + 0.1 * torch.randn(settings.hidden_size, generator=g))
+                norm = norm.to(device)
+                case = f"{norm_cls.__name__} {dtype_name} (statistics in {_dtype(compute)}) H={settings.hidden_size} on {settings.device}"
+                request = request_for(norm, device, dtype, dtype)
+                kernel = _construct(report, factory, request, case)
+                if kernel is not None:
+                    accepted += 1
+                    who = (kernel_who(source), plugin)
+                    for rows in settings.rows:
+                        _run(report, kernel, norm, rows, dtype, dtype_name, settings, g, f"{case} T={rows}", who)
+                # the plain norm is its own answer: a record may run it and decline the add + norm
+                if norm_factory is not None:
+                    who = (kernel_who(source, plain=True), plugin)
+                    accepted += _plain(report, norm_factory, norm, request, dtype, dtype_name, settings, g, case, who)
     report.stats["accepted"] += accepted
     if not accepted and (getattr(record, "contract_preparation", None) or settings.device == "cpu"):
         report.add("parity", f"accepted no request on {settings.device}: nothing was checked. A record whose kernels need "
@@ -97,28 +118,27 @@ def _construct(report, factory, request, case: str):
     return kernel
 
 
-def _run(report, kernel, norm, rows, dtype, dtype_name, settings, g, case) -> None:
+def _run(report, kernel, norm, rows, dtype, dtype_name, settings, g, case, who) -> None:
     hidden = settings.hidden_size
     c = (torch.randn(rows, hidden, generator=g) * 2).to(dtype).to(settings.device)
     r = torch.randn(rows, hidden, generator=g).to(dtype).to(settings.device)
     held = (c.clone(), r.clone(), c._version, r._version)
     try:
-        normed, new_residual = kernel(c, r, norm.weight)
+        out = kernel(c, r, norm.weight)
     except Exception as exc:  # noqa: BLE001
         report.add("parity", f"{case}: the kernel raised {type(exc).__name__}: {exc}")
         return
     report.stats["launches"] += 1
     if not (torch.equal(c, held[0]) and torch.equal(r, held[1])) or (c._version, r._version) != held[2:]:
         report.add("purity", f"{case}: the kernel wrote its contribution or residual (return new tensors)")
+    if not pair_matches(out, r):  # what a run raises (`FusionError`), word for word
+        report.add("parity", f"{case}: {pair_problem(out, r, *who, names=OUTPUTS)}")
+        return
+    normed, new_residual = out
     ptrs = {c.data_ptr(), r.data_ptr()} if rows else set()
     if rows and (normed.data_ptr() in ptrs or new_residual.data_ptr() in ptrs):
         report.add("purity", f"{case}: an output is an input's memory")
     want_normed, want_residual = add_rms_norm(norm, held[0], held[1])
-    if normed.shape != want_normed.shape or new_residual.shape != want_residual.shape:
-        report.add("parity", f"{case}: shapes {tuple(normed.shape)}, {tuple(new_residual.shape)}; expected {tuple(want_normed.shape)}")
-        return
-    if normed.dtype != dtype or new_residual.dtype != dtype:
-        report.add("parity", f"{case}: dtypes {normed.dtype}, {new_residual.dtype}; expected {dtype}")
     tol = settings.tolerance(dtype_name)
     for what, got, want in (("normed", normed, want_normed), ("new residual", new_residual, want_residual)):
         err = relative_error(got, want)
@@ -126,7 +146,7 @@ def _run(report, kernel, norm, rows, dtype, dtype_name, settings, g, case) -> No
             report.add("parity", f"{case}: {what} differs from add_rms_norm by {err:.2e} relative (tolerance {tol:.0e})")
 
 
-def _plain(report, norm_factory, norm, request, dtype, dtype_name, settings, g, case) -> bool:
+def _plain(report, norm_factory, norm, request, dtype, dtype_name, settings, g, case, who) -> bool:
     """The plain norm (no add) of the same request: never raises, new tensor, x untouched, and
     within the dtype's tolerance of the norm's torch path, on 2-D rows, on 3-D per-head rows, and
     on per-head rows that are a slice of a fused q/k/v projection's output (strided by its width).
@@ -150,12 +170,13 @@ def _plain(report, norm_factory, norm, request, dtype, dtype_name, settings, g, 
             report.add("parity", f"{where}: the kernel raised {type(exc).__name__}: {exc}")
             continue
         report.stats["launches"] += 1
-        if not torch.equal(x, held) or x._version != version or (x.numel() and out.data_ptr() == x.data_ptr()):
+        wrong = not matches(out, x.shape, x)
+        if not torch.equal(x, held) or x._version != version or (not wrong and x.numel() and out.data_ptr() == x.data_ptr()):
             report.add("purity", f"{where}: the plain norm wrote x or returned its memory (return a new tensor)")
-        want = norm.torch_forward(held)
-        if out.shape != want.shape or out.dtype != dtype:
-            report.add("parity", f"{where}: {tuple(out.shape)} {out.dtype}; expected {tuple(want.shape)} {dtype}")
+        if wrong:  # what a run raises, word for word
+            report.add("parity", f"{where}: {result_problem(*who, OUTPUTS[0], out, x.shape, x)}")
             continue
+        want = norm.torch_forward(held)
         err = relative_error(out, want)
         if err > settings.tolerance(dtype_name):
             report.add("parity", f"{where}: differs from the torch norm by {err:.2e} relative (tolerance {settings.tolerance(dtype_name):.0e})")

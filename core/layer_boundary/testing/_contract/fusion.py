@@ -9,7 +9,8 @@ from typing import Any
 
 import torch
 
-from ..._plugins.selection import call_record
+from ..._plugins.results import pair_matches, pair_problem
+from ..._plugins.selection import Answer, call_record
 from ..._plugins.builtin import UnfusedCompletion
 from ...collectives import CollectiveCounter, CountingCollectives
 from ..._planning import arriving_sum
@@ -35,8 +36,9 @@ def _candidate_facts(candidates) -> list[tuple]:
     return [(c.name, c.fused.completes, c.fused.handoff, c.fused.preserves_residual) for c in candidates]
 
 
-def _build_provider(record, plan, report: ContractReport, builtin: bool, where: str):
-    """The factory's provider for `plan` and its candidates, checking both; (provider, candidates)."""
+def _build_provider(record, plan, report: ContractReport, builtin: bool, where: str, registered=None):
+    """The factory's provider for `plan` and its candidates, checking both; (provider, candidates).
+    The candidates are named as a run names them (`registered`: where the record came from)."""
     try:
         provider = call_record(record, plan.description)
         again = call_record(record, plan.description)
@@ -72,9 +74,11 @@ def _build_provider(record, plan, report: ContractReport, builtin: bool, where: 
         if isinstance(item, FusedMlpInput) and item.completes is not None and not isinstance(item.completes, SumGroup):
             report.add("construction", f"candidate {item.name!r}: completes must be a SumGroup or None, got {item.completes!r}")
             return None, ()
-    source = f"record {record.name!r}"
-    candidates = consumer_candidates(plan, [(_Listed(raw), source), (UnfusedCompletion(), "core")])[: len(raw)]
-    again_c = consumer_candidates(plan, [(_Listed(raw_again), source), (UnfusedCompletion(), "core")])[: len(raw_again)]
+    plugin = None if registered is None else registered.plugin
+    source = Answer(record.name, plugin, None if registered is None else registered.distribution).source
+    plugins = (plugin, "core")
+    candidates = consumer_candidates(plan, [(_Listed(raw), source), (UnfusedCompletion(), "core")], plugins)[: len(raw)]
+    again_c = consumer_candidates(plan, [(_Listed(raw_again), source), (UnfusedCompletion(), "core")], plugins)[: len(raw_again)]
     if _candidate_facts(candidates) != _candidate_facts(again_c):
         report.add("construction", f"{method}(plan) listed different candidates when asked twice on the {where} stage")
     report.stats["candidates_listed"] += len(candidates)
@@ -145,8 +149,8 @@ def preparation_of(record):
 class _RankRun:
     """One rank's pass over every situation, dtype and row count."""
 
-    def __init__(self, parallel, record, builtin: bool, settings: ContractSettings):
-        self.record, self.builtin, self.settings = record, builtin, settings
+    def __init__(self, parallel, record, builtin: bool, settings: ContractSettings, registered=None):
+        self.record, self.builtin, self.settings, self.registered = record, builtin, settings, registered
         self.preparation = preparation_of(record)
         self.counter = CollectiveCounter()
         self.parallel = parallel.with_groups(lambda g: CountingCollectives(g, self.counter))
@@ -175,7 +179,7 @@ class _RankRun:
         tag = f"{situation.name}/{norm_kind}/{dtype_name}/tp{plan.parallel.topology.tp}"
         self.counter.reset()
         where = f"{situation.name} (tp={plan.parallel.topology.tp}, norm {norm_kind})"
-        provider, candidates = _build_provider(self.record, plan, self.report, self.builtin, where)
+        provider, candidates = _build_provider(self.record, plan, self.report, self.builtin, where, self.registered)
         self.decisions.append((f"{tag}: construction", (provider is not None, _candidate_facts(candidates),
                                                         self.counter.snapshot())))
         if provider is None:
@@ -267,22 +271,20 @@ class _RankRun:
             report.add("none_rule", f"candidate {cand.name!r} declined after replacing the owed value's tensors")
 
     def _valid_output(self, cand, out, residual, rows, case_id) -> bool:
-        ok = isinstance(out, (tuple, list)) and len(out) == 2 and all(isinstance(t, torch.Tensor) for t in out)
-        if ok:
-            ok = all(t.shape == residual.shape and t.dtype == residual.dtype and t.device == residual.device for t in out)
-        if not ok:
-            shapes = [(tuple(t.shape), t.dtype, str(t.device)) if isinstance(t, torch.Tensor) else type(t).__name__
-                      for t in (out if isinstance(out, (tuple, list)) else (out,))]
-            self.report.add("parity", f"candidate {cand.name!r} must return (input, new_residual) shaped, typed and placed like "
-                                      f"the residual {tuple(residual.shape)} {residual.dtype}; got {shapes} ({case_id})")
-        return ok
+        """(compute input, new residual) shaped, typed and placed like the residual: the check a
+        run makes (`run_candidates`), reported with its message word for word."""
+        plain = cand.fused.output_format == "plain"
+        if pair_matches(out, residual, plain):
+            return True
+        self.report.add("parity", f"{pair_problem(out, residual, cand.who, cand.plugin, plain)} ({case_id})")
+        return False
 
 
 def fusion_rank(parallel, record_ref, settings: ContractSettings) -> dict:
     """One rank's runtime pass (module-level, so process worlds can run it by name)."""
     record, registered = resolve(record_ref)
     builtin = registered is not None and registered.plugin == "core"
-    return _RankRun(parallel, record, builtin, settings).run()
+    return _RankRun(parallel, record, builtin, settings, registered).run()
 
 
 def _compare_ranks(results: list[dict], topology, report: ContractReport) -> None:
