@@ -90,10 +90,20 @@ def reduce_scatter_slices(partial: torch.Tensor, fwd: Forward) -> torch.Tensor:
 
 
 def move_input(inp, move, fwd):
-    """Apply an input move to a tensor, or to a quantized input (data and per-token scales)."""
+    """Apply an input move to a compute input: a tensor, a tuple of them (a read that prepares
+    several inputs, each with the same rows), or an object that moves its own row tensors
+    (`map_rows(fn)`: a quantized input's data and per-token scales)."""
     if isinstance(inp, torch.Tensor):
         return move(inp, fwd)
-    return inp.map_rows(lambda t: move(t, fwd))
+    if isinstance(inp, tuple):
+        return tuple(move_input(part, move, fwd) for part in inp)
+    map_rows = getattr(inp, "map_rows", None)
+    if map_rows is None:
+        raise TypeError(
+            f"a stage's compute input is {type(inp).__name__}; a read must return a tensor [rows, ...], a tuple of them, "
+            "or an object with map_rows(fn) that applies a row move to each of its row tensors"
+        )
+    return map_rows(lambda t: move(t, fwd))
 
 
 def move_residual(residual, fn):
