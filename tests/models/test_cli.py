@@ -82,7 +82,7 @@ def test_a_default_run_prints_no_warning_and_draws_a_bar_on_a_terminal():
     [
         (["--model", "llama"], "unknown model 'llama'"),
         (["--model", "qwen3", "--tp", "3"], "not divisible by attention TP 3"),
-        (["--model", "qwen3", "--checkpoint", "/nonexistent"], "has no config.json"),
+        (["--model", "qwen3", "--checkpoint", "/nonexistent"], "--checkpoint /nonexistent: no such folder"),
         (["--model", "qwen3", "--tp", "4", "--attn-dp", "3"], "not divisible by attn_dp"),
         (["--model", "qwen3", "--hf-config", "{not json"], "not valid JSON"),
         (["--model", "qwen3_moe", "--hf-config", '{"model_type": "qwen3"}'], "needs a config with model_type 'qwen3_moe'"),

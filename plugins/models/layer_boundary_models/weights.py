@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from layer_boundary.plugin import TensorSource
+from layer_boundary.plugin import TensorSource, loads_weights
 
 
 __all__ = ["load_weights", "random_weights"]
@@ -28,6 +28,7 @@ def _experts(src: TensorSource, prefix: str, num_experts: int):
     return torch.stack(gate_up), torch.stack(down)
 
 
+@loads_weights
 @torch.no_grad()
 def load_weights(model, src: TensorSource) -> None:
     """Copy every weight of a reference `CausalLM` from `src` (HF names), sharded per rank: the
