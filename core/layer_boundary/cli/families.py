@@ -46,21 +46,24 @@ def load_hf_config(source: str, flag: str = "--hf-config") -> dict:
     """A config from inline JSON, a config.json path, or a checkpoint folder; every way it can
     be wrong is one `ConfigError` naming `flag` and what was found."""
     text = source.strip()
+    if text[:1] in ("{", "["):
+        return _inline_config(text, flag)
     path = Path(source)
-    if path.is_dir():
+    try:
+        is_dir, is_file = path.is_dir(), path.is_file()
+    except OSError:  # not a name the file system takes (too long, ...): read it as JSON
+        is_dir = is_file = False
+    if is_dir:
         path = path / "config.json"
         if not path.is_file():
             raise ConfigError(f"{flag} {source}: the folder has no config.json; save the model with save_pretrained() or pass a config.json")
-    elif not path.is_file():
+    elif not is_file:
         try:
-            raw = json.loads(text)
-        except json.JSONDecodeError as exc:
-            if text[:1] in "{[":
-                raise ConfigError(f"{flag} is not valid JSON: {exc}") from None
-            raise ConfigError(f"{flag} {source}: no such file or folder; pass inline JSON, a config.json file or a checkpoint folder") from None
-        if not isinstance(raw, dict):
-            raise ConfigError(f"{flag} is valid JSON but {json_type(raw)}, not a config; pass a JSON object of fields ({{...}})")
-        return raw
+            return _inline_config(text, flag)
+        except ConfigError:
+            if text[:1].isalpha() or text[:1] in "./~":
+                raise ConfigError(f"{flag} {source}: no such file or folder; pass inline JSON, a config.json file or a checkpoint folder") from None
+            raise
     try:
         raw = json.loads(path.read_text())
     except (json.JSONDecodeError, UnicodeDecodeError) as exc:
@@ -69,6 +72,17 @@ def load_hf_config(source: str, flag: str = "--hf-config") -> dict:
         raise ConfigError(f"{flag}: {path} cannot be read ({exc.strerror or exc})") from None
     if not isinstance(raw, dict):
         raise ConfigError(f"{flag}: {path} holds {json_type(raw)}, not a config object")
+    return raw
+
+
+def _inline_config(text: str, flag: str) -> dict:
+    """A config given inline as a JSON object."""
+    try:
+        raw = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise ConfigError(f"{flag} is not valid JSON: {exc}") from None
+    if not isinstance(raw, dict):
+        raise ConfigError(f"{flag} is valid JSON but {json_type(raw)}, not a config; pass a JSON object of fields ({{...}})")
     return raw
 
 

@@ -51,7 +51,8 @@ def model_config(name: str, hf_config: dict | None = None):
 def build_model(config, parallel, *, reduction="ar", fusions=None, dtype=None, device=None, lora=None, options=None):
     """This rank's model of `config` (its family found by the config's model_type) through the
     family's registered factory; `lora` (a `LoraSpec` or an adapter count) gives its projections
-    those adapters, `options` any other run option the family supports."""
+    those adapters, `options` any other run option the family supports. Its parameters are
+    uninitialised: it refuses a forward until `load_weights` fills it."""
     from layer_boundary.plugin import BuildRequest, get_registry, select
 
     from .config import ConfigError

@@ -94,12 +94,14 @@ class GemmaSandwichConfig(FamilyConfig):
                 raise ConfigError(f"{key}=true is not supported by the {model_type} reference model; set it to false")
         layers = f.int("num_hidden_layers", min=1)
         layer_types = _layer_types(f, model_type, layers)
-        window = cfg.get("sliding_window")
-        if SLIDING in layer_types and (not isinstance(window, int) or window < 1):
-            raise ConfigError(f"sliding_window={window!r}: the sliding_attention layers need a positive integer window")
+        window = None
+        if SLIDING in layer_types:
+            if cfg.get("sliding_window") is None:
+                raise ConfigError(f"{model_type} config: sliding_window=None: the sliding_attention layers need a positive integer window")
+            window = f.int("sliding_window", min=1)
         if model_type == "gemma3_text" and cfg.get("attn_logit_softcapping") is not None:
             raise ConfigError(
-                "attn_logit_softcapping is set, but Gemma 3's attention (transformers 5.24) never applies it; set it to null"
+                "gemma3_text config: attn_logit_softcapping is set, but Gemma 3's attention (transformers 5.24) never applies it; set it to null"
             )
         if f.float("partial_rotary_factor", 1.0) != 1.0:
             raise ConfigError(f"partial_rotary_factor={cfg['partial_rotary_factor']}: the {model_type} reference model rotates whole heads")
@@ -128,7 +130,7 @@ class GemmaSandwichConfig(FamilyConfig):
             rms_norm_eps=f.float("rms_norm_eps", positive=True),
             hidden_act=act,
             query_pre_attn_scalar=f.float("query_pre_attn_scalar", positive=True),
-            sliding_window=int(window) if SLIDING in layer_types else None,
+            sliding_window=window,
             layer_types=layer_types,
             attn_logit_softcapping=softcaps["attn_logit_softcapping"],
             final_logit_softcapping=softcaps["final_logit_softcapping"],
