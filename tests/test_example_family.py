@@ -89,6 +89,42 @@ def test_a_bad_topology_is_one_line_from_the_family(example_site):
     assert out.returncode == 2 and "runs without pipeline stages" in out.stderr and "Traceback" not in out.stderr
 
 
+def test_a_mistyped_config_field_is_one_line_naming_the_family(example_site):
+    raw = {"model_type": "llama", "vocab_size": 128, "hidden_size": "48", "num_hidden_layers": 3, "num_attention_heads": 4,
+           "intermediate_size": 96}
+    out = cli(example_site, "run", "--model", "llama", "--tp", "2", "--hf-config", json.dumps(raw))
+    lines = [line for line in out.stderr.splitlines() if line.strip()]
+    assert out.returncode == 2 and len(lines) == 1, out.stderr
+    assert "llama config: hidden_size must be a positive integer, got '48' (a string)" in lines[0], out.stderr
+
+
+UNLOADED = """
+import sys, torch
+sys.path.insert(0, {site!r})
+from layer_boundary import Forward, ForwardMode, Parallel
+from layer_boundary.plugin import StateDictSource, StepLayout, UnloadedWeightsError
+from layer_boundary.cli.families import build, family_config, find_family
+item = find_family("llama")
+config = family_config(item)
+model = build(item, config, Parallel.single(), dtype=torch.float64)
+run = lambda: model(torch.arange(4), Forward(Parallel.single(), 4, mode=ForwardMode.EXTEND), StepLayout([0], [4], [0]), model.new_cache())
+try:
+    run()
+    raise SystemExit("an unloaded model ran")
+except UnloadedWeightsError as exc:
+    print(exc)
+item.record.load_weights(model, StateDictSource(item.record.random_weights(config, torch.float64, 3)))
+assert torch.isfinite(run()).all()
+"""
+
+
+def test_a_model_without_weights_refuses_a_forward_until_they_load(example_site):
+    env = dict(os.environ, PYTHONPATH=str(example_site))
+    out = subprocess.run([sys.executable, "-c", UNLOADED.format(site=str(example_site))], capture_output=True, text=True, timeout=300, env=env)
+    assert out.returncode == 0, out.stderr
+    assert "this llama model has no weights yet" in out.stdout
+
+
 STATIC = """
 import sys, torch
 sys.path.insert(0, {site!r})

@@ -42,7 +42,11 @@ plugin (`result_problem` words it).
 
 Model families: `StepLayout`, `DecodeLayout` (the rows of a step), `TensorSource`,
 `StateDictSource` (weights by Hugging Face name), `ConfigError`, `BuildRequest`,
-`ReferenceRequest`, `HfReference`; `node_hash` (which node this rank runs on).
+`ReferenceRequest`, `HfReference`; `node_hash` (which node this rank runs on);
+`ConfigFields` (a config read field by field: a missing or mistyped field is one `ConfigError`
+naming the family, the field and its type); `mark_unloaded` / `loads_weights` / `mark_loaded` /
+`weights_loaded` (a model built without weights refuses a forward, `UnloadedWeightsError`, until
+they load).
 
 Benchmarks: `OneLineParser`, `positive_int`, `non_negative_int`, `positive_float` (options
 refused as one line, exit 2), `cuda_event_us` (CUDA-event timing), `line_plot`.
@@ -54,6 +58,7 @@ Registry and loading: `get_registry`, `reset_registry`, `register_inline` /
 
 from ._env import env_flag, env_names
 from ._errors import MissingPluginError, missing_feature
+from ._config_fields import REQUIRED, ConfigFields, json_type
 from ._families import ConfigError, DecodeLayout, StateDictSource, StepLayout, TensorSource
 from ._graph import graph_collectives, graph_key, graph_object, register_graph_object
 from ._ops import align_rows, dp_gather, dp_scatter, gather_slices, move_residual, take_slice
@@ -130,6 +135,7 @@ from ._residual.add_norm import add_rms_norm, is_rms_norm
 from ._residual.quant import FP8_DTYPE, Fp8Input, fp8_residual, norm_fp32, quantize_fp8
 from ._rope import rope_cos_sin_table
 from ._timing import cuda_event_us, line_plot
+from ._weights import UnloadedWeightsError, loads_weights, mark_loaded, mark_unloaded, weights_loaded
 from .nodes import node_hash
 
 __all__ = [
@@ -198,6 +204,14 @@ __all__ = [
     "TensorSource",
     "StateDictSource",
     "ConfigError",
+    "ConfigFields",
+    "REQUIRED",
+    "json_type",
+    "UnloadedWeightsError",
+    "mark_unloaded",
+    "mark_loaded",
+    "weights_loaded",
+    "loads_weights",
     "node_hash",
     # plans and paths
     "Stage",

@@ -5,7 +5,7 @@ parallelism and attention DP the boundary moves each part's rows; anything else 
 import pytest
 import torch
 
-from layer_boundary import Forward, Parallel, RMSNorm, Topology, declare_attn, declare_ffn, make_stages, residual_batch
+from layer_boundary import Forward, RMSNorm, Topology, declare_attn, declare_ffn, make_stages, residual_batch
 from layer_boundary import ResidualOps
 from layer_boundary._residual.add_norm import PLAIN_ADD
 from layer_boundary.testing import run_threaded

@@ -39,6 +39,16 @@ def test_run_human_output_and_single_rank_check():
     assert "\r" not in out.stderr and "step/s" not in out.stderr  # stderr is a pipe here: no bar
 
 
+@pytest.mark.gloo
+def test_an_fp8_verdict_says_its_tolerance_bounds_the_relative_error():
+    """FP8 reads pass on a relative error while the absolute one exceeds the tolerance's value:
+    the line says which one the tolerance bounds, and --json names it."""
+    out = cli("run", "--fp8", "dynamic", "--decode-steps", "1")
+    assert out.returncode == 0, out.stderr
+    line = next(line for line in out.stdout.splitlines() if line.startswith("check vs hf"))
+    assert "PASS  rel err" in line and "< tolerance 1e-01 (relative: max abs err" in line and "/ max |reference logit|" in line, line
+
+
 def _on_a_terminal(*args, timeout=300):
     """`layer-boundary ARGS` with stderr on a pseudo-terminal (80 columns): (status, stdout, stderr)."""
     import fcntl
@@ -82,7 +92,7 @@ def test_a_default_run_prints_no_warning_and_draws_a_bar_on_a_terminal():
     [
         (["--model", "llama"], "unknown model 'llama'"),
         (["--model", "qwen3", "--tp", "3"], "not divisible by attention TP 3"),
-        (["--model", "qwen3", "--checkpoint", "/nonexistent"], "has no config.json"),
+        (["--model", "qwen3", "--checkpoint", "/nonexistent"], "--checkpoint /nonexistent: no such folder"),
         (["--model", "qwen3", "--tp", "4", "--attn-dp", "3"], "not divisible by attn_dp"),
         (["--model", "qwen3", "--hf-config", "{not json"], "not valid JSON"),
         (["--model", "qwen3_moe", "--hf-config", '{"model_type": "qwen3"}'], "needs a config with model_type 'qwen3_moe'"),

@@ -303,8 +303,10 @@ class ModelFamily(_Record):
     stage), or returns None / raises `NotImplementedError(reason)` for a request it cannot build.
     `parse(config: dict)` turns a Hugging Face config dict into the family's config (with `.hf`,
     `.num_layers`, `.vocab_size`, `.hidden_size` and `.check_topology(topology)`, raising
-    `ConfigError` naming the field it cannot use). `load_weights(model, source: TensorSource)`
-    loads this rank's shard from tensors with Hugging Face names; `random_weights(config, dtype,
+    `ConfigError` naming the field it cannot use: `ConfigFields` reads each field with its type
+    checked). `load_weights(model, source: TensorSource)` loads this rank's shard from tensors
+    with Hugging Face names (a factory returning `mark_unloaded(model, hint)` and a loader
+    wrapped in `@loads_weights` refuse a forward before the load); `random_weights(config, dtype,
     seed)` draws a full state dict with those names. `reference(request: ReferenceRequest)`
     returns the `HfReference` the run is checked against; None builds `model_type`'s Hugging
     Face causal LM from the config and loads the state dict strictly. `preset()` returns the

@@ -25,6 +25,7 @@ import torch
 
 from .._options import OneLineParser, positive_int
 from .._timing import cuda_event_us
+from .._weights import mark_loaded
 
 
 
@@ -38,6 +39,7 @@ def _random_init(model) -> None:
                 p.copy_(1.0 + 0.1 * torch.randn_like(p))
             else:
                 p.copy_(torch.randn_like(p) / p.shape[-1] ** 0.5)
+    mark_loaded(model)  # every parameter written: the model's forward runs
 
 
 #: bytes per second a step can stream weights at (H200, device-to-device copy, measured)

@@ -8,6 +8,7 @@ import json
 from pathlib import Path
 from typing import Any, Optional
 
+from .._config_fields import json_type
 from .._errors import MissingPluginError, missing_feature
 from .._families import ConfigError
 from .._plugins.manager import get_registry
@@ -41,32 +42,65 @@ def find_family(name: str):
     return found[0]
 
 
-def load_hf_config(source: str) -> dict:
-    """A config from inline JSON, a config.json path, or a checkpoint folder."""
+def load_hf_config(source: str, flag: str = "--hf-config") -> dict:
+    """A config from inline JSON, a config.json path, or a checkpoint folder; every way it can
+    be wrong is one `ConfigError` naming `flag` and what was found."""
     text = source.strip()
-    if text.startswith("{"):
-        try:
-            return json.loads(text)
-        except json.JSONDecodeError as exc:
-            raise ConfigError(f"--hf-config is not valid JSON: {exc}") from None
+    if text[:1] in ("{", "["):
+        return _inline_config(text, flag)
     path = Path(source)
-    if path.is_dir():
-        path = path / "config.json"
-    if not path.is_file():
-        raise ConfigError(f"no config at {source}: pass inline JSON, a config.json file or a checkpoint folder")
     try:
-        return json.loads(path.read_text())
+        is_dir, is_file = path.is_dir(), path.is_file()
+    except OSError:  # not a name the file system takes (too long, ...): read it as JSON
+        is_dir = is_file = False
+    if is_dir:
+        path = path / "config.json"
+        if not path.is_file():
+            raise ConfigError(f"{flag} {source}: the folder has no config.json; save the model with save_pretrained() or pass a config.json")
+    elif not is_file:
+        try:
+            return _inline_config(text, flag)
+        except ConfigError:
+            if text[:1].isalpha() or text[:1] in "./~":
+                raise ConfigError(f"{flag} {source}: no such file or folder; pass inline JSON, a config.json file or a checkpoint folder") from None
+            raise
+    try:
+        raw = json.loads(path.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise ConfigError(f"{flag}: {path} is not valid JSON ({exc}); pass the config.json save_pretrained() writes") from None
+    except OSError as exc:
+        raise ConfigError(f"{flag}: {path} cannot be read ({exc.strerror or exc})") from None
+    if not isinstance(raw, dict):
+        raise ConfigError(f"{flag}: {path} holds {json_type(raw)}, not a config object")
+    return raw
+
+
+def _inline_config(text: str, flag: str) -> dict:
+    """A config given inline as a JSON object."""
+    try:
+        raw = json.loads(text)
     except json.JSONDecodeError as exc:
-        raise ConfigError(f"{path} is not valid JSON: {exc}") from None
+        raise ConfigError(f"{flag} is not valid JSON: {exc}") from None
+    if not isinstance(raw, dict):
+        raise ConfigError(f"{flag} is valid JSON but {json_type(raw)}, not a config; pass a JSON object of fields ({{...}})")
+    return raw
 
 
 def family_config(item, raw: Optional[dict] = None):
-    """The family's parsed config of `raw` (its embedded tiny config when None)."""
+    """The family's parsed config of `raw` (its embedded tiny config when None). A family whose
+    parser fails on the config with a Python error (a missing or mistyped field it does not
+    check) is reported in one line naming the family and that error."""
     fam = item.record
     raw = fam.preset() if raw is None else dict(raw)
     if raw.get("model_type") != fam.model_type:
         raise ConfigError(f"--model {fam.model} needs a config with model_type {fam.model_type!r}, got {raw.get('model_type')!r}")
-    return fam.parse(raw)
+    try:
+        return fam.parse(raw)
+    except ConfigError:
+        raise
+    except (KeyError, TypeError, ValueError, AttributeError, IndexError) as exc:
+        detail = f"field {exc.args[0]!r} is missing" if isinstance(exc, KeyError) and exc.args else f"{type(exc).__name__}: {exc}"
+        raise ConfigError(f"--model {fam.model}: the family {item.name!r} cannot read this config ({detail}); check that field's value") from None
 
 
 def check_requirements(item) -> None:

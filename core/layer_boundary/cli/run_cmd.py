@@ -76,9 +76,13 @@ def _config(args):
         raw = None
         if args.checkpoint:
             folder = Path(args.checkpoint)
+            if not folder.exists():
+                raise ConfigError(f"--checkpoint {folder}: no such folder; pass the folder save_pretrained() wrote")
+            if not folder.is_dir():
+                raise ConfigError(f"--checkpoint {folder} is a file, not a folder; pass the folder save_pretrained() wrote")
             if not (folder / "config.json").is_file():
                 raise ConfigError(f"checkpoint folder {folder} has no config.json; save it with save_pretrained()")
-            raw = load_hf_config(str(folder))
+            raw = load_hf_config(str(folder), "--checkpoint")
         if args.hf_config:
             raw = load_hf_config(args.hf_config)
         config = family_config(item, raw)
@@ -189,6 +193,8 @@ def _verdict(args, item, results, reference):
     got = _logits(results)
     n = len(got)
     report = {"reference": args.check, "max_abs_err": None, "rel_err": None, "passed": None}
+    # the tolerance bounds the relative error: max abs err / max |reference logit|
+    bounds = {"tolerance_bounds": "rel_err", "reference_max_abs": None}
     if reference is None:
         return report
     max_abs = 0.0
@@ -202,7 +208,7 @@ def _verdict(args, item, results, reference):
             max_abs = max(max_abs, (ours64 - theirs64).abs().max().item())
             scale = max(scale, theirs64.abs().max().item())
     if not finite:
-        report.update(max_abs_err=float("nan"), rel_err=float("nan"), tolerance=TOLERANCES[args.dtype], passed=False)
+        report.update(max_abs_err=float("nan"), rel_err=float("nan"), tolerance=TOLERANCES[args.dtype], passed=False, **bounds)
         return report
     rel = max_abs / scale if scale else max_abs
     # a family may loosen its tolerance where its reference is not reproducible beyond it
@@ -212,7 +218,9 @@ def _verdict(args, item, results, reference):
         # vs HF: the quantization error itself; vs a single rank: a reordered sum can flip an
         # E4M3 rounding, so the same bound applies
         tolerance = max(tolerance, tolerances.get("fp8", FP8_TOLERANCE))
-    report.update(max_abs_err=max_abs, rel_err=rel, tolerance=tolerance, passed=rel < tolerance)
+    # a reference of zeros has no scale: the tolerance bounds the absolute error then
+    bounds = {"tolerance_bounds": "rel_err" if scale else "max_abs_err", "reference_max_abs": scale}
+    report.update(max_abs_err=max_abs, rel_err=rel, tolerance=tolerance, passed=rel < tolerance, **bounds)
     return report
 
 
@@ -426,16 +434,26 @@ def _under_torchrun(job, topology):
     return gathered
 
 
+def verdict_line(check: dict) -> str:
+    """The check in one line that says what its tolerance bounds: the relative error, max abs
+    err over the reference's largest |logit| (both printed), never the absolute error alone."""
+    verdict = "PASS" if check["passed"] else "FAIL"
+    relation = "<" if check["passed"] else ">="
+    head = f"check vs {check['reference']}: {verdict}  "
+    if check.get("reference_max_abs") is None:
+        return head + f"logits not finite (NaN or inf; tolerance {check['tolerance']:.0e} relative)"
+    if check["tolerance_bounds"] == "max_abs_err":
+        return head + f"max abs err {check['max_abs_err']:.3e} {relation} tolerance {check['tolerance']:.0e} (absolute: the reference logits are all 0)"
+    return head + (f"rel err {check['rel_err']:.3e} {relation} tolerance {check['tolerance']:.0e} "
+                   f"(relative: max abs err {check['max_abs_err']:.3e} / max |reference logit| {check['reference_max_abs']:.3e})")
+
+
 def _print_human(out):
     check, t, c = out["check"], out["timings"], out["collectives"]
     if check["passed"] is None:
         print("check: none")
     else:
-        verdict = "PASS" if check["passed"] else "FAIL"
-        print(
-            f"check vs {check['reference']}: {verdict}  max abs err {check['max_abs_err']:.3e}  "
-            f"rel err {check['rel_err']:.3e} (tolerance {check['tolerance']:.0e})"
-        )
+        print(verdict_line(check))
     decode = f"{t['decode_step_s'] * 1e3:.2f} ms" if t["decode_step_s"] is not None else "-"
     print(f"time: prefill {t['prefill_s'] * 1e3:.2f} ms, decode step {decode}, {t['tokens_per_s']:.1f} tokens/s (wall {t['wall_s']:.1f} s)")
     for step, counts in c.items():

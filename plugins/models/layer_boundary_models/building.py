@@ -12,11 +12,18 @@ import importlib
 
 import attrs
 
-from layer_boundary.plugin import BuildRequest
+from layer_boundary.plugin import BuildRequest, mark_unloaded
 
 from .config import fp8_option
 
-__all__ = ["build"]
+__all__ = ["build", "UNLOADED"]
+
+#: the refusal of a forward before the weights load, naming both ways to load them
+UNLOADED = (
+    "this {family} model was built without weights (its parameters are uninitialised memory): "
+    "load them first, layer_boundary_models.load_weights(model, weights) with a state dict (random_weights(config)) "
+    "or a save_pretrained() folder"
+)
 
 #: family -> (module, model class)
 MODEL_CLASSES = {
@@ -40,7 +47,8 @@ def model_class(family: str):
 
 
 def build(family: str, request: BuildRequest):
-    """This rank's model of family `family` for `request` (weights uninitialised)."""
+    """This rank's model of family `family` for `request`: its parameters are uninitialised
+    memory, so its forward refuses to run until its weights load (`UNLOADED`)."""
     options = dict(request.options)
     config = request.config
     extra = {}
@@ -57,4 +65,4 @@ def build(family: str, request: BuildRequest):
     if "lora" in extra:
         model.lora_seed = int(options.get("lora_seed", 0))
         model.lora_assignment = options.get("lora_assignment")
-    return model
+    return mark_unloaded(model, UNLOADED.format(family=family))

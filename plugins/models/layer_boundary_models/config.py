@@ -11,6 +11,7 @@ from typing import Any, Mapping, Optional
 import attrs
 
 from layer_boundary.plugin import ConfigError as PluginConfigError
+from layer_boundary.plugin import ConfigFields
 
 __all__ = ["FamilyConfig", "DecoderConfig", "check_dense_split", "ConfigError", "FINAL_NORM_KEY", "NO_PIPELINE", "fp8_option"]
 
@@ -37,6 +38,15 @@ class FamilyConfig:
     hidden_size: int
     tie_word_embeddings: bool
     hf: Mapping[str, Any] = attrs.field(factory=dict, repr=False)
+
+    @staticmethod
+    def fields(raw: Mapping[str, Any], model_type: str, family: Optional[str] = None) -> ConfigFields:
+        """`raw` read field by field (`ConfigFields`: each missing or mistyped field one line
+        naming `family`, default the model_type), refused unless its model_type is `model_type`."""
+        fields = ConfigFields(raw, family or model_type, error=ConfigError)
+        if raw.get("model_type") != model_type:
+            raise ConfigError(f"model_type {raw.get('model_type')!r} is not {model_type}")
+        return fields
 
     @staticmethod
     def of_type(raw: Mapping[str, Any], model_type: str) -> dict:
@@ -79,62 +89,64 @@ class DecoderConfig(FamilyConfig):
 
     @classmethod
     def from_hf(cls, raw: Mapping[str, Any]) -> "DecoderConfig":
-        cfg = dict(raw)
-        model_type = cfg.get("model_type")
+        model_type = raw.get("model_type") if isinstance(raw, Mapping) else None
         if model_type not in ("qwen3", "qwen3_moe", "gemma"):
             raise ConfigError(f"model_type {model_type!r} is not a reference model; use qwen3, qwen3_moe or gemma")
-        for key in ("attention_bias",):
-            if cfg.get(key):
-                raise ConfigError(f"{key}=true is not supported by the reference models")
-        if cfg.get("use_sliding_window") or (model_type == "gemma" and cfg.get("sliding_window")):
+        f = FamilyConfig.fields(raw, model_type)
+        if f.bool("attention_bias", False):
+            raise ConfigError("attention_bias=true is not supported by the reference models")
+        if f.bool("use_sliding_window", False) or (model_type == "gemma" and f.get("sliding_window")):
             raise ConfigError("sliding-window attention is not supported by the reference models; set use_sliding_window=false")
-        rope = cfg.get("rope_parameters") or {}
-        if rope.get("rope_type", "default") != "default":
-            raise ConfigError(f"rope_type {rope.get('rope_type')!r} is not supported; the reference models use default RoPE")
-        theta = rope.get("rope_theta", cfg.get("rope_theta", 10000.0))
-        hidden = int(cfg["hidden_size"])
-        heads = int(cfg["num_attention_heads"])
-        head_dim = int(cfg.get("head_dim") or hidden // heads)
-        layers = int(cfg["num_hidden_layers"])
+        rope = f.sub("rope_parameters")
+        rope_type = rope.str("rope_type", "default")
+        if rope_type != "default":
+            raise ConfigError(f"rope_type {rope_type!r} is not supported; the reference models use default RoPE")
+        theta = rope.float("rope_theta", None, positive=True) or f.float("rope_theta", 10000.0, positive=True)
+        hidden = f.int("hidden_size", min=1)
+        heads = f.int("num_attention_heads", min=1)
+        layers = f.int("num_hidden_layers", min=1)
         moe = model_type == "qwen3_moe"
         sparse: frozenset = frozenset()
         if moe:
-            step = int(cfg.get("decoder_sparse_step", 1) or 1)
-            mlp_only = set(cfg.get("mlp_only_layers") or ())
+            step = f.int("decoder_sparse_step", 1, min=0) or 1
+            mlp_only = set(f.list("mlp_only_layers", (), of=int))
             sparse = frozenset(i for i in range(layers) if i not in mlp_only and (i + 1) % step == 0)
         gemma = model_type == "gemma"
-        final_norm = cfg.get(FINAL_NORM_KEY, "default")
+        final_norm = f.get(FINAL_NORM_KEY, "default")
         if final_norm not in ("default", "gemma") or (final_norm == "gemma" and not moe):
             raise ConfigError(f"{FINAL_NORM_KEY}={final_norm!r}: only qwen3_moe accepts it, with the value \"gemma\"")
-        archs = cfg.get("architectures") or [
-            {"qwen3": "Qwen3ForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM", "gemma": "GemmaForCausalLM"}[model_type]
-        ]
+        default_arch = {"qwen3": "Qwen3ForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM", "gemma": "GemmaForCausalLM"}[model_type]
+        experts = {}
+        if sparse:  # the routed experts' fields, needed once a layer is sparse
+            count_key = f.first(("num_experts", "num_local_experts")) or "num_experts"
+            experts = dict(num_experts=f.int(count_key, min=1), top_k=f.int("num_experts_per_tok", min=1),
+                           moe_intermediate_size=f.int("moe_intermediate_size", min=1))
+            if experts["top_k"] > experts["num_experts"]:
+                raise ConfigError(f"{model_type} config: num_experts_per_tok={experts['top_k']} is more than the {experts['num_experts']} experts")
         return cls(
             model_type=model_type,
-            architecture=archs[0],
-            vocab_size=int(cfg["vocab_size"]),
+            architecture=(f.list("architectures", (), of=str) or (default_arch,))[0],
+            vocab_size=f.int("vocab_size", min=1),
             hidden_size=hidden,
             num_layers=layers,
             num_heads=heads,
-            num_kv_heads=int(cfg.get("num_key_value_heads") or heads),
-            head_dim=head_dim,
-            intermediate_size=int(cfg["intermediate_size"]),
-            rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
-            rope_theta=float(theta),
-            hidden_act=cfg.get("hidden_act") or cfg.get("hidden_activation") or "silu",
+            num_kv_heads=f.int("num_key_value_heads", heads, min=1),
+            head_dim=f.int("head_dim", None, min=1) or _split_width(hidden, heads),
+            intermediate_size=f.int("intermediate_size", min=1),
+            rms_norm_eps=f.float("rms_norm_eps", 1e-6, positive=True),
+            rope_theta=theta,
+            hidden_act=f.str("hidden_act", None) or f.str("hidden_activation", None) or "silu",
             qk_norm=model_type in ("qwen3", "qwen3_moe"),
             gemma_norm=gemma,
             embed_scale=hidden**0.5 if gemma else None,
-            tie_word_embeddings=bool(cfg.get("tie_word_embeddings", gemma)),
-            num_experts=int(cfg.get("num_experts") or cfg.get("num_local_experts") or 0) if moe else 0,
-            top_k=int(cfg.get("num_experts_per_tok", 0) or 0) if moe else 0,
-            moe_intermediate_size=int(cfg.get("moe_intermediate_size", 0) or 0) if moe else 0,
-            norm_topk_prob=bool(cfg.get("norm_topk_prob", False)),
+            tie_word_embeddings=f.bool("tie_word_embeddings", gemma),
+            **experts,
+            norm_topk_prob=f.bool("norm_topk_prob", False),
             sparse_layers=sparse,
-            shared_expert_intermediate_size=int(cfg.get("shared_expert_intermediate_size", 0) or 0) if moe else 0,
-            fp8_reads=fp8_option(cfg.get("layer_boundary_fp8")),
+            shared_expert_intermediate_size=f.int("shared_expert_intermediate_size", 0, min=0) if moe else 0,
+            fp8_reads=fp8_option(f.get("layer_boundary_fp8")),
             gemma_final_norm=final_norm == "gemma",
-            hf=cfg,
+            hf=dict(raw),
         )
 
     def check_topology(self, topology) -> None:
@@ -165,6 +177,13 @@ def check_dense_split(config, topology) -> None:
         raise ConfigError(f"num_key_value_heads={kv} and attention TP {attn_tp} must divide one another (split or replicate KV heads)")
     if config.intermediate_size % tp:
         raise ConfigError(f"intermediate_size={config.intermediate_size} is not divisible by TP {topology.tp}")
+
+
+def _split_width(hidden: int, heads: int) -> int:
+    """The default head_dim, hidden_size // num_attention_heads, refused when that is 0."""
+    if hidden // heads < 1:
+        raise ConfigError(f"num_attention_heads={heads} is more than hidden_size={hidden}; set head_dim")
+    return hidden // heads
 
 
 #: the static FP8 scale of the reference models: |y| up to 8 maps onto E4M3's 448

@@ -43,54 +43,52 @@ class DeepseekV4Config(FamilyConfig):
 
     @classmethod
     def from_hf(cls, raw: Mapping[str, Any]) -> "DeepseekV4Config":
-        cfg = cls.of_type(raw, "deepseek_v4")
-        layers = int(cfg.get("num_hidden_layers", 43))
-        attn_types = list(cfg.get("layer_types") or [])
+        f = cls.fields(raw, "deepseek_v4")
+        layers = f.int("num_hidden_layers", 43, min=1)
+        attn_types = f.list("layer_types", (), of=str)
         if len(attn_types) != layers or any(t != "sliding_attention" for t in attn_types):
             raise ConfigError(
                 "the deepseek_v4 reference model implements sliding-window attention only (no compressed CSA/HCA layers); "
                 f"set layer_types to {layers} x \"sliding_attention\""
             )
-        mlp_types = list(cfg.get("mlp_layer_types") or [])
+        mlp_types = f.list("mlp_layer_types", (), of=str)
         if len(mlp_types) != layers or any(t != "moe" for t in mlp_types):
             raise ConfigError(f"the deepseek_v4 reference model routes with a learned gate only (no hash_moe); set mlp_layer_types to {layers} x \"moe\"")
         for key in ("attention_bias", "mlp_bias"):
-            if cfg.get(key):
+            if f.bool(key, False):
                 raise ConfigError(f"{key}=true is not supported by the deepseek_v4 reference model")
-        head_dim = int(cfg.get("head_dim", 512))
-        theta, partial = _main_rope(cfg, head_dim)
+        head_dim = f.int("head_dim", 512, min=1)
+        theta, partial = _main_rope(f, head_dim)
         rope_dim = int(head_dim * partial)
         if rope_dim % 2 or not 2 <= rope_dim <= head_dim:
             raise ConfigError(f"the rotary width head_dim * partial_rotary_factor = {rope_dim} must be even, between 2 and head_dim")
-        if int(cfg.get("hc_mult", 4)) < 1:
-            raise ConfigError("hc_mult must be at least 1")
         return cls(
             model_type="deepseek_v4",
-            architecture=(cfg.get("architectures") or ["DeepseekV4ForCausalLM"])[0],
-            vocab_size=int(cfg.get("vocab_size", 129280)),
-            hidden_size=int(cfg.get("hidden_size", 4096)),
+            architecture=(f.list("architectures", (), of=str) or ("DeepseekV4ForCausalLM",))[0],
+            vocab_size=f.int("vocab_size", 129280, min=1),
+            hidden_size=f.int("hidden_size", 4096, min=1),
             num_layers=layers,
-            num_heads=int(cfg.get("num_attention_heads", 64)),
+            num_heads=f.int("num_attention_heads", 64, min=1),
             head_dim=head_dim,
             rope_head_dim=rope_dim,
             rope_theta=theta,
-            q_lora_rank=int(cfg.get("q_lora_rank", 1024)),
-            o_groups=int(cfg.get("o_groups", 8)),
-            o_lora_rank=int(cfg.get("o_lora_rank", 1024)),
-            sliding_window=int(cfg.get("sliding_window", 128)),
-            rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
-            num_experts=int(cfg.get("n_routed_experts", 256)),
-            top_k=int(cfg.get("num_experts_per_tok", 6)),
-            moe_intermediate_size=int(cfg.get("moe_intermediate_size", 2048)),
-            scoring_func=str(cfg.get("scoring_func", "sqrtsoftplus")),
-            routed_scaling_factor=float(cfg.get("routed_scaling_factor", 1.5)),
-            swiglu_limit=float(cfg.get("swiglu_limit", 10.0)),
-            hidden_act=str(cfg.get("hidden_act", "silu")),
-            hc_mult=int(cfg.get("hc_mult", 4)),
-            hc_sinkhorn_iters=int(cfg.get("hc_sinkhorn_iters", 20)),
-            hc_eps=float(cfg.get("hc_eps", 1e-6)),
-            tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
-            hf=cfg,
+            q_lora_rank=f.int("q_lora_rank", 1024, min=1),
+            o_groups=f.int("o_groups", 8, min=1),
+            o_lora_rank=f.int("o_lora_rank", 1024, min=1),
+            sliding_window=f.int("sliding_window", 128, min=1),
+            rms_norm_eps=f.float("rms_norm_eps", 1e-6, positive=True),
+            num_experts=f.int("n_routed_experts", 256, min=1),
+            top_k=f.int("num_experts_per_tok", 6, min=1),
+            moe_intermediate_size=f.int("moe_intermediate_size", 2048, min=1),
+            scoring_func=f.str("scoring_func", "sqrtsoftplus"),
+            routed_scaling_factor=f.float("routed_scaling_factor", 1.5),
+            swiglu_limit=f.float("swiglu_limit", 10.0),
+            hidden_act=f.str("hidden_act", "silu"),
+            hc_mult=f.int("hc_mult", 4, min=1),
+            hc_sinkhorn_iters=f.int("hc_sinkhorn_iters", 20, min=1),
+            hc_eps=f.float("hc_eps", 1e-6),
+            tie_word_embeddings=f.bool("tie_word_embeddings", False),
+            hf=dict(raw),
         )
 
     def check_topology(self, topology) -> None:
@@ -116,16 +114,18 @@ class DeepseekV4Config(FamilyConfig):
             raise ConfigError(f"the shared expert's moe_intermediate_size={self.moe_intermediate_size} is not divisible by TP {topology.tp}")
 
 
-def _main_rope(cfg: Mapping[str, Any], head_dim: int) -> tuple[float, float]:
+def _main_rope(f, head_dim: int) -> tuple[float, float]:
     """(theta, partial rotary factor) of the sliding layers' "main" RoPE (always default type)."""
-    partial = cfg.get("partial_rotary_factor")
-    if partial is None and cfg.get("qk_rope_head_dim") is not None:
-        partial = int(cfg["qk_rope_head_dim"]) / head_dim
-    theta = float(cfg.get("rope_theta", 10000.0))
-    main = (cfg.get("rope_parameters") or {}).get("main")
-    if isinstance(main, dict):
-        if main.get("rope_type", "default") != "default":
-            raise ConfigError(f"main rope_type {main.get('rope_type')!r} is not supported; sliding layers use default RoPE")
-        theta = float(main.get("rope_theta", theta))
-        partial = main.get("partial_rotary_factor", partial)
+    partial = f.float("partial_rotary_factor", None, positive=True)
+    if partial is None and f.has("qk_rope_head_dim"):
+        partial = f.int("qk_rope_head_dim", min=1) / head_dim
+    theta = f.float("rope_theta", 10000.0, positive=True)
+    main = f.sub("rope_parameters").raw.get("main")
+    if isinstance(main, Mapping):
+        m = f.sub("rope_parameters").sub("main")
+        rope_type = m.str("rope_type", "default")
+        if rope_type != "default":
+            raise ConfigError(f"main rope_type {rope_type!r} is not supported; sliding layers use default RoPE")
+        theta = m.float("rope_theta", theta, positive=True)
+        partial = m.float("partial_rotary_factor", partial, positive=True)
     return theta, float(partial if partial is not None else _DEFAULT_PARTIAL_ROTARY)

@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import torch
 
+from layer_boundary.plugin import loads_weights
+
 from .deepseek_v4_config import DeepseekV4Config
 
 __all__ = ["PRESET", "FLOAT64_TOLERANCE", "load_weights", "random_weights"]
@@ -53,6 +55,7 @@ PRESET = {
 }
 
 
+@loads_weights
 @torch.no_grad()
 def load_weights(model, src) -> None:
     """Copy every weight of a `DeepseekV4ForCausalLM` from `src` (HF names), sharded per rank."""

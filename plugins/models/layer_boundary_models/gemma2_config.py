@@ -13,6 +13,8 @@ from typing import Any, Mapping, Optional
 
 import attrs
 
+from layer_boundary.plugin import ConfigFields
+
 from .config import ConfigError, FamilyConfig, check_dense_split
 
 __all__ = ["GemmaSandwichConfig", "RopeSpec", "LAYER_TYPES"]
@@ -86,52 +88,55 @@ class GemmaSandwichConfig(FamilyConfig):
         if model_type not in _DEFAULTS:
             raise ConfigError(f"model_type {model_type!r} is not a Gemma 2/3 text model; use gemma2 or gemma3_text")
         cfg = {**_DEFAULTS[model_type], **{k: v for k, v in raw.items() if v is not None or k in _DEFAULTS[model_type]}}
+        f = cls.fields(cfg, model_type)
         for key in ("attention_bias", "use_bidirectional_attention"):
-            if cfg.get(key):
+            if f.bool(key, False):
                 raise ConfigError(f"{key}=true is not supported by the {model_type} reference model; set it to false")
-        layers = _size(cfg, "num_hidden_layers")
-        layer_types = _layer_types(cfg, model_type, layers)
-        window = cfg.get("sliding_window")
-        if SLIDING in layer_types and (not isinstance(window, int) or window < 1):
-            raise ConfigError(f"sliding_window={window!r}: the sliding_attention layers need a positive integer window")
+        layers = f.int("num_hidden_layers", min=1)
+        layer_types = _layer_types(f, model_type, layers)
+        window = None
+        if SLIDING in layer_types:
+            if cfg.get("sliding_window") is None:
+                raise ConfigError(f"{model_type} config: sliding_window=None: the sliding_attention layers need a positive integer window")
+            window = f.int("sliding_window", min=1)
         if model_type == "gemma3_text" and cfg.get("attn_logit_softcapping") is not None:
             raise ConfigError(
-                "attn_logit_softcapping is set, but Gemma 3's attention (transformers 5.24) never applies it; set it to null"
+                "gemma3_text config: attn_logit_softcapping is set, but Gemma 3's attention (transformers 5.24) never applies it; set it to null"
             )
-        if float(cfg.get("partial_rotary_factor") or 1.0) != 1.0:
+        if f.float("partial_rotary_factor", 1.0) != 1.0:
             raise ConfigError(f"partial_rotary_factor={cfg['partial_rotary_factor']}: the {model_type} reference model rotates whole heads")
-        rope = _gemma3_rope(cfg) if model_type == "gemma3_text" else _gemma2_rope(cfg)
-        hidden = _size(cfg, "hidden_size")
-        heads = _size(cfg, "num_attention_heads")
-        act = cfg.get("hidden_activation") or "gelu_pytorch_tanh"  # HF's Gemma 2/3 MLPs read hidden_activation only
+        rope = _gemma3_rope(f) if model_type == "gemma3_text" else _gemma2_rope(f)
+        hidden = f.int("hidden_size", min=1)
+        heads = f.int("num_attention_heads", min=1)
+        act = f.str("hidden_activation", None) or "gelu_pytorch_tanh"  # HF's Gemma 2/3 MLPs read hidden_activation only
         if act not in ("gelu_pytorch_tanh", "gelu_tanh", "gelu", "silu"):
             raise ConfigError(f"hidden_activation={act!r} is not supported; the reference MLP runs gelu_pytorch_tanh, gelu or silu")
         softcaps = {}
         for key in ("attn_logit_softcapping", "final_logit_softcapping"):
-            value = cfg.get(key)
-            if value is not None and not float(value) > 0:
+            value = f.float(key, None)
+            if value is not None and not value > 0:
                 raise ConfigError(f"{key}={value!r} must be positive, or null for no soft cap")
-            softcaps[key] = None if value is None else float(value)
+            softcaps[key] = value
         return cls(
             model_type=model_type,
-            architecture=(cfg.get("architectures") or [_ARCHITECTURES[model_type]])[0],
-            vocab_size=_size(cfg, "vocab_size"),
+            architecture=(f.list("architectures", (), of=str) or (_ARCHITECTURES[model_type],))[0],
+            vocab_size=f.int("vocab_size", min=1),
             hidden_size=hidden,
             num_layers=layers,
             num_heads=heads,
-            num_kv_heads=_size(cfg, "num_key_value_heads"),
-            head_dim=_size(cfg, "head_dim"),
-            intermediate_size=_size(cfg, "intermediate_size"),
-            rms_norm_eps=float(cfg["rms_norm_eps"]),
+            num_kv_heads=f.int("num_key_value_heads", min=1),
+            head_dim=f.int("head_dim", min=1),
+            intermediate_size=f.int("intermediate_size", min=1),
+            rms_norm_eps=f.float("rms_norm_eps", positive=True),
             hidden_act=act,
-            query_pre_attn_scalar=float(cfg["query_pre_attn_scalar"]),
-            sliding_window=int(window) if SLIDING in layer_types else None,
+            query_pre_attn_scalar=f.float("query_pre_attn_scalar", positive=True),
+            sliding_window=window,
             layer_types=layer_types,
             attn_logit_softcapping=softcaps["attn_logit_softcapping"],
             final_logit_softcapping=softcaps["final_logit_softcapping"],
             qk_norm=model_type == "gemma3_text",
             rope=rope,
-            tie_word_embeddings=bool(cfg["tie_word_embeddings"]),
+            tie_word_embeddings=f.bool("tie_word_embeddings"),
             embed_scale=hidden**0.5,
             hf=dict(raw),
         )
@@ -143,22 +148,13 @@ class GemmaSandwichConfig(FamilyConfig):
         check_dense_split(self, topology)
 
 
-def _size(cfg, key: str) -> int:
-    """A positive integer field of the config."""
-    value = cfg.get(key)
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise ConfigError(f"{key}={value!r} must be a positive integer")
-    return value
-
-
-def _layer_types(cfg, model_type: str, layers: int) -> tuple:
+def _layer_types(f, model_type: str, layers: int) -> tuple:
     """`layer_types`, or HF's default pattern: Gemma 2 alternates sliding and full layers, Gemma 3
     has a full layer every `sliding_window_pattern` (6) layers."""
-    types = cfg.get("layer_types")
+    types = f.list("layer_types", None, of=str)
     if types is None:
-        period = 2 if model_type == "gemma2" else int(cfg.get("sliding_window_pattern") or 6)
+        period = 2 if model_type == "gemma2" else f.int("sliding_window_pattern", 6, min=1)
         return tuple(SLIDING if (i + 1) % period else FULL for i in range(layers))
-    types = tuple(types)
     if len(types) != layers:
         raise ConfigError(f"layer_types has {len(types)} entries for num_hidden_layers={layers}; give one per layer")
     unknown = sorted(set(types) - set(LAYER_TYPES))
@@ -167,40 +163,43 @@ def _layer_types(cfg, model_type: str, layers: int) -> tuple:
     return types
 
 
-def _rope_spec(params: Mapping[str, Any], field: str) -> RopeSpec:
-    rope_type = params.get("rope_type", params.get("type", "default"))
+def _rope_spec(params: Mapping[str, Any], field: str, family: str) -> RopeSpec:
+    p = ConfigFields(params, family, error=ConfigError, prefix=f"{field}.")
+    rope_type = p.str("rope_type", None) or p.str("type", "default")
     if rope_type not in _ROPE_TYPES:
         raise ConfigError(f"{field}: rope_type {rope_type!r} is not supported; the reference models run {' and '.join(_ROPE_TYPES)} RoPE")
-    if float(params.get("partial_rotary_factor") or 1.0) != 1.0:
+    if p.float("partial_rotary_factor", 1.0) != 1.0:
         raise ConfigError(f"{field}: partial_rotary_factor={params['partial_rotary_factor']}; the reference model rotates whole heads")
-    factor = float(params["factor"]) if rope_type == "linear" else 1.0
-    if rope_type == "linear" and not factor > 0:
+    factor = p.float("factor", None) if rope_type == "linear" else 1.0
+    if rope_type == "linear" and not (factor or 0) > 0:
         raise ConfigError(f"{field}: a linear rope needs a positive factor, got {params.get('factor')!r}")
-    return RopeSpec(theta=float(params["rope_theta"]), factor=factor)
+    return RopeSpec(theta=p.float("rope_theta", positive=True), factor=factor)
 
 
-def _gemma2_rope(cfg) -> dict:
+def _gemma2_rope(f) -> dict:
     """One rope for every layer: `rope_scaling` (older configs) or `rope_parameters`."""
-    params = dict(cfg.get("rope_scaling") or cfg.get("rope_parameters") or {})
-    if any(key in LAYER_TYPES for key in params):
+    key = f.first(("rope_scaling", "rope_parameters")) or "rope_parameters"
+    params = dict(f.dict(key, {}))
+    if any(k in LAYER_TYPES for k in params):
         raise ConfigError("rope_parameters: gemma2 takes one rope for every layer, not one per layer type")
-    params.setdefault("rope_theta", cfg.get("rope_theta", 10000.0))
-    spec = _rope_spec(params, "rope_parameters")
+    params.setdefault("rope_theta", f.float("rope_theta", 10000.0, positive=True))
+    spec = _rope_spec(params, key, f.family)
     return {SLIDING: spec, FULL: spec}
 
 
-def _gemma3_rope(cfg) -> dict:
+def _gemma3_rope(f) -> dict:
     """A rope per layer type: `rope_parameters` nested by layer type, filled in as
     Gemma3TextConfig does (`rope_scaling` updates the full-attention rope; `rope_theta` and
     `rope_local_base_freq` are the bases a nested entry leaves out)."""
-    given = cfg.get("rope_parameters")
+    given = f.dict("rope_parameters", None)
     if given and not set(given) <= set(LAYER_TYPES):
         raise ConfigError(
             "rope_parameters: gemma3_text takes one entry per layer type ({\"full_attention\": {...}, \"sliding_attention\": {...}}); "
             "transformers ignores a flat one"
         )
-    nested = {kind: dict((given or {}).get(kind) or {"rope_type": "default"}) for kind in LAYER_TYPES}
-    nested[FULL].update(cfg.get("rope_scaling") or {})
-    nested[FULL].setdefault("rope_theta", cfg.get("rope_theta", _GEMMA3_THETA[FULL]))
-    nested[SLIDING].setdefault("rope_theta", cfg.get("rope_local_base_freq", _GEMMA3_THETA[SLIDING]))
-    return {kind: _rope_spec(params, f"rope_parameters[{kind!r}]") for kind, params in nested.items()}
+    given_fields = f.sub("rope_parameters")
+    nested = {kind: dict(given_fields.dict(kind, None) or {"rope_type": "default"}) for kind in LAYER_TYPES}
+    nested[FULL].update(f.dict("rope_scaling", {}))
+    nested[FULL].setdefault("rope_theta", f.float("rope_theta", _GEMMA3_THETA[FULL], positive=True))
+    nested[SLIDING].setdefault("rope_theta", f.float("rope_local_base_freq", _GEMMA3_THETA[SLIDING], positive=True))
+    return {kind: _rope_spec(params, f"rope_parameters[{kind!r}]", f.family) for kind, params in nested.items()}

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import torch
 
-from layer_boundary.plugin import TensorSource
+from layer_boundary.plugin import TensorSource, loads_weights
 
 from .gemma2_config import GemmaSandwichConfig
 from .weights import load_stage_ends
@@ -16,6 +16,7 @@ __all__ = ["load_weights", "random_weights"]
 LAYER_NORMS = ("input_layernorm", "post_attention_layernorm", "pre_feedforward_layernorm", "post_feedforward_layernorm")
 
 
+@loads_weights
 @torch.no_grad()
 def load_weights(model, src: TensorSource) -> None:
     """Copy every weight of a `GemmaSandwichLM` from `src` (HF names), sharded per rank: the

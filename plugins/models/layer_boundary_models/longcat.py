@@ -35,7 +35,7 @@ from .overlapped import run_layers, run_operations
 from .mla import TPLatentAttention
 from .parts import output_head, place_experts
 from .mlp import TPGatedMLP, activation, dense_experts
-from layer_boundary.plugin import TensorSource
+from layer_boundary.plugin import TensorSource, loads_weights
 
 __all__ = ["LongcatConfig", "LongcatMoE", "LongcatLayer", "LongcatForCausalLM"]
 
@@ -89,53 +89,53 @@ class LongcatConfig(FamilyConfig):
 
     @classmethod
     def from_hf(cls, raw: Mapping[str, Any]) -> "LongcatConfig":
-        cfg = cls.of_type(raw, "longcat_flash")
+        f = cls.fields(raw, "longcat_flash")
         for key in ("attention_bias", "router_bias"):
-            if cfg.get(key):
+            if f.bool(key, False):
                 raise ConfigError(f"{key}=true is not supported by the LongCat reference model")
-        if cfg.get("q_lora_rank") is None:
+        if not f.has("q_lora_rank"):
             raise ConfigError("LongCat-Flash projects queries through q_lora_rank; set it")
-        rope = cfg.get("rope_parameters") or {}
-        if rope.get("rope_type", "default") != "default":
-            raise ConfigError(f"rope_type {rope.get('rope_type')!r} is not supported; the reference model uses default RoPE")
-        heads = int(cfg.get("num_attention_heads", 64))
-        if int(cfg.get("num_key_value_heads") or heads) != heads:
+        rope = f.sub("rope_parameters")
+        rope_type = rope.str("rope_type", "default")
+        if rope_type != "default":
+            raise ConfigError(f"rope_type {rope_type!r} is not supported; the reference model uses default RoPE")
+        heads = f.int("num_attention_heads", 64, min=1)
+        if f.int("num_key_value_heads", heads, min=1) != heads:
             raise ConfigError("MLA expands keys and values per head: num_key_value_heads must equal num_attention_heads")
-        rope_dim = int(cfg.get("qk_rope_head_dim", 64))
-        if int(cfg.get("head_dim", 64)) != rope_dim:
+        rope_dim = f.int("qk_rope_head_dim", 64, min=1)
+        if f.int("head_dim", 64, min=1) != rope_dim:
             raise ConfigError(f"head_dim sizes the rotary table and must equal qk_rope_head_dim={rope_dim}")
-        nope = int(cfg.get("qk_nope_head_dim", 128))
-        if cfg.get("qk_head_dim") not in (None, nope + rope_dim):
+        nope = f.int("qk_nope_head_dim", 128, min=1)
+        if f.int("qk_head_dim", nope + rope_dim, min=1) != nope + rope_dim:
             raise ConfigError("qk_head_dim must equal qk_nope_head_dim + qk_rope_head_dim")
-        if "num_layers" in cfg:
-            layers = int(cfg["num_layers"])
-        elif "num_hidden_layers" in cfg:
-            layers = int(cfg["num_hidden_layers"]) // 2
-        else:
-            layers = 28
+        if f.has("num_layers"):
+            layers = f.int("num_layers", min=1)
+        else:  # Hugging Face counts each of a layer's two attentions
+            layers = f.int("num_hidden_layers", 56, min=2) // 2
+        ffn_key = f.first(("ffn_hidden_size", "intermediate_size")) or "ffn_hidden_size"
         return cls(
             model_type="longcat_flash",
-            architecture=(cfg.get("architectures") or ["LongcatFlashForCausalLM"])[0],
-            vocab_size=int(cfg["vocab_size"]),
-            hidden_size=int(cfg["hidden_size"]),
+            architecture=(f.list("architectures", (), of=str) or ("LongcatFlashForCausalLM",))[0],
+            vocab_size=f.int("vocab_size", min=1),
+            hidden_size=f.int("hidden_size", min=1),
             num_layers=layers,
             num_heads=heads,
-            q_lora_rank=int(cfg["q_lora_rank"]),
-            kv_lora_rank=int(cfg.get("kv_lora_rank", 512)),
+            q_lora_rank=f.int("q_lora_rank", min=1),
+            kv_lora_rank=f.int("kv_lora_rank", 512, min=1),
             qk_nope_head_dim=nope,
             qk_rope_head_dim=rope_dim,
-            v_head_dim=int(cfg.get("v_head_dim", 128)),
-            ffn_hidden_size=int(cfg.get("ffn_hidden_size", cfg.get("intermediate_size", 12288))),
-            num_experts=int(cfg.get("n_routed_experts", 512)),
-            zero_experts=int(cfg.get("zero_expert_num") or 0),
-            top_k=int(cfg.get("moe_topk", 12)),
-            expert_ffn_hidden_size=int(cfg.get("expert_ffn_hidden_size", 2048)),
-            routed_scaling_factor=float(cfg.get("routed_scaling_factor", 6.0)),
-            rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-5)),
-            rope_theta=float(rope.get("rope_theta", cfg.get("rope_theta", 10000000.0))),
-            hidden_act=cfg.get("hidden_act") or "silu",
-            tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
-            hf=cfg,
+            v_head_dim=f.int("v_head_dim", 128, min=1),
+            ffn_hidden_size=f.int(ffn_key, 12288, min=1),
+            num_experts=f.int("n_routed_experts", 512, min=1),
+            zero_experts=f.int("zero_expert_num", 0, min=0),
+            top_k=f.int("moe_topk", 12, min=1),
+            expert_ffn_hidden_size=f.int("expert_ffn_hidden_size", 2048, min=1),
+            routed_scaling_factor=f.float("routed_scaling_factor", 6.0),
+            rms_norm_eps=f.float("rms_norm_eps", 1e-5, positive=True),
+            rope_theta=rope.float("rope_theta", None, positive=True) or f.float("rope_theta", 10000000.0, positive=True),
+            hidden_act=f.str("hidden_act", "silu"),
+            tie_word_embeddings=f.bool("tie_word_embeddings", False),
+            hf=dict(raw),
         )
 
     def check_topology(self, topology) -> None:
@@ -310,6 +310,7 @@ class LongcatForCausalLM(nn.Module):
 _ATTENTION = ("q_a_proj", "q_b_proj", "kv_a_proj_with_mqa", "kv_b_proj", "o_proj")
 
 
+@loads_weights
 @torch.no_grad()
 def load_weights(model: LongcatForCausalLM, src: TensorSource) -> None:
     """Copy every weight from Hugging Face names, each rank keeping its shard."""

@@ -84,17 +84,20 @@ _DEFAULTS = {  # Hugging Face's NemotronHConfig defaults for optional keys
 }
 
 
-def _pattern(cfg: Mapping[str, Any]) -> str:
+def _pattern(f) -> str:
     names = {v: k for k, v in LAYER_TYPES.items()}
-    types = cfg.get("layers_block_type") or cfg.get("layer_types")
+    key = f.first(("layers_block_type", "layer_types"))
+    types = f.list(key, (), of=str) if key else ()
     if types:
         unknown = sorted(set(types) - set(names))
         if unknown:
             raise ConfigError(f"layers_block_type has unknown layer types {unknown}; use {sorted(names)}")
         return "".join(names[t] for t in types)
-    pattern = cfg.get("hybrid_override_pattern")
+    pattern = f.str("hybrid_override_pattern", None)
     if pattern is None:
         return "ME*-"  # Hugging Face's default stack: linear_attention, moe, full_attention, mlp
+    if not pattern:
+        raise ConfigError("hybrid_override_pattern is empty; give one character per layer (M, *, - or E)")
     unknown = sorted(set(pattern) - set(LAYER_TYPES))
     if unknown:
         raise ConfigError(f"hybrid_override_pattern has unknown characters {unknown}; use M, *, - and E")
@@ -151,58 +154,60 @@ class NemotronHConfig:
 
     @classmethod
     def from_hf(cls, raw: Mapping[str, Any]) -> "NemotronHConfig":
-        cfg = FamilyConfig.of_type(raw, "nemotron_h")
+        cfg = dict(FamilyConfig.fields(raw, "nemotron_h").raw)
         for old, new in _ALIASES.items():
             if old in cfg:
                 cfg[new] = cfg.pop(old)
+        f = FamilyConfig.fields(cfg, "nemotron_h")
         for key in ("attention_bias", "mlp_bias", "use_bias", "mamba_proj_bias"):
-            if cfg.get(key):
+            if f.bool(key, False):
                 raise ConfigError(f"{key}=true is not supported by the nemotron_h reference model")
-        if cfg.get("sliding_window"):
+        if f.get("sliding_window"):
             raise ConfigError("sliding-window attention is not supported by the nemotron_h reference model")
 
-        def get(key):
-            value = cfg.get(key)
-            return _DEFAULTS.get(key) if value is None else value
+        def size(key, minimum=1):  # Hugging Face's default when the config leaves it out
+            return f.int(key, _DEFAULTS.get(key), min=minimum)
 
-        hidden = int(cfg["hidden_size"])
-        heads = int(get("num_attention_heads"))
+        hidden = f.int("hidden_size", min=1)
+        heads = size("num_attention_heads")
+        act = f.str("mlp_hidden_act", _DEFAULTS["mlp_hidden_act"])
         try:
-            activation(get("mlp_hidden_act"))
+            activation(act)
         except ValueError:
-            raise ConfigError(f"mlp_hidden_act={get('mlp_hidden_act')!r} is not supported by the nemotron_h reference model") from None
-        if get("mamba_hidden_act") != "silu":
+            raise ConfigError(f"mlp_hidden_act={act!r} is not supported by the nemotron_h reference model") from None
+        if f.str("mamba_hidden_act", _DEFAULTS["mamba_hidden_act"]) != "silu":
             raise ConfigError("mamba_hidden_act must be 'silu' (the Mamba-2 convolution's activation)")
+        experts_key = f.first(("n_routed_experts", "num_local_experts")) or "n_routed_experts"
         return cls(
             model_type="nemotron_h",
-            architecture=(cfg.get("architectures") or ["NemotronHForCausalLM"])[0],
-            pattern=_pattern(cfg),
-            vocab_size=int(cfg["vocab_size"]),
+            architecture=(f.list("architectures", (), of=str) or ("NemotronHForCausalLM",))[0],
+            pattern=_pattern(f),
+            vocab_size=f.int("vocab_size", min=1),
             hidden_size=hidden,
-            layer_norm_epsilon=float(get("layer_norm_epsilon")),
-            tie_word_embeddings=bool(get("tie_word_embeddings")),
+            layer_norm_epsilon=f.float("layer_norm_epsilon", _DEFAULTS["layer_norm_epsilon"], positive=True),
+            tie_word_embeddings=f.bool("tie_word_embeddings", _DEFAULTS["tie_word_embeddings"]),
             num_heads=heads,
-            num_kv_heads=int(get("num_key_value_heads") or heads),
-            head_dim=int(cfg.get("head_dim") or hidden // heads),
-            intermediate_size=int(get("intermediate_size")),
-            mlp_hidden_act=str(get("mlp_hidden_act")),
-            mamba_num_heads=int(get("mamba_num_heads")),
-            mamba_head_dim=int(get("mamba_head_dim")),
-            n_groups=int(get("n_groups")),
-            ssm_state_size=int(get("ssm_state_size")),
-            conv_kernel=int(get("conv_kernel")),
-            chunk_size=int(get("chunk_size")),
-            use_conv_bias=bool(get("use_conv_bias")),
-            time_step_min=float(get("time_step_min")),
-            n_routed_experts=int(cfg.get("n_routed_experts") or cfg.get("num_local_experts") or _DEFAULTS["n_routed_experts"]),
-            top_k=int(get("num_experts_per_tok")),
-            moe_intermediate_size=int(get("moe_intermediate_size")),
-            shared_intermediate_size=int(get("moe_shared_expert_intermediate_size")),
-            moe_latent_size=int(cfg["moe_latent_size"]) if cfg.get("moe_latent_size") else None,
-            n_group=int(get("n_group")),
-            topk_group=int(get("topk_group")),
-            norm_topk_prob=bool(get("norm_topk_prob")),
-            routed_scaling_factor=float(get("routed_scaling_factor")),
+            num_kv_heads=size("num_key_value_heads"),
+            head_dim=f.int("head_dim", None, min=1) or hidden // heads,
+            intermediate_size=size("intermediate_size"),
+            mlp_hidden_act=act,
+            mamba_num_heads=size("mamba_num_heads"),
+            mamba_head_dim=size("mamba_head_dim"),
+            n_groups=size("n_groups"),
+            ssm_state_size=size("ssm_state_size"),
+            conv_kernel=size("conv_kernel"),
+            chunk_size=size("chunk_size"),
+            use_conv_bias=f.bool("use_conv_bias", _DEFAULTS["use_conv_bias"]),
+            time_step_min=f.float("time_step_min", _DEFAULTS["time_step_min"], positive=True),
+            n_routed_experts=f.int(experts_key, _DEFAULTS["n_routed_experts"], min=1),
+            top_k=size("num_experts_per_tok"),
+            moe_intermediate_size=size("moe_intermediate_size"),
+            shared_intermediate_size=size("moe_shared_expert_intermediate_size"),
+            moe_latent_size=f.int("moe_latent_size", None, min=0) or None,
+            n_group=size("n_group"),
+            topk_group=size("topk_group"),
+            norm_topk_prob=f.bool("norm_topk_prob", _DEFAULTS["norm_topk_prob"]),
+            routed_scaling_factor=f.float("routed_scaling_factor", _DEFAULTS["routed_scaling_factor"]),
             hf=raw,
         )
 

@@ -6,7 +6,7 @@ import math
 
 import torch
 
-from layer_boundary.plugin import TensorSource
+from layer_boundary.plugin import TensorSource, loads_weights
 
 #: 11 layers whose edges cover mixer->mixer (Mamba and attention, both orders), mixer->FFN,
 #: FFN->mixer, FFN->FFN and a terminal mixer; a two-stage pipeline cuts between two Mamba
@@ -67,6 +67,7 @@ def _experts(src: TensorSource, m: str, name: str, count: int) -> torch.Tensor:
     return torch.stack([src.require(f"{m}.experts.{e}.{name}.weight") for e in range(count)])
 
 
+@loads_weights
 @torch.no_grad()
 def load_weights(model, src: TensorSource) -> None:
     """Copy this pipeline stage's weights from `src` (Hugging Face names), sharded per rank."""

@@ -56,67 +56,67 @@ class ResidualConfig(FamilyConfig):
 
     @classmethod
     def from_hf(cls, raw: Mapping[str, Any]) -> "ResidualConfig":
-        cfg = dict(raw)
-        model_type = cfg.get("model_type")
+        model_type = raw.get("model_type") if isinstance(raw, Mapping) else None
         if model_type not in _ARCHITECTURES:
             raise ConfigError(f"model_type {model_type!r} is not one of {', '.join(_ARCHITECTURES)}")
-        hidden = _positive(cfg, "hidden_size")
-        heads = _positive(cfg, "num_attention_heads")
+        f = cls.fields(raw, model_type)
+        hidden = f.int("hidden_size", min=1)
+        heads = f.int("num_attention_heads", min=1)
         if hidden % heads:
-            raise ConfigError(f"hidden_size={hidden} is not divisible by num_attention_heads={heads}")
+            raise ConfigError(f"{model_type} config: hidden_size={hidden} is not divisible by num_attention_heads={heads}")
         neox = model_type == "gpt_neox"
-        head_dim = hidden // heads if neox else int(cfg.get("head_dim") or hidden // heads)
-        if neox and cfg.get("head_dim") not in (None, head_dim):
-            raise ConfigError(f"head_dim={cfg['head_dim']}: GPT-NeoX's head size is hidden_size / num_attention_heads = {head_dim}")
-        kv_heads = heads if neox else int(cfg.get("num_key_value_heads") or heads)
+        head_dim = hidden // heads if neox else f.int("head_dim", hidden // heads, min=1)
+        if neox and f.get("head_dim") not in (None, head_dim):
+            raise ConfigError(f"{model_type} config: head_dim={f.get('head_dim')}: GPT-NeoX's head size is hidden_size / "
+                              f"num_attention_heads = {head_dim}")
+        kv_heads = heads if neox else f.int("num_key_value_heads", heads, min=1)
         if heads % kv_heads:
-            raise ConfigError(f"num_key_value_heads={kv_heads} does not divide num_attention_heads={heads}")
-        theta, factor = _rope(cfg, model_type)
+            raise ConfigError(f"{model_type} config: num_key_value_heads={kv_heads} does not divide num_attention_heads={heads}")
+        theta, factor = _rope(f, model_type)
         rotary_dim = int(head_dim * factor) if neox else head_dim
         if rotary_dim <= 0 or rotary_dim % 2:
             raise ConfigError(
-                f"partial_rotary_factor={factor} turns {rotary_dim} of the {head_dim} channels of a head; the rotation needs an "
-                "even, positive number"
+                f"{model_type} config: partial_rotary_factor={factor} turns {rotary_dim} of the {head_dim} channels of a head; the "
+                "rotation needs an even, positive number"
             )
-        act = cfg.get("hidden_act") or ("gelu" if neox else "silu")
+        act = f.str("hidden_act", "gelu" if neox else "silu")
         try:
             activation(act)
         except ValueError:
-            raise ConfigError(f"hidden_act={act!r} is not supported; use silu, gelu, gelu_pytorch_tanh or relu2") from None
+            raise ConfigError(f"{model_type} config: hidden_act={act!r} is not supported; use silu, gelu, gelu_pytorch_tanh or relu2") from None
         if model_type == "olmo2":
             residual, qk_norm = POST_NORM, "projection"
         elif neox:
-            residual, qk_norm = (PARALLEL if cfg.get("use_parallel_residual", True) else SEQUENTIAL), None
+            residual, qk_norm = (PARALLEL if f.bool("use_parallel_residual", True) else SEQUENTIAL), None
         else:
-            residual, qk_norm = PARALLEL, "head" if cfg.get("use_qk_norm") else None
-        eps_key = "rms_norm_eps" if model_type == "olmo2" else "layer_norm_eps"
-        eps = cfg.get(eps_key)
-        scale = cfg.get("logit_scale", 0.0625) if model_type == "cohere" else None
-        if model_type == "cohere" and not isinstance(scale, (int, float)):
-            raise ConfigError(f"logit_scale={scale!r}: Cohere multiplies its logits by it; give a number")
+            residual, qk_norm = PARALLEL, "head" if f.bool("use_qk_norm", False) else None
+        eps = f.float("rms_norm_eps" if model_type == "olmo2" else "layer_norm_eps", 1e-5, positive=True)
+        if model_type == "cohere" and "logit_scale" in raw and raw["logit_scale"] is None:
+            raise f.fail("logit_scale", "a number (Cohere multiplies its logits by it)")
+        scale = f.float("logit_scale", 0.0625) if model_type == "cohere" else None
         return cls(
             model_type=model_type,
-            architecture=(cfg.get("architectures") or [_ARCHITECTURES[model_type]])[0],
-            vocab_size=_positive(cfg, "vocab_size"),
+            architecture=(f.list("architectures", (_ARCHITECTURES[model_type],), of=str) or (_ARCHITECTURES[model_type],))[0],
+            vocab_size=f.int("vocab_size", min=1),
             hidden_size=hidden,
-            num_layers=_positive(cfg, "num_hidden_layers"),
+            num_layers=f.int("num_hidden_layers", min=1),
             num_heads=heads,
             num_kv_heads=kv_heads,
             head_dim=head_dim,
-            intermediate_size=_positive(cfg, "intermediate_size"),
-            norm_eps=float(1e-5 if eps is None else eps),
+            intermediate_size=f.int("intermediate_size", min=1),
+            norm_eps=eps,
             rope_theta=theta,
             rotary_dim=rotary_dim,
             rotary_style="interleaved" if model_type == "cohere" else "half",
             hidden_act=act,
             residual=residual,
             qk_norm=qk_norm,
-            attention_bias=bool(cfg.get("attention_bias", neox)),
+            attention_bias=f.bool("attention_bias", neox),
             mlp_bias=neox,
             gated_mlp=not neox,
-            tie_word_embeddings=bool(cfg.get("tie_word_embeddings", model_type == "cohere")),
-            logit_scale=None if scale is None else float(scale),
-            hf=cfg,
+            tie_word_embeddings=f.bool("tie_word_embeddings", model_type == "cohere"),
+            logit_scale=scale,
+            hf=dict(raw),
         )
 
     def check_topology(self, topology) -> None:
@@ -126,26 +126,25 @@ class ResidualConfig(FamilyConfig):
         check_dense_split(self, topology)
 
 
-def _positive(cfg: Mapping, key: str) -> int:
-    value = cfg.get(key)
-    if value is None:
-        raise ConfigError(f"the config has no {key}")
-    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
-        raise ConfigError(f"{key}={value!r} must be a positive integer")
-    return value
-
-
-def _rope(cfg: Mapping, model_type: str) -> tuple[float, float]:
+def _rope(f, model_type: str) -> tuple[float, float]:
     """(rope_theta, partial_rotary_factor) from `rope_parameters` or the older top-level keys
     (GPT-NeoX's `rotary_emb_base` and `rotary_pct`); only the default rope is implemented."""
-    if cfg.get("rope_scaling"):
-        raise ConfigError(f"rope_scaling={cfg['rope_scaling']!r} is not supported; the reference models use the default rope")
-    rope = cfg.get("rope_parameters") or {}
-    kind = rope.get("rope_type", "default")
+    if f.has("rope_scaling"):
+        raise ConfigError(f"{model_type} config: rope_scaling={f.get('rope_scaling')!r} is not supported; the reference models use "
+                          "the default rope")
+    rope = f.sub("rope_parameters")
+    kind = rope.str("rope_type", "default")
     if kind != "default":
-        raise ConfigError(f"rope_parameters.rope_type={kind!r} is not supported; the reference models use the default rope")
-    theta = rope.get("rope_theta", cfg.get("rope_theta", cfg.get("rotary_emb_base", _DEFAULT_THETA[model_type])))
-    factor = rope.get("partial_rotary_factor", cfg.get("rotary_pct", 0.25)) if model_type == "gpt_neox" else 1.0
-    if not 0.0 < float(factor) <= 1.0:
-        raise ConfigError(f"partial_rotary_factor={factor} must be in (0, 1]")
-    return float(theta), float(factor)
+        raise ConfigError(f"{model_type} config: rope_parameters.rope_type={kind!r} is not supported; the reference models use "
+                          "the default rope")
+    theta = rope.float("rope_theta", None, positive=True)
+    if theta is None:
+        theta = f.float(f.first(("rope_theta", "rotary_emb_base")) or "rope_theta", _DEFAULT_THETA[model_type], positive=True)
+    factor = 1.0
+    if model_type == "gpt_neox":
+        factor = rope.float("partial_rotary_factor", None)
+        if factor is None:
+            factor = f.float("rotary_pct", 0.25)
+    if not 0.0 < factor <= 1.0:
+        raise ConfigError(f"{model_type} config: partial_rotary_factor={factor} must be in (0, 1]")
+    return theta, factor

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import torch
 
+from layer_boundary.plugin import loads_weights
+
 from .residual_config import ResidualConfig
 
 __all__ = ["load_weights", "random_weights"]
@@ -30,6 +32,7 @@ def _neox_qkv(fused: torch.Tensor, heads: int, head_dim: int) -> tuple:
     return tuple(per_head[:, i].reshape(heads * head_dim, *fused.shape[1:]) for i in range(3))
 
 
+@loads_weights
 @torch.no_grad()
 def load_weights(model, src) -> None:
     """Copy every weight of a `ResidualCausalLM` from `src` (Hugging Face names), sharded per rank."""

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from layer_boundary.plugin import TensorSource
+from layer_boundary.plugin import TensorSource, loads_weights
 
 
 __all__ = ["load_weights", "random_weights", "load_stage_ends"]
@@ -42,6 +42,7 @@ def load_stage_ends(model, src: TensorSource, to) -> None:
             model.lm_head.weight.copy_(to(src.require("model.embed_tokens.weight")))
 
 
+@loads_weights
 @torch.no_grad()
 def load_weights(model, src: TensorSource) -> None:
     """Copy every weight of a reference `CausalLM` from `src` (HF names), sharded per rank: the

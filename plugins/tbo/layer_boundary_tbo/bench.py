@@ -32,7 +32,7 @@ from pathlib import Path
 
 import torch
 
-from layer_boundary.plugin import OneLineParser, non_negative_int, positive_int
+from layer_boundary.plugin import OneLineParser, mark_loaded, non_negative_int, positive_int
 
 MODES = ("whole", "half0", "half1", "tbo-1stream", "tbo-2streams")
 
@@ -77,6 +77,7 @@ def _init(model, seed: int) -> None:
             p.fill_(1.0)
         else:
             p.normal_(0.0, p.shape[-1] ** -0.5, generator=gen)
+    mark_loaded(model)  # every parameter written: the model's forward runs
 
 
 def measure_rank(parallel, spec: dict) -> dict:

@@ -25,7 +25,16 @@ from layer_boundary import (
     make_stages,
     residual_batch,
 )
-from layer_boundary.plugin import BuildRequest, ConfigError, DecodeLayout, StepLayout, TensorSource
+from layer_boundary.plugin import (
+    BuildRequest,
+    ConfigError,
+    ConfigFields,
+    DecodeLayout,
+    StepLayout,
+    TensorSource,
+    loads_weights,
+    mark_unloaded,
+)
 
 TINY = {
     "model_type": "llama",
@@ -76,26 +85,27 @@ class LlamaConfig:
 
     @classmethod
     def from_hf(cls, raw: dict) -> "LlamaConfig":
-        rope = raw.get("rope_parameters") or {"rope_type": "default", "rope_theta": raw.get("rope_theta", 10000.0)}
-        if rope.get("rope_type", "default") != "default":
+        f = ConfigFields(raw, "llama")  # every field checked: a wrong one is one line naming it and its type
+        rope = f.sub("rope_parameters")
+        if rope.str("rope_type", "default") != "default":
             raise ConfigError(f"rope_parameters.rope_type={rope.get('rope_type')!r}: this family implements the default rotary only")
-        if raw.get("hidden_act", "silu") != "silu" or raw.get("mlp_bias"):
+        if f.str("hidden_act", "silu") != "silu" or f.bool("mlp_bias", False):
             raise ConfigError("hidden_act must be silu and mlp_bias false: this family implements Llama's SiLU MLP without biases")
-        heads = int(raw["num_attention_heads"])
+        hidden, heads = f.int("hidden_size", min=1), f.int("num_attention_heads", min=1)
         return cls(
-            model_type=raw["model_type"],
-            architecture=(raw.get("architectures") or ["LlamaForCausalLM"])[0],
-            vocab_size=int(raw["vocab_size"]),
-            hidden_size=int(raw["hidden_size"]),
-            num_layers=int(raw["num_hidden_layers"]),
+            model_type=f.str("model_type"),
+            architecture=(f.list("architectures", (), of=str) or ("LlamaForCausalLM",))[0],
+            vocab_size=f.int("vocab_size", min=1),
+            hidden_size=hidden,
+            num_layers=f.int("num_hidden_layers", min=1),
             heads=heads,
-            kv_heads=int(raw.get("num_key_value_heads") or heads),
-            head_dim=int(raw.get("head_dim") or raw["hidden_size"] // heads),
-            intermediate_size=int(raw["intermediate_size"]),
-            eps=float(raw.get("rms_norm_eps", 1e-6)),
-            rope_theta=float(rope.get("rope_theta", 10000.0)),
-            attention_bias=bool(raw.get("attention_bias", False)),
-            tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
+            kv_heads=f.int("num_key_value_heads", heads, min=1),
+            head_dim=f.int("head_dim", hidden // heads, min=1),
+            intermediate_size=f.int("intermediate_size", min=1),
+            eps=f.float("rms_norm_eps", 1e-6, positive=True),
+            rope_theta=rope.float("rope_theta", None, positive=True) or f.float("rope_theta", 10000.0, positive=True),
+            attention_bias=f.bool("attention_bias", False),
+            tie_word_embeddings=f.bool("tie_word_embeddings", False),
             hf=dict(raw),
         )
 
@@ -281,10 +291,13 @@ class LlamaForCausalLM(nn.Module):
 
 
 def build(request: BuildRequest) -> LlamaForCausalLM:
-    return LlamaForCausalLM(request.config, request.parallel, reduction=request.reduction, fusions=request.fusions,
-                            dtype=request.dtype, device=request.device)
+    """This rank's model, refusing a forward until `load_weights` fills it."""
+    model = LlamaForCausalLM(request.config, request.parallel, reduction=request.reduction, fusions=request.fusions,
+                             dtype=request.dtype, device=request.device)
+    return mark_unloaded(model, "this llama model has no weights yet: load them with the family's load_weights(model, source)")
 
 
+@loads_weights
 @torch.no_grad()
 def load_weights(model: LlamaForCausalLM, src: TensorSource) -> None:
     """Every weight from Hugging Face names; each parallel layer keeps its rank's shard."""
