@@ -140,7 +140,7 @@ def _check_checkpoint(folder, item, config, model) -> None:
 def _reference(args, item, config, job, dtype):
     """Per request: a list of per-step logits, or None for --check none."""
     from .._parallel import Parallel
-    from .oracle import hf_logits, reference_of
+    from .oracle import OracleError, hf_logits, installed_transformers, reference_of
     from .runner import run_rank
 
     if args.check == "none":
@@ -156,7 +156,10 @@ def _reference(args, item, config, job, dtype):
     except ConfigError as exc:
         raise UsageError(str(exc)) from None
     prompts = [torch.tensor(p) for p in job.prompts]
-    out = hf_logits(reference, prompts, job.decode_tokens)
+    try:
+        out = hf_logits(reference, prompts, job.decode_tokens)
+    except OracleError as exc:
+        raise UsageError(f"--check hf: {exc} (transformers {installed_transformers()})") from None
     return [[t.float() if t.dtype in (torch.bfloat16, torch.float16) else t for t in steps] for steps in out]
 
 

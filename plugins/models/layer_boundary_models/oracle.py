@@ -4,11 +4,18 @@ The command line builds the Hugging Face causal LM of a config with eager attent
 experts (`ReferenceRequest.hf_model`); a family adjusts that: Nemotron-H's batched experts, the
 refusal of an option no Hugging Face model has, and for LoRA runs `peft` (pinned) wrapping it
 with the same adapters, each request routed to its own adapter.
+
+Where the supported transformers releases compute a family differently, the reference is made
+to compute what the family implements, detected from the built model (never from a version
+string): LongCat-Flash's expert weights in either layout, Nemotron-H's dt floor in the chunked
+scan and its RMSNorm's float32 weight product.
 """
 
 from __future__ import annotations
 
+import copy
 import os
+import types
 
 import torch
 
@@ -37,7 +44,11 @@ def reference(request: ReferenceRequest) -> HfReference:
             f"{FINAL_NORM_KEY}={hf[FINAL_NORM_KEY]!r} is a reference-model option no Hugging Face model has; "
             "check against a single rank (--check single) instead"
         )
-    model = request.hf_model(**HF_BUILD_OPTIONS.get(request.config.model_type, {}))
+    model_type = request.config.model_type
+    fit = _FIT_STATE.get(model_type)
+    model = request.hf_model(fit_state=fit and fit(request.config), **HF_BUILD_OPTIONS.get(model_type, {}))
+    if model_type in _ALIGN:
+        _ALIGN[model_type](model, request.config)
     count = int(request.options.get("lora") or 0)
     if not count:
         return HfReference(model)
@@ -48,6 +59,70 @@ def reference(request: ReferenceRequest) -> HfReference:
     slots = request_adapters(request.requests, count, request.options.get("lora_assignment"))
     names = tuple({"adapter_names": [spec.adapters[s].name if s >= 0 else BASE_ADAPTER]} for s in slots)
     return HfReference(hf_with_lora(model, spec, weights), names)
+
+
+def _fit_longcat_experts(config):
+    """transformers up to 5.24 keeps `experts.gate_up_proj` rows for the zero-compute experts
+    too (never used; the family's random weights draw them), later releases only for the routed
+    experts: give the built model the rows it holds."""
+    routed, total = config.num_experts, config.num_experts + config.zero_experts
+
+    def fit(state, model):
+        held = model.state_dict()
+        fitted = dict(state)
+        for name, tensor in state.items():
+            if name.endswith("mlp.experts.gate_up_proj") and name in held and held[name].shape[0] == routed < total == tensor.shape[0]:
+                fitted[name] = tensor[:routed]
+        return fitted
+
+    return fit
+
+
+def _pin_nemotron_dt_floor(model, config) -> None:
+    """Our Mamba-2 mixer floors dt at `time_step_min` in the chunked (prefill) scan and not in the
+    recurrent step, as transformers up to 5.24 hard-codes; later releases take the floor from
+    `config.time_step_limit` (default: none). Every mixer gets the same floor, so each release
+    checks the same arithmetic."""
+    for module in model.modules():
+        if hasattr(module, "time_step_limit") and hasattr(module, "dt_bias"):
+            module.time_step_limit = (config.time_step_min, float("inf"))
+
+
+def _float32_weight_product(self, hidden_states):
+    dtype = hidden_states.dtype
+    hidden = hidden_states.to(torch.float32)
+    hidden = hidden * torch.rsqrt(hidden.pow(2).mean(-1, keepdim=True) + self.variance_epsilon)
+    return (self.weight.to(torch.float32) * hidden).to(dtype)
+
+
+def _multiplies_in_input_dtype(norm) -> bool:
+    """Whether a Nemotron-H RMSNorm multiplies its weight in the input's dtype (transformers
+    before 5.18) instead of in float32 as NVIDIA's reference does: probed in float64 with a
+    weight float32 cannot hold."""
+    probe = copy.deepcopy(norm).to(torch.float64)
+    with torch.no_grad():
+        probe.weight.fill_(1 / 3)
+    x = torch.linspace(0.5, 1.5, probe.weight.numel(), dtype=torch.float64)[None]
+    with torch.no_grad():
+        got = probe(x)
+        x32 = x.to(torch.float32)
+        normed = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + probe.variance_epsilon)
+        in_input_dtype = probe.weight * normed.to(torch.float64)
+    return torch.equal(got, in_input_dtype) and not torch.equal(got, _float32_weight_product(probe, x))
+
+
+def _align_nemotron_h(model, config) -> None:
+    _pin_nemotron_dt_floor(model, config)
+    norms = [m for m in model.modules() if type(m).__name__ == "NemotronHRMSNorm"]
+    if norms and _multiplies_in_input_dtype(norms[0]):
+        for norm in norms:
+            norm.forward = types.MethodType(_float32_weight_product, norm)
+
+
+#: per model_type: what makes `ReferenceRequest.hf_model`'s `fit_state` of the config, and a
+#: change to the built model (before any adapter wraps it)
+_FIT_STATE = {"longcat_flash": _fit_longcat_experts}
+_ALIGN = {"nemotron_h": _align_nemotron_h}
 
 
 def require_peft():

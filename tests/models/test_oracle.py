@@ -1,0 +1,205 @@
+"""The Hugging Face oracle on every supported transformers release: each reference family at TP 2
+through prefill and three decode steps against it in float64; a decode step that loses its cache
+fails (the comparison, and the driver before it); the supported range is declared once and a
+release outside it is refused in one line before any rank starts.
+
+Marked `oracle`: scripts/test_matrix.py runs these on the lowest and the highest supported
+transformers as well as on the pinned one.
+"""
+
+import importlib.util
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import attrs
+import pytest
+import torch
+from packaging.version import Version
+
+from layer_boundary import Topology
+from layer_boundary.cli import oracle, run_cmd
+from layer_boundary.cli.main import main
+from layer_boundary.cli.oracle import OracleError, cache_keyword, hf_from_state, hf_logits
+from layer_boundary.cli.runner import run_rank
+from layer_boundary.testing import requires_plugins
+from layer_boundary.testing.threaded import run_threaded
+from layer_boundary_models import families, family, model_config
+
+from model_cases import TOLERANCE, rel_error, setup
+
+pytestmark = pytest.mark.oracle
+
+ROOT = Path(__file__).resolve().parents[2]
+#: the plugins a family's run needs beside the reference families
+NEEDS = {"deepseek_v4": ("mhc",), "longcat_flash": ("tbo",)}
+FAMILIES = [pytest.param(name, marks=requires_plugins(*NEEDS.get(name, ()))) for name in families()]
+
+
+@pytest.fixture(scope="module")
+def weights_dir(tmp_path_factory):
+    return str(tmp_path_factory.mktemp("oracle-weights"))
+
+
+def _tolerance(model: str) -> float:
+    return max(TOLERANCE["float64"], family(model).tolerances.get("float64", 0.0))
+
+
+def _tp2(job):
+    return run_threaded(run_rank, Topology(tp=2), attrs.evolve(job, topology=Topology(tp=2)), timeout=120)
+
+
+@pytest.mark.parametrize("model", FAMILIES)
+def test_every_family_matches_hf_through_decode_at_tp2(weights_dir, model):
+    job, ref = setup(model, "float64", weights_dir)
+    assert all(len(steps) == 4 for steps in ref)  # the prefill and three decode steps
+    assert rel_error(_tp2(job), ref) < _tolerance(model)
+
+
+# a decode step that loses its cache ---------------------------------------------------------------
+
+
+class _LosesItsCache(torch.nn.Module):
+    """A causal LM whose forward takes the cache under the keyword the driver detects and drops it,
+    as an older forward given `cache=` did (it landed in **kwargs)."""
+
+    def __init__(self, model):
+        super().__init__()
+        self.model = model
+
+    def forward(self, input_ids, cache=None, use_cache=None, **kwargs):
+        return self.model(input_ids, use_cache=use_cache, **kwargs)
+
+    def get_output_embeddings(self):
+        return self.model.get_output_embeddings()
+
+
+@torch.inference_mode()
+def _cacheless_logits(model, prompts, decode):
+    """What the oracle computed when its cache was dropped: every decode token alone."""
+    return [
+        [model(torch.tensor([p]), use_cache=False).logits[0]]
+        + [model(torch.tensor([[tokens[r]]]), use_cache=False).logits[0] for tokens in decode]
+        for r, p in enumerate(prompts)
+    ]
+
+
+def test_a_reference_that_loses_its_decode_cache_fails_the_comparison(weights_dir):
+    job, ref = setup("qwen3", "float64", weights_dir)
+    ours = _tp2(job)
+    assert rel_error(ours, ref) < TOLERANCE["float64"]
+    config = model_config("qwen3")
+    hf = hf_from_state(dict(config.hf), torch.load(job.weights), torch.float64)
+    lost = _cacheless_logits(hf, job.prompts, job.decode_tokens)
+    assert all(torch.equal(a[0], b[0]) for a, b in zip(lost, ref))  # the prefill alone cannot tell
+    assert rel_error(ours, lost) > 1e-2
+
+
+@pytest.mark.parametrize("model", FAMILIES)
+def test_the_driver_refuses_a_decode_step_that_lost_its_cache(model):
+    """Every family's Hugging Face cache reports its length, so a lost cache is caught at the
+    step it happens, whichever keyword the installed forward takes."""
+    config = model_config(model)
+    hf = hf_from_state(dict(config.hf), family(model).random_weights(config, torch.float64, 1), torch.float64)
+    prompts, decode = [torch.tensor([1, 2, 3, 4, 5])], [[6], [7]]
+    assert len(hf_logits(hf, prompts, decode)[0]) == 3
+    with pytest.raises(OracleError, match="decode step 1 returned a cache of 1 tokens, not 6"):
+        hf_logits(_LosesItsCache(hf), prompts, decode)
+
+
+@pytest.mark.gloo
+def test_run_check_hf_with_a_lost_cache_is_one_line_and_exit_2():
+    """The command line with a driver that passes the cache under a keyword the forward swallows
+    (what transformers before 5.24 did with `cache=`): one line, exit 2, never a verdict."""
+    code = (
+        "import sys; from layer_boundary.cli import oracle; oracle.cache_keyword = lambda model: 'swallowed'; "
+        "from layer_boundary.cli.main import main; "
+        "sys.exit(main(['run', '--model', 'qwen3', '--tp', '2', '--decode-steps', '1', '--dtype', 'float64', '--json']))"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    lines = [line for line in out.stderr.splitlines() if line.strip()]
+    assert out.returncode == 2 and len(lines) == 1, out.stderr
+    assert "decode step 1 returned a cache of" in lines[0] and "`swallowed=`" in lines[0]
+    assert out.stdout == ""
+
+
+def test_the_cache_keyword_is_read_from_the_forward():
+    class Current(torch.nn.Module):
+        def forward(self, input_ids, cache=None, use_cache=None, **kwargs): ...
+
+    class Older(torch.nn.Module):
+        def forward(self, input_ids, past_key_values=None, use_cache=None, **kwargs): ...
+
+    class Neither(torch.nn.Module):
+        def forward(self, input_ids, **kwargs): ...
+
+    class Wrapped(torch.nn.Module):  # peft's wrapper: forward(*args, **kwargs) over the model
+        def __init__(self, base):
+            super().__init__()
+            self.base = base
+
+        def forward(self, *args, **kwargs): ...
+
+        def get_base_model(self):
+            return self.base
+
+    assert cache_keyword(Current()) == "cache" and cache_keyword(Older()) == "past_key_values"
+    assert cache_keyword(Wrapped(Older())) == "past_key_values"
+    with pytest.raises(OracleError, match="neither `cache` nor `past_key_values`"):
+        cache_keyword(Neither())
+
+
+# the supported range ------------------------------------------------------------------------------
+
+
+def _extra(pyproject: Path, name: str) -> list:
+    tomllib = pytest.importorskip("tomllib")
+    return tomllib.loads(pyproject.read_text())["project"]["optional-dependencies"][name]
+
+
+def _matrix():
+    spec = importlib.util.spec_from_file_location("test_matrix", ROOT / "scripts/test_matrix.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_the_range_is_declared_once_and_ci_pins_both_ends():
+    declared = f"transformers{oracle.TRANSFORMERS_RANGE}"
+    assert declared in _extra(ROOT / "pyproject.toml", "oracle")
+    assert declared in _extra(ROOT / "plugins/models/pyproject.toml", "oracle")
+    pinned = [r for r in _extra(ROOT / "pyproject.toml", "test") if r.startswith("transformers")]
+    assert len(pinned) == 1 and oracle._in_range(pinned[0].removeprefix("transformers=="))
+    pins = {name: dict(p.split("==") for p in reqs if "==" in p)["transformers"] for name, (reqs, _) in _matrix().PINS.items()}
+    lowest = re.match(r">=([\d.]+),", oracle.TRANSFORMERS_RANGE).group(1)
+    assert pins["oracle-low"].startswith(lowest + ".") and oracle._in_range(pins["oracle-low"])
+    assert oracle._in_range(pins["oracle-high"]) and Version(pins["oracle-high"]) > Version(pins["oracle-low"])
+
+
+@pytest.mark.parametrize("version", ["5.17.0", "5.20.1", "5.24.0", "5.25.3", "5.25.0rc1"])
+def test_a_release_in_the_range_is_accepted(monkeypatch, version):
+    monkeypatch.setattr(oracle, "installed_transformers", lambda: version)
+    oracle.check_transformers_version()
+
+
+@pytest.mark.parametrize("version", ["5.16.2", "5.17.0rc1", "5.26.0", "5.26.0.dev0", "6.0.0", "4.57.1", "nonsense"])
+def test_run_check_hf_outside_the_range_is_one_line_and_exit_2_before_any_rank(monkeypatch, capsys, version):
+    monkeypatch.setattr(oracle, "installed_transformers", lambda: version)
+    monkeypatch.setattr(run_cmd, "_launch", lambda *a: pytest.fail("a rank started"))
+    assert main(["run", "--model", "qwen3", "--tp", "2", "--check", "hf"]) == 2
+    lines = [line for line in capsys.readouterr().err.splitlines() if line.strip()]
+    assert len(lines) == 1, lines
+    assert f"supports transformers{oracle.TRANSFORMERS_RANGE}, installed {version}" in lines[0]
+
+
+def test_run_check_hf_without_transformers_names_the_range(monkeypatch, capsys):
+    monkeypatch.setattr(oracle, "installed_transformers", lambda: None)
+    monkeypatch.setattr(run_cmd, "_launch", lambda *a: pytest.fail("a rank started"))
+    assert main(["run", "--model", "qwen3", "--check", "hf"]) == 2
+    lines = [line for line in capsys.readouterr().err.splitlines() if line.strip()]
+    assert len(lines) == 1 and f"needs Hugging Face transformers{oracle.TRANSFORMERS_RANGE}" in lines[0]
+
+
+def test_the_installed_release_is_in_the_range():
+    assert oracle._in_range(oracle.installed_transformers()), oracle.installed_transformers()
