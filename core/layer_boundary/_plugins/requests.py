@@ -220,10 +220,13 @@ class HfReference:
     """A reference model (called like a Hugging Face causal LM: `model(input_ids, cache=...,
     use_cache=True)`, the cache under whichever of `cache` and `past_key_values` its forward
     names) and, per request, extra keyword arguments of its calls (peft's `adapter_names`, say),
-    or None."""
+    or None. `tolerance`: the relative error this reference reproduces the family's arithmetic
+    to, where the installed release computes it less exactly than the family's `tolerances` say
+    (its float32 steps summed in another order, say); None: the family's."""
 
     model: Any
     request_kwargs: Optional[tuple] = None
+    tolerance: Optional[float] = None
 
 
 @attrs.frozen
