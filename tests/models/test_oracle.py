@@ -129,6 +129,23 @@ def test_run_check_hf_with_a_lost_cache_is_one_line_and_exit_2():
     assert out.stdout == ""
 
 
+def test_the_decode_bench_profiles_a_step_that_kept_its_cache(monkeypatch):
+    """`bench decode`'s Hugging Face profile (run here on the CPU): its decode step is the
+    cached one, whichever keyword the installed forward takes."""
+    from layer_boundary.bench import decode, profile
+
+    config = model_config("qwen3")
+    hf = hf_from_state(dict(config.hf), family("qwen3").random_weights(config, torch.float64, 1), torch.float64)
+    monkeypatch.setattr(torch.Tensor, "cuda", lambda self, *a, **k: self)
+    monkeypatch.setattr(profile, "profile_step", lambda step: step())
+    stepped = decode.hf_profile(hf, [1], prompt=5, vocab=config.vocab_size)[1]
+    gen = torch.Generator().manual_seed(1)  # the prompt and the token hf_profile draws for batch 1
+    prompt, token = torch.randint(0, config.vocab_size, (1, 5), generator=gen), torch.randint(0, config.vocab_size, (1, 1), generator=gen)
+    cached = hf_logits(hf, [prompt[0]], [[int(token)]])[0][1]
+    assert torch.allclose(stepped[0], cached, rtol=0, atol=1e-12)
+    assert not torch.allclose(stepped[0], _cacheless_logits(hf, [prompt[0].tolist()], [[int(token)]])[0][1], atol=1e-3)
+
+
 def test_the_cache_keyword_is_read_from_the_forward():
     class Current(torch.nn.Module):
         def forward(self, input_ids, cache=None, use_cache=None, **kwargs): ...
