@@ -103,10 +103,9 @@ def plugin_env(name: str, core: Path) -> Path:
         sh([PYTHON, "-m", "venv", str(venv)])
     layer = Path(site_packages(venv)) / "_layer_boundary_core_env.pth"
     layer.write_text(f"import site; site.addsitedir({site_packages(core)!r})\n")
-    if pins:  # into this layer, which comes first on sys.path (pip leaves the core's copies alone)
-        pip(venv, *pins)
-    for folder in folders:
-        pip(venv, "-e", str(ROOT / folder), *pins)
+    # one resolution: the distributions with any pins, installed into this layer, which comes
+    # first on sys.path (pip leaves the core's copies alone)
+    pip(venv, *(arg for folder in folders for arg in ("-e", str(ROOT / folder))), *pins)
     write_stamp(venv, inputs, pins)
     return venv
 
