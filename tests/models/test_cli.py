@@ -116,6 +116,7 @@ def test_missing_checkpoint_files_name_the_fix(tmp_path):
 
 
 @pytest.mark.gloo
+@pytest.mark.oracle
 @pytest.mark.parametrize("model", ["qwen3", "qwen3_moe"])
 def test_a_checkpoint_saved_by_hf_loads_and_matches(tmp_path, model):
     cfg = model_config(model)

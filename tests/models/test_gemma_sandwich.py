@@ -176,6 +176,7 @@ def test_a_checkpoint_without_a_sandwich_norm_names_the_tensor(tmp_path):
 
 
 @pytest.mark.gloo
+@pytest.mark.oracle
 @pytest.mark.parametrize("model", FAMILIES)
 def test_run_from_a_saved_checkpoint_matches_hf_at_tp2(tmp_path, model):
     """`layer-boundary run --checkpoint DIR --tp 2 --check hf`: the config.json transformers

@@ -225,6 +225,7 @@ def test_bad_input_is_one_line_and_exit_status_2(args, message):
 
 
 @pytest.mark.gloo
+@pytest.mark.oracle
 def test_a_checkpoint_saved_by_hf_loads_and_matches(tmp_path):
     config = model_config("nemotron_h")
     state = family("nemotron_h").random_weights(config, torch.float32, 1)

@@ -202,9 +202,11 @@ class ReferenceRequest:
     """What a `ModelFamily.reference` builds: the unsharded Hugging Face model the run is checked
     against, of `config` (the family's parsed config), in `dtype`, holding exactly the run's
     weights, for `requests` requests with the run's `options` (as in `BuildRequest`).
-    `hf_model(**from_config_options)` builds it the default way: the config's `model_type`
-    causal LM with eager attention and eager experts (the options override those), holding the
-    state dict strictly or loaded from the checkpoint folder; a family adjusts or wraps it."""
+    `hf_model(fit_state=None, **from_config_options)` builds it the default way: the config's
+    `model_type` causal LM with eager attention and eager experts (the options override those),
+    holding the state dict strictly (`fit_state(state, model)`, when given, first returns the
+    state in the layout the installed transformers built) or loaded from the checkpoint folder;
+    a family adjusts or wraps it."""
 
     config: Any
     dtype: Any
@@ -215,12 +217,16 @@ class ReferenceRequest:
 
 @attrs.frozen
 class HfReference:
-    """A reference model (called like a Hugging Face causal LM: `model(input_ids,
-    past_key_values=..., use_cache=True)`) and, per request, extra keyword arguments of its calls
-    (peft's `adapter_names`, say), or None."""
+    """A reference model (called like a Hugging Face causal LM: `model(input_ids, cache=...,
+    use_cache=True)`, the cache under whichever of `cache` and `past_key_values` its forward
+    names) and, per request, extra keyword arguments of its calls (peft's `adapter_names`, say),
+    or None. `tolerance`: the relative error this reference reproduces the family's arithmetic
+    to, where the installed release computes it less exactly than the family's `tolerances` say
+    (its float32 steps summed in another order, say); None: the family's."""
 
     model: Any
     request_kwargs: Optional[tuple] = None
+    tolerance: Optional[float] = None
 
 
 @attrs.frozen

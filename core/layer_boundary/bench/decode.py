@@ -84,16 +84,19 @@ def _hf_model(cfg: dict):
 
 @torch.inference_mode()
 def hf_profile(hf, batches, prompt: int, vocab: int) -> dict:
-    """Per batch: what one Hugging Face decode step launches (after a prefill of `prompt` tokens)."""
+    """Per batch: what one Hugging Face decode step launches (after a prefill of `prompt` tokens),
+    the cache passed and read back the way the installed release names it."""
+    from ..cli.oracle import cache_keyword, returned_cache
     from .profile import profile_step
 
+    keyword = cache_keyword(hf)
     out = {}
     for batch in batches:
         gen = torch.Generator().manual_seed(batch)
         ids = torch.randint(0, vocab, (batch, prompt), generator=gen).cuda()
-        past = hf(input_ids=ids, use_cache=True).past_key_values
+        past = returned_cache(hf(input_ids=ids, use_cache=True))
         step_ids = torch.randint(0, vocab, (batch, 1), generator=gen).cuda()
-        out[batch] = profile_step(lambda: hf(input_ids=step_ids, past_key_values=past, use_cache=True).logits)
+        out[batch] = profile_step(lambda: hf(input_ids=step_ids, use_cache=True, **{keyword: past}).logits)
         del past
     return out
 

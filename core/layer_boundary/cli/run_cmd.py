@@ -150,17 +150,18 @@ def _check_checkpoint(folder, item, config, model) -> None:
 
 
 def _reference(args, item, config, job, dtype):
-    """Per request: a list of per-step logits, or None for --check none."""
+    """(per request a list of per-step logits, or None for --check none; the relative error
+    the reference is exact to where looser than the family's tolerance, or 0)."""
     from .._parallel import Parallel
-    from .oracle import hf_logits, reference_of
+    from .oracle import OracleError, hf_logits, installed_transformers, reference_of
     from .runner import run_rank
 
     if args.check == "none":
-        return None
+        return None, 0.0
     if args.check == "single":
         single = run_rank(Parallel.single(), _with(job, topology=Topology(), device="cpu", progress=False, sequence_parallel=False,
                                                    options={k: v for k, v in job.options.items() if k != "tbo"}))
-        return [single["logits"][r] for r in range(len(job.prompts))]
+        return [single["logits"][r] for r in range(len(job.prompts))], 0.0
     state = None if args.checkpoint else torch.load(job.weights)
     try:
         reference = reference_of(item.record, config, dtype, state=state, checkpoint=args.checkpoint, requests=len(job.prompts),
@@ -168,8 +169,11 @@ def _reference(args, item, config, job, dtype):
     except ConfigError as exc:
         raise UsageError(str(exc)) from None
     prompts = [torch.tensor(p) for p in job.prompts]
-    out = hf_logits(reference, prompts, job.decode_tokens)
-    return [[t.float() if t.dtype in (torch.bfloat16, torch.float16) else t for t in steps] for steps in out]
+    try:
+        out = hf_logits(reference, prompts, job.decode_tokens)
+    except OracleError as exc:
+        raise UsageError(f"--check hf: {exc} (transformers {installed_transformers()})") from None
+    return [[t.float() if t.dtype in (torch.bfloat16, torch.float16) else t for t in steps] for steps in out], reference.tolerance or 0.0
 
 
 def _options(args) -> dict:
@@ -189,7 +193,7 @@ def _with(job, **changes):
     return attrs.evolve(job, **changes)
 
 
-def _verdict(args, item, results, reference):
+def _verdict(args, item, results, reference, reference_tolerance: float = 0.0):
     got = _logits(results)
     n = len(got)
     report = {"reference": args.check, "max_abs_err": None, "rel_err": None, "passed": None}
@@ -213,7 +217,7 @@ def _verdict(args, item, results, reference):
     rel = max_abs / scale if scale else max_abs
     # a family may loosen its tolerance where its reference is not reproducible beyond it
     tolerances = item.record.tolerances
-    tolerance = max(TOLERANCES[args.dtype], tolerances.get(args.dtype, 0.0))
+    tolerance = max(TOLERANCES[args.dtype], tolerances.get(args.dtype, 0.0), reference_tolerance)
     if getattr(args, "fp8", None):
         # vs HF: the quantization error itself; vs a single rank: a reordered sum can flip an
         # E4M3 rounding, so the same bound applies
@@ -333,8 +337,8 @@ def _run(args) -> int:
         results = _launch(job, topology, args, say)
         elapsed = time.perf_counter() - start
         say(f"  reference: {args.check}")
-        reference = _reference(args, item, config, job, dtype)
-    check = _verdict(args, item, results, reference)
+        reference, reference_tolerance = _reference(args, item, config, job, dtype)
+    check = _verdict(args, item, results, reference, reference_tolerance)
     timings, collectives = _summaries(results, job)
     timings["wall_s"] = elapsed
     out = {

@@ -12,6 +12,7 @@ def cli(*args, timeout=300):
 
 
 @pytest.mark.gloo
+@pytest.mark.oracle
 def test_run_with_adapters_matches_peft():
     out = cli("run", "--model", "qwen3", "--tp", "2", "--lora", "3", "--dtype", "float64", "--decode-steps", "1", "--json")
     assert out.returncode == 0, out.stderr

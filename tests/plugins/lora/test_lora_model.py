@@ -34,6 +34,7 @@ def test_mixed_adapters_match_peft_on_every_row_layout(weights_dir, topology, ch
     assert rel_error(results, ref) < TOLERANCE
 
 
+@pytest.mark.oracle
 def test_a_request_on_the_wrong_adapter_is_caught(weights_dir):
     """The check is sensitive to routing: one request moved to another adapter fails it."""
     job, ref = lora_setup(weights_dir)
