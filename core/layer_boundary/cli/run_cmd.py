@@ -11,7 +11,9 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Optional
 
+import attrs
 import torch
 
 from .._errors import missing_feature
@@ -25,6 +27,10 @@ from .usage import UsageError
 
 #: the largest relative error each dtype may show against the reference
 TOLERANCES = {"float64": 1e-10, "float32": 1e-4, "bfloat16": 3e-2, "float16": 1e-2}
+#: a router's scores pass through a softmax or a sigmoid, which turns a rounding of its logits
+#: into a relative change of the scores as large as that rounding; they get twice the logits'
+#: tolerance (bfloat16, measured up to 0.030 on qwen3_moe TP=4 attention DP 2, logits 0.016)
+ROUTER_SCORE_FACTOR = 2
 #: FP8 reads against the unquantized reference: E4M3 keeps 3 mantissa bits (relative rounding
 #: up to 6%), measured 0.04-0.06 on the dense tiny models (a family may set its own "fp8"
 #: tolerance: a MoE's routing flips on inputs that close, measured up to 0.26 on qwen3_moe)
@@ -137,18 +143,93 @@ def _check_checkpoint(folder, item, config, model) -> None:
         raise UsageError(str(exc)) from None
 
 
-def _reference(args, item, config, job, dtype):
-    """Per request: a list of per-step logits, or None for --check none."""
+@attrs.frozen
+class Reference:
+    """What the run is compared with: per request a list of per-step logits, and how they were
+    made (`comparison`), the routing report of a run routed like the reference, the single
+    rank's Hugging Face parity where that stands in for Hugging Face, and a note."""
+
+    logits: list
+    comparison: str = "logits"
+    routing: Optional[dict] = None
+    hf_parity: Optional[dict] = None
+    note: Optional[str] = None
+
+
+PINNED = "logits against one rank routed like the run"
+
+
+def _routing_plan(args, item, config, policy, options, meta_model) -> tuple[bool, Optional[str]]:
+    """(whether the run records its routing and the reference follows it, a note for the
+    verdict): a MoE model whose family names its routers (`routed_layers()`) is pinned in every
+    dtype below float64, where a rounding can pick another expert for a token that nearly ties."""
     from .._parallel import Parallel
-    from .oracle import hf_logits, reference_of
+    from .routing import routed_layer_ids
+
+    if args.check == "none" or args.dtype == "float64":
+        return False, None
+    routed = routed_layer_ids(meta_model)
+    if routed is not None and not routed and args.pp > 1:  # rank 0's stage holds no MoE layer: ask the whole model
+        routed = routed_layer_ids(build(item, config, Parallel.single(), reduction=policy, device="meta", options=options))
+    if routed is None:
+        if not _routes_experts(config.hf):
+            return False, None
+        return False, (f"routing not pinned: the {args.model} family's model names no routers (routed_layers()), so in "
+                       f"{args.dtype} a token whose experts nearly tie may route elsewhere than in the reference; "
+                       "check the boundaries with --dtype float64 if this fails")
+    if not routed:
+        return False, None
+    if args.tbo:
+        return False, (f"routing not pinned under --tbo (a microbatch's rows are not keyed to tokens): in {args.dtype} a "
+                       "token whose experts nearly tie may route elsewhere than in the reference")
+    return True, None
+
+
+def _routes_experts(hf: dict) -> bool:
+    """Whether a Hugging Face config describes routed experts."""
+    return any(int(hf.get(key) or 0) > 0 for key in ("num_experts", "n_routed_experts", "num_local_experts"))
+
+
+def _reference(args, item, config, job, dtype, results, pinned: bool, note: Optional[str]) -> Optional[Reference]:
+    """The reference of `--check`, or None for --check none. A pinned run is compared with one
+    rank routed like it; for --check hf that rank's own parity with Hugging Face is checked in
+    float64 (no expert nearly ties there), which carries the comparison to Hugging Face."""
+    from .._parallel import Parallel
     from .runner import run_rank
 
     if args.check == "none":
         return None
+    if pinned:
+        from .routing import PinnedRouting, compare_routing, merge_routing
+
+        merged = merge_routing(results, job)
+        if merged.unkeyed is None:
+            single = _single_job(job)
+            try:
+                ours = run_rank(Parallel.single(), _with(single, routing=PinnedRouting(merged.experts)))
+            except RuntimeError as exc:  # a layer or token the run never routed
+                raise UsageError(f"the routing check failed: {exc}") from None
+            tolerance = _tolerance(args, item, args.dtype)
+            routing = compare_routing(merged, ours["routing"]["entries"], ROUTER_SCORE_FACTOR * tolerance, job)
+            logits = [ours["logits"][r] for r in range(len(job.prompts))]
+            parity = _hf_parity(args, item, config, job) if args.check == "hf" else None
+            return Reference(logits, PINNED, routing=routing, hf_parity=parity)
+        note = f"routing not pinned: {merged.unkeyed}"
     if args.check == "single":
-        single = run_rank(Parallel.single(), _with(job, topology=Topology(), device="cpu", progress=False, sequence_parallel=False,
-                                                   options={k: v for k, v in job.options.items() if k != "tbo"}))
-        return [single["logits"][r] for r in range(len(job.prompts))]
+        single = run_rank(Parallel.single(), _single_job(job))
+        return Reference([single["logits"][r] for r in range(len(job.prompts))], note=note)
+    return Reference(_hf_reference_logits(args, item, config, job, dtype), note=note)
+
+
+def _single_job(job):
+    """The job of the single-rank reference: one rank on the CPU, every option but TBO."""
+    return _with(job, topology=Topology(), device="cpu", progress=False, sequence_parallel=False,
+                 options={k: v for k, v in job.options.items() if k != "tbo"}, routing=None)
+
+
+def _hf_reference_logits(args, item, config, job, dtype):
+    from .oracle import hf_logits, reference_of
+
     state = None if args.checkpoint else torch.load(job.weights)
     try:
         reference = reference_of(item.record, config, dtype, state=state, checkpoint=args.checkpoint, requests=len(job.prompts),
@@ -158,6 +239,18 @@ def _reference(args, item, config, job, dtype):
     prompts = [torch.tensor(p) for p in job.prompts]
     out = hf_logits(reference, prompts, job.decode_tokens)
     return [[t.float() if t.dtype in (torch.bfloat16, torch.float16) else t for t in steps] for steps in out]
+
+
+def _hf_parity(args, item, config, job) -> dict:
+    """One rank of the family's model against Hugging Face, both in float64."""
+    from .._parallel import Parallel
+    from .runner import run_rank
+
+    single = run_rank(Parallel.single(), _with(_single_job(job), dtype="float64"))
+    ours = [single["logits"][r] for r in range(len(job.prompts))]
+    theirs = _hf_reference_logits(args, item, config, job, torch.float64)
+    tolerance = _tolerance(args, item, "float64")
+    return {"dtype": "float64", **_compare(ours, theirs, tolerance)}
 
 
 def _options(args) -> dict:
@@ -172,39 +265,53 @@ def _options(args) -> dict:
 
 
 def _with(job, **changes):
-    import attrs
-
     return attrs.evolve(job, **changes)
 
 
-def _verdict(args, item, results, reference):
-    got = _logits(results)
-    n = len(got)
-    report = {"reference": args.check, "max_abs_err": None, "rel_err": None, "passed": None}
-    if reference is None:
-        return report
+def _tolerance(args, item, dtype: str) -> float:
+    """The largest relative logits error of a run in `dtype`: the dtype's, loosened where the
+    family's reference is not reproducible beyond it, and FP8 reads' own."""
+    tolerances = item.record.tolerances
+    tolerance = max(TOLERANCES[dtype], tolerances.get(dtype, 0.0))
+    if getattr(args, "fp8", None):
+        # vs HF: the quantization error itself; vs a single rank: a reordered sum can flip an
+        # E4M3 rounding, so the same bound applies
+        tolerance = max(tolerance, tolerances.get("fp8", FP8_TOLERANCE))
+    return tolerance
+
+
+def _compare(got, reference, tolerance: float) -> dict:
+    """Per request lists of per-step logits against the reference's: the largest absolute
+    error, the relative error (over the reference's largest), and whether it is within."""
     max_abs = 0.0
     scale = 0.0
     finite = True
-    for r in range(n):
-        for ours, theirs in zip(got[r], reference[r]):
+    for ours_steps, theirs_steps in zip(got, reference):
+        for ours, theirs in zip(ours_steps, theirs_steps):
             ours64, theirs64 = ours.double(), theirs.double().reshape(ours.shape)
             # a NaN never compares greater: check finiteness explicitly so it cannot pass
             finite = finite and bool(torch.isfinite(ours64).all()) and bool(torch.isfinite(theirs64).all())
             max_abs = max(max_abs, (ours64 - theirs64).abs().max().item())
             scale = max(scale, theirs64.abs().max().item())
     if not finite:
-        report.update(max_abs_err=float("nan"), rel_err=float("nan"), tolerance=TOLERANCES[args.dtype], passed=False)
-        return report
+        return {"max_abs_err": float("nan"), "rel_err": float("nan"), "tolerance": tolerance, "passed": False}
     rel = max_abs / scale if scale else max_abs
-    # a family may loosen its tolerance where its reference is not reproducible beyond it
-    tolerances = item.record.tolerances
-    tolerance = max(TOLERANCES[args.dtype], tolerances.get(args.dtype, 0.0))
-    if getattr(args, "fp8", None):
-        # vs HF: the quantization error itself; vs a single rank: a reordered sum can flip an
-        # E4M3 rounding, so the same bound applies
-        tolerance = max(tolerance, tolerances.get("fp8", FP8_TOLERANCE))
-    report.update(max_abs_err=max_abs, rel_err=rel, tolerance=tolerance, passed=rel < tolerance)
+    return {"max_abs_err": max_abs, "rel_err": rel, "tolerance": tolerance, "passed": rel < tolerance}
+
+
+def _verdict(args, item, results, reference: Optional[Reference]):
+    report = {"reference": args.check, "max_abs_err": None, "rel_err": None, "passed": None}
+    if reference is None:
+        return report
+    got = _logits(results)
+    report["comparison"] = reference.comparison
+    report.update(_compare([got[r] for r in range(len(got))], reference.logits, _tolerance(args, item, args.dtype)))
+    for name in ("routing", "hf_parity", "note"):
+        value = getattr(reference, name)
+        if value is not None:
+            report[name] = value
+            if isinstance(value, dict):
+                report["passed"] = report["passed"] and value["passed"]
     return report
 
 
@@ -268,6 +375,7 @@ def run(args) -> int:
     meta_model = _preflight(item, config, topology, policy, options)
     if args.checkpoint:
         _check_checkpoint(args.checkpoint, item, config, meta_model)
+    pinned, note = _routing_plan(args, item, config, policy, options, meta_model)
     del meta_model
     dtype = DTYPES[args.dtype]
     if args.check == "hf":
@@ -301,6 +409,7 @@ def run(args) -> int:
             dp_padding=args.dp_padding,
             progress=wanted(sys.stderr, machine_output=args.json) and not quiet,
             options=options,
+            routing="record" if pinned else None,
         )
         say(
             f"layer-boundary run: {args.model} ({config.num_layers} layers), {topology.describe()}, reduction={policy}, "
@@ -309,8 +418,8 @@ def run(args) -> int:
         start = time.perf_counter()
         results = _launch(job, topology, args, say)
         elapsed = time.perf_counter() - start
-        say(f"  reference: {args.check}")
-        reference = _reference(args, item, config, job, dtype)
+        say(f"  reference: {args.check}" + (" (one rank routed like the run)" if pinned else ""))
+        reference = _reference(args, item, config, job, dtype, results, pinned, note)
     check = _verdict(args, item, results, reference)
     timings, collectives = _summaries(results, job)
     timings["wall_s"] = elapsed
@@ -398,6 +507,8 @@ def _print_human(out):
             f"check vs {check['reference']}: {verdict}  max abs err {check['max_abs_err']:.3e}  "
             f"rel err {check['rel_err']:.3e} (tolerance {check['tolerance']:.0e})"
         )
+        for line in _check_details(check, out["config"]["dtype"]):
+            print(f"  {line}")
     decode = f"{t['decode_step_s'] * 1e3:.2f} ms" if t["decode_step_s"] is not None else "-"
     print(f"time: prefill {t['prefill_s'] * 1e3:.2f} ms, decode step {decode}, {t['tokens_per_s']:.1f} tokens/s (wall {t['wall_s']:.1f} s)")
     for step, counts in c.items():
@@ -408,3 +519,23 @@ def _print_human(out):
         print(f"nodes: {nodes['count']} (node of each rank: {nodes['of_rank']}; TP groups within a node: {nodes['tp_within_a_node']})")
 
 
+def _check_details(check: dict, dtype: str) -> list[str]:
+    """The lines under the verdict: which comparison ran, the routing, the Hugging Face parity."""
+    lines = []
+    routing = check.get("routing")
+    if routing is not None:
+        lines.append(f"compared: {check['comparison']} ({dtype} MoE: the reference takes the run's experts)")
+        flips = (f"{routing['flipped']} of {routing['choices']} token-layer expert choices differ from the reference's own"
+                 f" ({routing['flipped_fraction']:.1%})")
+        if routing["flipped"]:
+            flips += f", largest near-tie margin {routing['largest_flip_margin']:.1e}"
+        lines.append(f"routing: {'PASS' if routing['passed'] else 'FAIL'}  {flips}; router scores rel err "
+                     f"{routing['score_rel_err']:.3e} (tolerance {routing['score_tolerance']:.0e})")
+        lines.extend(f"  {problem}" for problem in routing["problems"])
+    parity = check.get("hf_parity")
+    if parity is not None:
+        lines.append(f"one rank vs hf in {parity['dtype']}: {'PASS' if parity['passed'] else 'FAIL'}  rel err "
+                     f"{parity['rel_err']:.3e} (tolerance {parity['tolerance']:.0e})")
+    if check.get("note"):
+        lines.append(f"note: {check['note']}")
+    return lines

@@ -9,7 +9,7 @@ calling convention (`model(input_ids, forward, step, cache)`, `new_cache()`, and
 from __future__ import annotations
 
 import time
-from typing import Optional
+from typing import Any, Optional
 
 import attrs
 import torch
@@ -53,6 +53,10 @@ class RunJob:
     #: run every step through `torch.compile(model, backend=compile, fullgraph=True)` (a backend
     #: name: "eager", "aot_eager", "inductor"); the result reports the graphs compiled
     compile: Optional[str] = None
+    #: "record": record what every MoE router chose (the model's `routed_layers()`), per step and
+    #: token, into the result's "routing"; a `PinnedRouting`: route every token as it says, and
+    #: record the choices this model would have made (a reference run; see `routing.py`)
+    routing: Any = None
 
 
 def make_requests(vocab: int, batch: int, prompt_tokens: int, decode_steps: int, seed: int):
@@ -112,6 +116,13 @@ def run_rank(parallel, job: RunJob, *, fusions=None) -> dict:
     requests_of = lambda per_request: tuple(tuple(per_request(r) for r in range(len(job.prompts)) if r % dp == d) for d in range(dp))  # noqa: E731
     cache = model.new_cache()
     run_model, backend = model, None
+    recorder = None
+    if job.routing is not None:
+        from .routing import RoutingRecorder
+
+        if job.compile:
+            raise ValueError("a run that records or pins routing runs eagerly; drop compile or routing")
+        recorder = RoutingRecorder(model, job, parallel, pins=None if job.routing == "record" else job.routing)
     if job.compile:
         from ..compiling import CountingBackend, graph_breaks
 
@@ -149,6 +160,8 @@ def run_rank(parallel, job: RunJob, *, fusions=None) -> dict:
             cp=cp,
             extras={**job.options, **(extras_of(step) if extras_of is not None else {})},
         )
+        if recorder is not None:
+            recorder.begin(name, index, fwd)
         counter.reset()
         _sync(device)
         start = time.perf_counter()
@@ -161,6 +174,10 @@ def run_rank(parallel, job: RunJob, *, fusions=None) -> dict:
                 logits[r].append(out[s : s + c].float().cpu() if dtype in (torch.bfloat16, torch.float16) else out[s : s + c].cpu())
         bar.update(1, step=name)
     bar.close()
+    routing = None
+    if recorder is not None:
+        recorder.restore()
+        routing = recorder.export()
     release_model(model)
     report = parallel.attn_tp_rank == 0 and parallel.attn_cp_rank == 0 and parallel.pp_rank == topo.pp - 1
     return {
@@ -174,4 +191,5 @@ def run_rank(parallel, job: RunJob, *, fusions=None) -> dict:
         "tokens": {name: (sum(len(p) for p in job.prompts) if i == 0 else len(job.prompts)) for i, (name, _) in enumerate(steps)},
         "graphs": None if backend is None else backend.graphs,
         "graph_breaks": None if backend is None else graph_breaks() - breaks_before,
+        "routing": routing,
     }
