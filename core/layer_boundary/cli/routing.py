@@ -19,8 +19,9 @@ that picks its layer's experts (the router weighs whichever experts it returns).
 pinning replace that method on the instances of one run only, so ordinary runs are untouched.
 
 A token is keyed `request * stride + position`. An FFN computes on this rank's attention rows,
-or under attention DP on every DP rank's rows in DP order (MAX_LEN: each padded to its slot);
-each call's keys follow from that and the step (`step_keys`).
+or under attention DP on every DP rank's rows in DP order (MAX_LEN: each padded to its slot),
+of the batch or of each two-batch-overlap microbatch; each call's keys follow from that and the
+step (`step_keys`), and a call whose row count disagrees leaves the run unpinned, with its reason.
 """
 
 from __future__ import annotations
@@ -55,34 +56,39 @@ def key_stride(job) -> int:
     return max((len(p) for p in job.prompts), default=0) + len(job.decode_tokens) + 1
 
 
-def step_keys(job, index: int, parallel, fwd) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
-    """(keys of this rank's attention rows, keys of every DP rank's rows or None without
-    attention DP) for step `index` (0: the prefill); padding rows are -1."""
+def step_keys(job, index: int, parallel) -> list[tuple[torch.Tensor, Optional[torch.Tensor]]]:
+    """Per microbatch of step `index` (0: the prefill), the keys of (this rank's attention rows,
+    every DP rank's rows or None without attention DP); padding rows are -1.
+
+    One microbatch, unless the run overlaps two (`tbo`): each DP rank's first half of its rows
+    (rounded up), then the rest, in the order their layers run (the tbo adapter's split and
+    schedule when the run names no split)."""
     topo = parallel.topology
-    dp = topo.attn_dp
+    dp, attn_tp = topo.attn_dp, topo.attn_tp
     stride = key_stride(job)
-
-    def rows_of(d: int) -> list[int]:
-        out = []
-        for r in range(len(job.prompts)):
-            if r % dp != d:
-                continue
-            if index == 0:
-                out.extend(r * stride + p for p in range(len(job.prompts[r])))
-            else:
-                out.append(r * stride + len(job.prompts[r]) + index - 1)
-        return out
-
-    local = torch.tensor(rows_of(parallel.attn_dp_rank), dtype=torch.long)
-    if dp == 1:
-        return local, None
-    blocks = []
+    per_rank = []
     for d in range(dp):
-        rows = rows_of(d)
-        if fwd.slot_rows is not None:
-            rows = rows + [-1] * (fwd.slot_rows - len(rows))
-        blocks.extend(rows)
-    return local, torch.tensor(blocks, dtype=torch.long)
+        rows = []
+        for r in range(d, len(job.prompts), dp):
+            if index == 0:
+                rows.extend(r * stride + p for p in range(len(job.prompts[r])))
+            else:
+                rows.append(r * stride + len(job.prompts[r]) + index - 1)
+        per_rank.append(rows)
+    parts = [per_rank]
+    if job.options.get("tbo"):
+        parts = [[rows[: (len(rows) + 1) // 2] for rows in per_rank], [rows[(len(rows) + 1) // 2 :] for rows in per_rank]]
+    out = []
+    for blocks in parts:
+        local = torch.tensor(blocks[parallel.attn_dp_rank], dtype=torch.long)
+        if dp == 1:
+            out.append((local, None))
+            continue
+        if job.dp_padding == "max_len":
+            slot = -(-max(len(b) for b in blocks) // attn_tp) * attn_tp
+            blocks = [b + [-1] * (slot - len(b)) for b in blocks]
+        out.append((local, torch.tensor([k for b in blocks for k in b], dtype=torch.long)))
+    return out
 
 
 @attrs.frozen
@@ -102,29 +108,30 @@ class RoutingRecorder:
         self.entries: list = []
         self.unkeyed: Optional[str] = None
         self.step: Optional[str] = None
-        self.keys: tuple = (None, None)
-        self.fwd = None
+        self.keys: list = []
+        self.calls: dict = {}
         self.routers = []
         for layer, router in model.routed_layers():
             self.routers.append((router, router.__dict__.get("choose")))
             router.choose = self._wrap(layer, router.choose)
 
-    def begin(self, step: str, index: int, fwd) -> None:
-        """The next forward is step `step` (its rows' keys follow from `index` and `fwd`)."""
-        self.step, self.fwd = step, fwd
-        self.keys = step_keys(self.job, index, self.parallel, fwd)
+    def begin(self, step: str, index: int) -> None:
+        """The next forward is step `step` (its rows' keys follow from `index`)."""
+        self.step, self.calls = step, {}
+        self.keys = step_keys(self.job, index, self.parallel)
 
     def _keys_for(self, layer: int, rows: int) -> torch.Tensor:
-        local, gathered = self.keys
-        if gathered is not None:
-            if rows == self.fwd.full_rows:
-                return gathered
-            expected = f"{self.fwd.full_rows} (every DP rank's rows)"
-        else:
-            if rows == local.shape[0]:
-                return local
-            expected = f"{local.shape[0]} (this rank's attention rows)"
-        raise UnkeyedRows(f"layer {layer} routed {rows} rows at {self.step}, not {expected}")
+        """The keys of a router call's rows: the next microbatch's at this layer."""
+        call = self.calls.get(layer, 0)
+        self.calls[layer] = call + 1
+        if call >= len(self.keys):
+            raise UnkeyedRows(f"layer {layer} routed {call + 1} times at {self.step}, expected {len(self.keys)}")
+        local, gathered = self.keys[call]
+        keys, whose = (local, "this rank's attention rows") if gathered is None else (gathered, "every DP rank's rows")
+        if rows != keys.shape[0]:
+            which = f" of microbatch {call}" if len(self.keys) > 1 else ""
+            raise UnkeyedRows(f"layer {layer} routed {rows} rows at {self.step}, not the {keys.shape[0]} of {whose}{which}")
+        return keys
 
     def _wrap(self, layer: int, original):
         def choose(scores, *args, **kwargs):

@@ -161,7 +161,7 @@ def run_rank(parallel, job: RunJob, *, fusions=None) -> dict:
             extras={**job.options, **(extras_of(step) if extras_of is not None else {})},
         )
         if recorder is not None:
-            recorder.begin(name, index, fwd)
+            recorder.begin(name, index)
         counter.reset()
         _sync(device)
         start = time.perf_counter()
