@@ -321,3 +321,18 @@ def test_the_default_check_of_a_bfloat16_moe_run_says_what_it_compared():
     lines = run_cmd._check_details(check, "bfloat16")
     assert lines[0].startswith("compared: logits against one rank routed like the run")
     assert lines[1].startswith("routing: PASS") and lines[2].startswith("one rank vs hf in float64: PASS")
+
+
+def test_a_layer_the_run_never_routed_fails_the_check(weights_dir, inject):
+    """A run whose ranks record no routing for a layer (its router never ran there): the
+    reference cannot follow it, and the check fails saying so."""
+
+    def drop_first(model, parallel):
+        layers = model.routed_layers()
+        model.routed_layers = lambda: layers[1:]
+
+    inject(drop_first)
+    check = _verdict(_job(weights_dir, "qwen3_moe", "bfloat16", TP2, 0))
+    assert check["passed"] is False and check["comparison"] == "logits against one rank (routing not pinned)"
+    assert "the reference cannot route like the run: the run recorded no routing for layer 0" in check["routing"]["problems"][0]
+    assert run_cmd._check_details(check, "bfloat16")[2].startswith("  the reference cannot route like the run")

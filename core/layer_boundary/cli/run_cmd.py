@@ -195,20 +195,24 @@ def _reference(args, item, config, job, dtype, results, pinned: bool, note: Opti
     if args.check == "none":
         return None
     if pinned:
-        from .routing import PinnedRouting, compare_routing, merge_routing
+        from .routing import PinnedRouting, compare_routing, merge_routing, routing_failure
 
         merged = merge_routing(results, job)
         if merged.unkeyed is None:
             single = _single_job(job)
+            tolerance = ROUTER_SCORE_FACTOR * _tolerance(args, item, args.dtype)
+            parity = _hf_parity(args, item, config, job) if args.check == "hf" else None
+            comparison = PINNED
             try:
                 ours = run_rank(Parallel.single(), _with(single, routing=PinnedRouting(merged.experts)))
-            except RuntimeError as exc:  # a layer or token the run never routed
-                raise UsageError(f"the routing check failed: {exc}") from None
-            tolerance = _tolerance(args, item, args.dtype)
-            routing = compare_routing(merged, ours["routing"]["entries"], ROUTER_SCORE_FACTOR * tolerance, job)
+            except RuntimeError as exc:  # a layer or a token the run never routed
+                ours = run_rank(Parallel.single(), single)
+                comparison = "logits against one rank (routing not pinned)"
+                routing = routing_failure(f"the reference cannot route like the run: {exc}", tolerance)
+            else:
+                routing = compare_routing(merged, ours["routing"]["entries"], tolerance, job)
             logits = [ours["logits"][r] for r in range(len(job.prompts))]
-            parity = _hf_parity(args, item, config, job) if args.check == "hf" else None
-            return Reference(logits, PINNED, routing=routing, hf_parity=parity)
+            return Reference(logits, comparison, routing=routing, hf_parity=parity)
         note = f"routing not pinned: {merged.unkeyed}"
     if args.check == "single":
         single = run_rank(Parallel.single(), _single_job(job))
@@ -516,10 +520,10 @@ def _print_human(out):
 
 def _check_details(check: dict, dtype: str) -> list[str]:
     """The lines under the verdict: which comparison ran, the routing, the Hugging Face parity."""
-    lines = []
+    pinned = f" ({dtype} MoE: the reference takes the run's experts)" if check["comparison"] == PINNED else ""
+    lines = [f"compared: {check['comparison']}{pinned}"]
     routing = check.get("routing")
     if routing is not None:
-        lines.append(f"compared: {check['comparison']} ({dtype} MoE: the reference takes the run's experts)")
         flips = (f"{routing['flipped']} of {routing['choices']} token-layer expert choices differ from the reference's own"
                  f" ({routing['flipped_fraction']:.1%})")
         if routing["flipped"]:
