@@ -6,14 +6,14 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from layer_boundary.cli.run_cmd import FP8_TOLERANCE, _verdict, verdict_line
+from layer_boundary.cli.run_cmd import FP8_TOLERANCE, Reference, _verdict, verdict_line
 
 
 def _check(ours, theirs, dtype="float32", fp8=None, tolerances=None):
     args = SimpleNamespace(check="hf", dtype=dtype, fp8=fp8)
     item = SimpleNamespace(record=SimpleNamespace(tolerances=tolerances or {}))
     results = [{"logits": {0: [torch.tensor(ours, dtype=torch.float64)]}}]
-    return _verdict(args, item, results, [[torch.tensor(theirs, dtype=torch.float64)]])
+    return _verdict(args, item, results, Reference([[torch.tensor(theirs, dtype=torch.float64)]]))
 
 
 def test_an_fp8_run_passes_on_its_relative_error_and_says_so():

@@ -14,7 +14,9 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Optional
 
+import attrs
 import torch
 
 from .._errors import FusionError, missing_feature
@@ -33,6 +35,10 @@ PLUGIN_ERRORS = (FusionError, PluginError)
 
 #: the largest relative error each dtype may show against the reference
 TOLERANCES = {"float64": 1e-10, "float32": 1e-4, "bfloat16": 3e-2, "float16": 1e-2}
+#: a router's scores pass through a softmax or a sigmoid, which turns a rounding of its logits
+#: into a relative change of the scores as large as that rounding; they get twice the logits'
+#: tolerance (bfloat16, measured up to 0.030 on qwen3_moe TP=4 attention DP 2, logits 0.016)
+ROUTER_SCORE_FACTOR = 2
 #: FP8 reads against the unquantized reference: E4M3 keeps 3 mantissa bits (relative rounding
 #: up to 6%), measured 0.04-0.06 on the dense tiny models (a family may set its own "fp8"
 #: tolerance: a MoE's routing flips on inputs that close, measured up to 0.26 on qwen3_moe)
@@ -149,19 +155,98 @@ def _check_checkpoint(folder, item, config, model) -> None:
         raise UsageError(str(exc)) from None
 
 
-def _reference(args, item, config, job, dtype):
-    """(per request a list of per-step logits, or None for --check none; the relative error
-    the reference is exact to where looser than the family's tolerance, or 0)."""
+@attrs.frozen
+class Reference:
+    """What the run is compared with: per request a list of per-step logits, and how they were
+    made (`comparison`), the routing report of a run routed like the reference, the single
+    rank's Hugging Face parity where that stands in for Hugging Face, and a note."""
+
+    logits: list
+    comparison: str = "logits"
+    routing: Optional[dict] = None
+    hf_parity: Optional[dict] = None
+    note: Optional[str] = None
+    #: the relative error the reference is exact to where looser than the family's tolerance
+    #: (a Hugging Face release whose arithmetic differs: `HfReference.tolerance`), or 0
+    tolerance: float = 0.0
+
+
+PINNED = "logits against one rank routed like the run"
+
+
+def _routing_plan(args, item, config, policy, options, meta_model) -> tuple[bool, Optional[str]]:
+    """(whether the run records its routing and the reference follows it, a note for the
+    verdict): a MoE model whose family names its routers (`routed_layers()`) is pinned in every
+    dtype below float64, where a rounding can pick another expert for a token that nearly ties."""
     from .._parallel import Parallel
-    from .oracle import OracleError, hf_logits, installed_transformers, reference_of
+    from .routing import routed_layer_ids
+
+    if args.check == "none" or args.dtype == "float64":
+        return False, None
+    routed = routed_layer_ids(meta_model)
+    if routed is not None and not routed and args.pp > 1:  # rank 0's stage holds no MoE layer: ask the whole model
+        routed = routed_layer_ids(build(item, config, Parallel.single(), reduction=policy, device="meta", options=options))
+    if routed is None:
+        if not _routes_experts(config.hf):
+            return False, None
+        return False, (f"routing not pinned: the {args.model} family's model names no routers (routed_layers()), so in "
+                       f"{args.dtype} a token whose experts nearly tie may route elsewhere than in the reference; "
+                       "check the boundaries with --dtype float64 if this fails")
+    return bool(routed), None
+
+
+def _routes_experts(hf: dict) -> bool:
+    """Whether a Hugging Face config describes routed experts."""
+    return any(int(hf.get(key) or 0) > 0 for key in ("num_experts", "n_routed_experts", "num_local_experts"))
+
+
+def _reference(args, item, config, job, dtype, results, pinned: bool, note: Optional[str]) -> Optional[Reference]:
+    """The reference of `--check`, or None for --check none. A pinned run is compared with one
+    rank routed like it; for --check hf that rank's own parity with Hugging Face is checked in
+    float64 (no expert nearly ties there), which carries the comparison to Hugging Face."""
+    from .._parallel import Parallel
     from .runner import run_rank
 
     if args.check == "none":
-        return None, 0.0
+        return None
+    if pinned:
+        from .routing import PinnedRouting, compare_routing, merge_routing, routing_failure
+
+        merged = merge_routing(results, job)
+        if merged.unkeyed is None:
+            single = _single_job(job)
+            tolerance = ROUTER_SCORE_FACTOR * _tolerance(args, item, args.dtype)
+            parity = _hf_parity(args, item, config, job) if args.check == "hf" else None
+            comparison = PINNED
+            try:
+                ours = run_rank(Parallel.single(), _with(single, routing=PinnedRouting(merged.experts)))
+            except RuntimeError as exc:  # a layer or a token the run never routed
+                ours = run_rank(Parallel.single(), single)
+                comparison = "logits against one rank (routing not pinned)"
+                routing = routing_failure(f"the reference cannot route like the run: {exc}", tolerance)
+            else:
+                routing = compare_routing(merged, ours["routing"]["entries"], tolerance, job)
+            logits = [ours["logits"][r] for r in range(len(job.prompts))]
+            return Reference(logits, comparison, routing=routing, hf_parity=parity)
+        note = f"routing not pinned: {merged.unkeyed}"
     if args.check == "single":
-        single = run_rank(Parallel.single(), _with(job, topology=Topology(), device="cpu", progress=False, sequence_parallel=False,
-                                                   options={k: v for k, v in job.options.items() if k != "tbo"}))
-        return [single["logits"][r] for r in range(len(job.prompts))], 0.0
+        single = run_rank(Parallel.single(), _single_job(job))
+        return Reference([single["logits"][r] for r in range(len(job.prompts))], note=note)
+    logits, tolerance = _hf_reference_logits(args, item, config, job, dtype)
+    return Reference(logits, note=note, tolerance=tolerance)
+
+
+def _single_job(job):
+    """The job of the single-rank reference: one rank on the CPU, every option but TBO."""
+    return _with(job, topology=Topology(), device="cpu", progress=False, sequence_parallel=False,
+                 options={k: v for k, v in job.options.items() if k != "tbo"}, routing=None)
+
+
+def _hf_reference_logits(args, item, config, job, dtype):
+    """(per request the Hugging Face reference's per-step logits, the relative error it is exact
+    to where looser than the family's tolerance, or 0)."""
+    from .oracle import OracleError, hf_logits, installed_transformers, reference_of
+
     state = None if args.checkpoint else torch.load(job.weights)
     try:
         reference = reference_of(item.record, config, dtype, state=state, checkpoint=args.checkpoint, requests=len(job.prompts),
@@ -176,6 +261,18 @@ def _reference(args, item, config, job, dtype):
     return [[t.float() if t.dtype in (torch.bfloat16, torch.float16) else t for t in steps] for steps in out], reference.tolerance or 0.0
 
 
+def _hf_parity(args, item, config, job) -> dict:
+    """One rank of the family's model against Hugging Face, both in float64."""
+    from .._parallel import Parallel
+    from .runner import run_rank
+
+    single = run_rank(Parallel.single(), _with(_single_job(job), dtype="float64"))
+    ours = [single["logits"][r] for r in range(len(job.prompts))]
+    theirs, exact_to = _hf_reference_logits(args, item, config, job, torch.float64)
+    tolerance = max(_tolerance(args, item, "float64"), exact_to)
+    return {"dtype": "float64", **_compare(ours, theirs, tolerance)}
+
+
 def _options(args) -> dict:
     """The run options (`RunJob.options`: the family's `BuildRequest.options`, and every
     forward's `extras`)."""
@@ -188,43 +285,58 @@ def _options(args) -> dict:
 
 
 def _with(job, **changes):
-    import attrs
-
     return attrs.evolve(job, **changes)
 
 
-def _verdict(args, item, results, reference, reference_tolerance: float = 0.0):
-    got = _logits(results)
-    n = len(got)
-    report = {"reference": args.check, "max_abs_err": None, "rel_err": None, "passed": None}
-    # the tolerance bounds the relative error: max abs err / max |reference logit|
-    bounds = {"tolerance_bounds": "rel_err", "reference_max_abs": None}
-    if reference is None:
-        return report
+def _tolerance(args, item, dtype: str) -> float:
+    """The largest relative logits error of a run in `dtype`: the dtype's, loosened where the
+    family's reference is not reproducible beyond it, and FP8 reads' own."""
+    tolerances = item.record.tolerances
+    tolerance = max(TOLERANCES[dtype], tolerances.get(dtype, 0.0))
+    if getattr(args, "fp8", None):
+        # vs HF: the quantization error itself; vs a single rank: a reordered sum can flip an
+        # E4M3 rounding, so the same bound applies
+        tolerance = max(tolerance, tolerances.get("fp8", FP8_TOLERANCE))
+    return tolerance
+
+
+def _compare(got, reference, tolerance: float) -> dict:
+    """Per request lists of per-step logits against the reference's: the largest absolute
+    error, the relative error (over the reference's largest), and whether it is within."""
     max_abs = 0.0
     scale = 0.0
     finite = True
-    for r in range(n):
-        for ours, theirs in zip(got[r], reference[r]):
+    for ours_steps, theirs_steps in zip(got, reference):
+        for ours, theirs in zip(ours_steps, theirs_steps):
             ours64, theirs64 = ours.double(), theirs.double().reshape(ours.shape)
             # a NaN never compares greater: check finiteness explicitly so it cannot pass
             finite = finite and bool(torch.isfinite(ours64).all()) and bool(torch.isfinite(theirs64).all())
             max_abs = max(max_abs, (ours64 - theirs64).abs().max().item())
             scale = max(scale, theirs64.abs().max().item())
     if not finite:
-        report.update(max_abs_err=float("nan"), rel_err=float("nan"), tolerance=TOLERANCES[args.dtype], passed=False, **bounds)
-        return report
+        return {"max_abs_err": float("nan"), "rel_err": float("nan"), "tolerance": tolerance, "passed": False,
+                "tolerance_bounds": "rel_err", "reference_max_abs": None}
     rel = max_abs / scale if scale else max_abs
-    # a family may loosen its tolerance where its reference is not reproducible beyond it
-    tolerances = item.record.tolerances
-    tolerance = max(TOLERANCES[args.dtype], tolerances.get(args.dtype, 0.0), reference_tolerance)
-    if getattr(args, "fp8", None):
-        # vs HF: the quantization error itself; vs a single rank: a reordered sum can flip an
-        # E4M3 rounding, so the same bound applies
-        tolerance = max(tolerance, tolerances.get("fp8", FP8_TOLERANCE))
-    # a reference of zeros has no scale: the tolerance bounds the absolute error then
-    bounds = {"tolerance_bounds": "rel_err" if scale else "max_abs_err", "reference_max_abs": scale}
-    report.update(max_abs_err=max_abs, rel_err=rel, tolerance=tolerance, passed=rel < tolerance, **bounds)
+    # the tolerance bounds the relative error (max abs err / max |reference logit|); a reference
+    # of zeros has no scale, and then it bounds the absolute error
+    return {"max_abs_err": max_abs, "rel_err": rel, "tolerance": tolerance, "passed": rel < tolerance,
+            "tolerance_bounds": "rel_err" if scale else "max_abs_err", "reference_max_abs": scale}
+
+
+def _verdict(args, item, results, reference: Optional[Reference]):
+    report = {"reference": args.check, "max_abs_err": None, "rel_err": None, "passed": None}
+    if reference is None:
+        return report
+    got = _logits(results)
+    report["comparison"] = reference.comparison
+    tolerance = max(_tolerance(args, item, args.dtype), reference.tolerance)
+    report.update(_compare([got[r] for r in range(len(got))], reference.logits, tolerance))
+    for name in ("routing", "hf_parity", "note"):
+        value = getattr(reference, name)
+        if value is not None:
+            report[name] = value
+            if isinstance(value, dict):
+                report["passed"] = report["passed"] and value["passed"]
     return report
 
 
@@ -295,6 +407,7 @@ def _run(args) -> int:
     meta_model = _preflight(item, config, topology, policy, options)
     if args.checkpoint:
         _check_checkpoint(args.checkpoint, item, config, meta_model)
+    pinned, note = _routing_plan(args, item, config, policy, options, meta_model)
     del meta_model
     dtype = DTYPES[args.dtype]
     if args.check == "hf":
@@ -328,6 +441,7 @@ def _run(args) -> int:
             dp_padding=args.dp_padding,
             progress=wanted(sys.stderr, machine_output=args.json) and not quiet,
             options=options,
+            routing="record" if pinned else None,
         )
         say(
             f"layer-boundary run: {args.model} ({config.num_layers} layers), {topology.describe()}, reduction={policy}, "
@@ -336,9 +450,9 @@ def _run(args) -> int:
         start = time.perf_counter()
         results = _launch(job, topology, args, say)
         elapsed = time.perf_counter() - start
-        say(f"  reference: {args.check}")
-        reference, reference_tolerance = _reference(args, item, config, job, dtype)
-    check = _verdict(args, item, results, reference, reference_tolerance)
+        say(f"  reference: {args.check}" + (" (one rank routed like the run)" if pinned else ""))
+        reference = _reference(args, item, config, job, dtype, results, pinned, note)
+    check = _verdict(args, item, results, reference)
     timings, collectives = _summaries(results, job)
     timings["wall_s"] = elapsed
     out = {
@@ -458,6 +572,8 @@ def _print_human(out):
         print("check: none")
     else:
         print(verdict_line(check))
+        for line in _check_details(check, out["config"]["dtype"]):
+            print(f"  {line}")
     decode = f"{t['decode_step_s'] * 1e3:.2f} ms" if t["decode_step_s"] is not None else "-"
     print(f"time: prefill {t['prefill_s'] * 1e3:.2f} ms, decode step {decode}, {t['tokens_per_s']:.1f} tokens/s (wall {t['wall_s']:.1f} s)")
     for step, counts in c.items():
@@ -472,3 +588,23 @@ def _print_human(out):
         print(f"nodes: {nodes['count']} (node of each rank: {nodes['of_rank']}; TP groups within a node: {nodes['tp_within_a_node']})")
 
 
+def _check_details(check: dict, dtype: str) -> list[str]:
+    """The lines under the verdict: which comparison ran, the routing, the Hugging Face parity."""
+    pinned = f" ({dtype} MoE: the reference takes the run's experts)" if check["comparison"] == PINNED else ""
+    lines = [f"compared: {check['comparison']}{pinned}"]
+    routing = check.get("routing")
+    if routing is not None:
+        flips = (f"{routing['flipped']} of {routing['choices']} token-layer expert choices differ from the reference's own"
+                 f" ({routing['flipped_fraction']:.1%})")
+        if routing["flipped"]:
+            flips += f", largest near-tie margin {routing['largest_flip_margin']:.1e}"
+        lines.append(f"routing: {'PASS' if routing['passed'] else 'FAIL'}  {flips}; router scores rel err "
+                     f"{routing['score_rel_err']:.3e} (tolerance {routing['score_tolerance']:.2g})")
+        lines.extend(f"  {problem}" for problem in routing["problems"])
+    parity = check.get("hf_parity")
+    if parity is not None:
+        lines.append(f"one rank vs hf in {parity['dtype']}: {'PASS' if parity['passed'] else 'FAIL'}  rel err "
+                     f"{parity['rel_err']:.3e} (tolerance {parity['tolerance']:.0e})")
+    if check.get("note"):
+        lines.append(f"note: {check['note']}")
+    return lines

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import time
-from typing import Optional
+from typing import Any, Optional
 
 import attrs
 import torch
@@ -59,6 +59,10 @@ class RunJob:
     #: run every step through `torch.compile(model, backend=compile, fullgraph=True)` (a backend
     #: name: "eager", "aot_eager", "inductor"); the result reports the graphs compiled
     compile: Optional[str] = None
+    #: "record": record what every MoE router chose (the model's `routed_layers()`), per step and
+    #: token, into the result's "routing"; a `PinnedRouting`: route every token as it says, and
+    #: record the choices this model would have made (a reference run; see `routing.py`)
+    routing: Any = None
 
 
 def make_requests(vocab: int, batch: int, prompt_tokens: int, decode_steps: int, seed: int):
@@ -119,6 +123,13 @@ def run_rank(parallel, job: RunJob, *, fusions=None) -> dict:
     requests_of = lambda per_request: tuple(tuple(per_request(r) for r in range(len(job.prompts)) if r % dp == d) for d in range(dp))  # noqa: E731
     cache = model.new_cache()
     run_model, backend = model, None
+    recorder = None
+    if job.routing is not None:
+        from .routing import RoutingRecorder
+
+        if job.compile:
+            raise ValueError("a run that records or pins routing runs eagerly; drop compile or routing")
+        recorder = RoutingRecorder(model, job, parallel, pins=None if job.routing == "record" else job.routing)
     if job.compile:
         from ..compiling import CountingBackend, graph_breaks
 
@@ -159,6 +170,8 @@ def run_rank(parallel, job: RunJob, *, fusions=None) -> dict:
                 cp=cp,
                 extras={**job.options, **(extras_of(step) if extras_of is not None else {})},
             )
+            if recorder is not None:
+                recorder.begin(name, index)
             counter.reset()
             _sync(device)
             start = time.perf_counter()
@@ -172,6 +185,10 @@ def run_rank(parallel, job: RunJob, *, fusions=None) -> dict:
             bar.update(1, step=name)
     bar.close()
     kernels = rank_report(model, selections, answers, job.compile)
+    routing = None
+    if recorder is not None:
+        recorder.restore()
+        routing = recorder.export()
     release_model(model)
     report = parallel.attn_tp_rank == 0 and parallel.attn_cp_rank == 0 and parallel.pp_rank == topo.pp - 1
     return {
@@ -186,4 +203,5 @@ def run_rank(parallel, job: RunJob, *, fusions=None) -> dict:
         "kernels": kernels,
         "graphs": None if backend is None else backend.graphs,
         "graph_breaks": None if backend is None else graph_breaks() - breaks_before,
+        "routing": routing,
     }

@@ -134,6 +134,11 @@ class CausalLM(nn.Module):
         slots = [self.lora_assignment[r] if self.lora_assignment is not None else r % count for r in step.rids]
         return {LORA_IDS: row_adapter_ids(slots, step.counts, step.positions.device)}
 
+    def routed_layers(self) -> list:
+        """(layer id, router) of every MoE layer this rank holds, for a routing check: each
+        router's `choose(scores) -> (choice scores, experts)` picks its layer's experts."""
+        return [(layer.layer_id, layer.mlp) for layer in self.layers if isinstance(layer.mlp, TPMoE)]
+
     def new_cache(self) -> KVCache:
         return KVCache(self.config.num_layers)
 

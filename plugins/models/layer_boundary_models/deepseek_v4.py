@@ -120,6 +120,11 @@ class DeepseekV4ForCausalLM(nn.Module):
         self.lm_head = output_head(config, self.embed_tokens, dtype=dtype, device=device)
         self.rotary = InterleavedRope(config.rope_head_dim, config.rope_theta)
 
+    def routed_layers(self) -> list:
+        """(layer id, router) of every MoE layer this rank holds, for a routing check: each
+        router's `choose(scores) -> (choice scores, experts)` picks its layer's experts."""
+        return [(layer.layer_id, layer.mlp) for layer in self.layers]
+
     def new_cache(self) -> SlidingKVCache:
         return SlidingKVCache(self.config.num_layers, self.config.sliding_window)
 

@@ -68,10 +68,16 @@ class DeepseekV4MoE(nn.Module):
             self.shared_gate_up.copy_(torch.cat((gate, up)))
             self.shared_down.copy_(shard_cols(to(src.require(f"{p}.down_proj.weight")), tr, ts))
 
+    def choose(self, scores: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(the scores the choice ranks, each row's top_k experts): the bias steers the choice,
+        not the weights; `route` weighs whichever experts this returns (a routing check pins it)."""
+        choice = scores + self.bias
+        return choice, torch.topk(choice, self.top_k, dim=-1, sorted=False).indices
+
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """(weights [T, k], expert ids [T, k]): the bias steers the choice, not the weights."""
+        """(weights [T, k], expert ids [T, k])."""
         scores = self.score(nn.functional.linear(x, self.router))
-        chosen = torch.topk(scores + self.bias, self.top_k, dim=-1, sorted=False).indices
+        _, chosen = self.choose(scores)
         weights = scores.gather(1, chosen)
         return weights / (weights.sum(dim=-1, keepdim=True) + 1e-20) * self.scaling, chosen
 

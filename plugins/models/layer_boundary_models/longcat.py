@@ -183,9 +183,15 @@ class LongcatMoE(nn.Module):
             self.gate_up[j].copy_(torch.cat((gate, up)))
             self.down[j].copy_(shard_cols(down[e], self.moe_tp_rank, self.moe_tp))
 
+    def choose(self, scores: torch.Tensor):
+        """(the scores the choice ranks, each row's top_k experts, zero-compute ones included):
+        `route` weighs whichever experts this returns, so a routing check can record and pin it."""
+        choice = scores + self.choice_bias
+        return choice, torch.topk(choice, self.top_k, dim=-1, sorted=False).indices
+
     def route(self, x: torch.Tensor):
         scores = torch.softmax(nn.functional.linear(x.float(), self.router.float()), dim=-1)
-        idx = torch.topk(scores + self.choice_bias, self.top_k, dim=-1, sorted=False).indices
+        _, idx = self.choose(scores)
         return scores.gather(1, idx) * self.scaling, idx
 
     def forward(self, x: torch.Tensor):
@@ -292,6 +298,11 @@ class LongcatForCausalLM(nn.Module):
         self.norm = RMSNorm(H, config.rms_norm_eps, dtype=dtype, device=device)
         self.lm_head = output_head(config, self.embed_tokens, dtype=dtype, device=device)
         self.rotary = RotaryEmbedding(config.qk_rope_head_dim, config.rope_theta)
+
+    def routed_layers(self) -> list:
+        """(layer id, router) of every MoE layer this rank holds, for a routing check: each
+        router's `choose(scores) -> (choice scores, experts)` picks its layer's experts."""
+        return [(layer.layer_id, layer.mlp) for layer in self.layers]
 
     def new_cache(self) -> KVCache:
         return KVCache(2 * self.config.num_layers)

@@ -59,10 +59,16 @@ class TPMoE(nn.Module):
                 self.shared.load_full(gate, up, dn)
                 self.shared_gate.copy_(shared_gate)
 
+    def choose(self, probs: torch.Tensor):
+        """(the scores the choice ranks, each row's top_k experts): the one place this layer picks
+        experts; `route` weighs whichever it returns, so a routing check can record and pin it."""
+        return probs, torch.topk(probs, self.top_k, dim=-1).indices
+
     def route(self, x: torch.Tensor):
         logits = nn.functional.linear(x, self.router)
         probs = torch.softmax(logits, dim=-1, dtype=torch.float)
-        weights, idx = torch.topk(probs, self.top_k, dim=-1)
+        _, idx = self.choose(probs)
+        weights = probs.gather(1, idx)
         if self.norm_topk_prob:
             weights = weights / weights.sum(dim=-1, keepdim=True)
         return weights.to(logits.dtype), idx

@@ -294,6 +294,19 @@ class NemotronHRouter(nn.Module):
         self.norm_topk_prob = config.norm_topk_prob
         self.scale = config.routed_scaling_factor
 
+    def choose(self, scores: torch.Tensor):
+        """(the scores the choice ranks, each row's top_k experts): the biased scores of the
+        best `topk_group` groups (the others -inf) and their top_k; `forward` weighs whichever
+        experts this returns, so a routing check can record and pin it."""
+        E = scores.shape[-1]
+        choice = scores + self.score_bias
+        best_two = choice.view(-1, self.n_group, E // self.n_group).topk(2, dim=-1)[0].sum(dim=-1)
+        groups = torch.topk(best_two, k=self.topk_group, dim=-1, sorted=False)[1]
+        keep = torch.zeros_like(best_two).scatter_(1, groups, 1)
+        keep = keep.unsqueeze(-1).expand(-1, self.n_group, E // self.n_group).reshape(-1, E)
+        choice = choice.masked_fill(~keep.bool(), float("-inf"))
+        return choice, torch.topk(choice, k=self.top_k, dim=-1, sorted=False)[1]
+
     def forward(self, x: torch.Tensor, segments: Sequence[tuple[int, int]] = ()):
         """(weights [T, k] float32, expert ids [T, k]).
 
@@ -317,13 +330,7 @@ class NemotronHRouter(nn.Module):
             # the padding after the last request, scored together (computed from the segments, a
             # host fact, so the shape never depends on tensor data)
             scores[covered:] = F.linear(x32[covered:], w32).sigmoid()
-        choice = scores + self.score_bias
-        best_two = choice.view(-1, self.n_group, E // self.n_group).topk(2, dim=-1)[0].sum(dim=-1)
-        groups = torch.topk(best_two, k=self.topk_group, dim=-1, sorted=False)[1]
-        keep = torch.zeros_like(best_two).scatter_(1, groups, 1)
-        keep = keep.unsqueeze(-1).expand(-1, self.n_group, E // self.n_group).reshape(-1, E)
-        choice = choice.masked_fill(~keep.bool(), float("-inf"))
-        idx = torch.topk(choice, k=self.top_k, dim=-1, sorted=False)[1]
+        _, idx = self.choose(scores)
         weights = scores.gather(1, idx)
         if self.norm_topk_prob:
             weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
@@ -494,6 +501,11 @@ class NemotronHForCausalLM(nn.Module):
                 self.lm_head.weight = self.embeddings.weight
         self.dtype = dtype or torch.get_default_dtype()
         self.handoff = PipelineHandoff(parallel, H, self.dtype)
+
+    def routed_layers(self) -> list:
+        """(layer id, router) of every MoE layer this rank holds, for a routing check: each
+        router's `choose(scores) -> (choice scores, experts)` picks its layer's experts."""
+        return [(layer.layer_id, layer.mixer.router) for layer in self.layers if layer.kind == "E"]
 
     def new_cache(self) -> NemotronHCache:
         return NemotronHCache(self.config.num_layers)

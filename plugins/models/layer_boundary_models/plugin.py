@@ -56,7 +56,11 @@ FAMILIES = (
             # rounding changes with the batch's row count and the CPU thread count (measured: ~2e-7)
             tolerances={"float64": 1e-6}, requires=(("residual_kinds", "mhc"),)),
     _family("nemotron_h", "Nemotron-H: Mamba-2, attention, MLP and MoE layers, each a single stage (heterogeneous stack)",
-            architecture="NemotronHForCausalLM", config="nemotron_h_family:parse", weights="nemotron_h_family"),
+            architecture="NemotronHForCausalLM", config="nemotron_h_family:parse", weights="nemotron_h_family",
+            # its bfloat16 roundings grow further than the other families' (up to 2.4e-2): with the
+            # same routing, TP 2 / TP 4 with attention DP 2 / PP 2 differ from one rank by up to
+            # 4.1e-2 over 8 seeds (float16: 4.6e-3, float32: 1.3e-6)
+            tolerances={"bfloat16": 6e-2}),
     _family("longcat_flash", "LongCat-Flash: two MLA attentions per layer, a MoE with zero-compute experts on the main line, "
             "and a dense FFN -> attention -> dense FFN shortcut as a prepared branch merged with it (needs layer-boundary-tbo)",
             architecture="LongcatFlashForCausalLM", config="longcat:LongcatConfig.from_hf", weights="longcat", options=("tbo",),
