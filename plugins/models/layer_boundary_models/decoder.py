@@ -18,8 +18,8 @@ from .lora_layers import LoraGatedMLP, attach_attention_lora
 from .mlp import TPGatedMLP
 from .moe import TPMoE
 from .overlapped import run_layers
-from .parts import output_head
-from .pipeline import PipelineHandoff, enter_stage, leave_stage, pipeline_layers
+from .parts import TwoStageLayer
+from .pipeline import enter_stage, leave_stage, place_head, place_stage
 
 __all__ = ["DecoderLayer", "CausalLM"]
 
@@ -37,7 +37,7 @@ def _residuals(config: DecoderConfig, sparse: bool):
     return ops, (None if sparse else ops)
 
 
-class DecoderLayer(nn.Module):
+class DecoderLayer(TwoStageLayer):
     def __init__(self, config: DecoderConfig, layer_id: int, parallel, *, fusions=None, lora=None, dtype=None, device=None):
         super().__init__()
         norm = GemmaRMSNorm if config.gemma_norm else RMSNorm
@@ -67,28 +67,6 @@ class DecoderLayer(nn.Module):
             label=f"layer{layer_id}",
         )
 
-    def forward(self, hidden_states, forward, step: StepLayout, rope, cache: Optional[KVCache]):
-        hidden_states = self.attention(hidden_states, forward, step, rope, cache)
-        return self.feed_forward(hidden_states, forward)
-
-    def attention(self, hidden_states, forward, step: StepLayout, rope, cache: Optional[KVCache]):
-        hidden_states = self.attn_boundary.prepare(hidden_states, forward)
-        if hidden_states.shape[0] != 0 or forward.cp is not None:  # a CP rank joins the KV gather even with no rows
-            hidden_states = self.self_attn(hidden_states, step, rope, cache, cp=forward.cp)
-        return self.attn_boundary.finish(hidden_states, forward)
-
-    def feed_forward(self, hidden_states, forward):
-        hidden_states = self.ffn_boundary.prepare(hidden_states, forward)
-        with self.ffn_boundary.exit(forward) as output:
-            hidden_states = self.mlp(hidden_states)
-        return output.finish(hidden_states)
-
-    def operations(self, hidden_states, forward, step: StepLayout, rope, cache: Optional[KVCache]):
-        """The layer for two-batch overlap: `yield` between its operations (no scope is open there)."""
-        hidden_states = self.attention(hidden_states, forward, step, rope, cache)
-        yield
-        return self.feed_forward(hidden_states, forward)
-
 
 class CausalLM(nn.Module):
     """Embedding, decoder layers, final norm and a replicated LM head; under pipeline
@@ -97,29 +75,19 @@ class CausalLM(nn.Module):
 
     def __init__(self, config: DecoderConfig, parallel, *, reduction="ar", fusions=None, lora=None, dtype=None, device=None):
         super().__init__()
-        self.config = config
-        self.parallel = parallel
         self.lora = lora  # a LoraSpec: every dense layer's projections carry its adapters
         self.lora_seed = 0  # the seed its adapters' weights are drawn from (`load_weights`)
         self.lora_assignment = None  # an adapter slot per request (-1: none), else round-robin
         if lora is not None and config.sparse_layers:
             raise ConfigError("LoRA is supported for dense decoders only; the reference MoE layers have no LoRA")
-        config.check_topology(parallel.topology)
+        place_stage(self, config, parallel, dtype=dtype, device=device)
         H = config.hidden_size
-        pp, stage = parallel.topology.pp, parallel.pp_rank
-        self.layer_ids = pipeline_layers(config.num_layers, pp, stage)
-        self.is_first, self.is_last = stage == 0, stage == pp - 1
-        self.embed_tokens = nn.Embedding(config.vocab_size, H, dtype=dtype, device=device) if self.is_first else None
         with layer_stack(parallel, reduction=reduction):
             self.layers = nn.ModuleList(
                 DecoderLayer(config, i, parallel, fusions=fusions, lora=lora, dtype=dtype, device=device) for i in self.layer_ids
             )
-        self.norm = self.lm_head = None
-        if self.is_last:
-            final = GemmaRMSNorm if config.gemma_norm or config.gemma_final_norm else RMSNorm
-            self.norm = final(H, config.rms_norm_eps, dtype=dtype, device=device)
-            self.lm_head = output_head(config, self.embed_tokens, dtype=dtype, device=device)
-        self.handoff = PipelineHandoff(parallel, H, dtype or torch.get_default_dtype()) if pp > 1 else None
+        final = GemmaRMSNorm if config.gemma_norm or config.gemma_final_norm else RMSNorm
+        place_head(self, lambda: final(H, config.rms_norm_eps, dtype=dtype, device=device), dtype=dtype, device=device)
         self.rotary = RotaryEmbedding(config.head_dim, config.rope_theta).to(device) if device is not None else RotaryEmbedding(config.head_dim, config.rope_theta)
         self.handoff_norm = None  # a fusion service that takes a terminal MoE finalize handoff
 

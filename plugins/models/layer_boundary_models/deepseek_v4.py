@@ -27,7 +27,7 @@ from layer_boundary import RMSNorm
 from .attention import StepLayout
 from .deepseek_v4_attention import DeepseekV4Attention, InterleavedRope, SlidingKVCache
 from .deepseek_v4_config import DeepseekV4Config
-from .parts import output_head
+from .parts import TwoStageLayer, output_head
 from .deepseek_v4_moe import DeepseekV4MoE
 
 __all__ = ["HyperConnectionMapping", "DeepseekV4Layer", "DeepseekV4ForCausalLM"]
@@ -64,7 +64,7 @@ def mhc_residual(config: DeepseekV4Config, attn, ffn, head):
     )
 
 
-class DeepseekV4Layer(nn.Module):
+class DeepseekV4Layer(TwoStageLayer):
     def __init__(self, config: DeepseekV4Config, layer_id: int, parallel, head, previous, *, fusions=None, dtype=None, device=None):
         super().__init__()
         n, H = config.hc_mult, config.hidden_size
@@ -85,16 +85,6 @@ class DeepseekV4Layer(nn.Module):
             label=f"layer{layer_id}",
         )
 
-    def forward(self, hidden_states, forward, step: StepLayout, rope, cache: Optional[SlidingKVCache]):
-        hidden_states = self.attn_boundary.prepare(hidden_states, forward)
-        if hidden_states.shape[0] != 0:
-            hidden_states = self.self_attn(hidden_states, step, rope, cache)
-        hidden_states = self.attn_boundary.finish(hidden_states, forward)
-
-        hidden_states = self.ffn_boundary.prepare(hidden_states, forward)
-        with self.ffn_boundary.exit(forward) as output:
-            hidden_states = self.mlp(hidden_states)
-        return output.finish(hidden_states)
 
 
 class DeepseekV4ForCausalLM(nn.Module):

@@ -21,7 +21,8 @@ from layer_boundary import GemmaRMSNorm, OutputTransform, declare_attn, declare_
 from .attention import DecodeLayout, KVCache, RotaryEmbedding, StaticKVCache, StepLayout, TPAttention
 from .gemma2_config import GemmaSandwichConfig
 from .mlp import TPGatedMLP
-from .pipeline import PipelineHandoff, enter_stage, leave_stage, pipeline_layers
+from .parts import TwoStageLayer
+from .pipeline import enter_stage, leave_stage, place_head, place_stage
 
 __all__ = ["SandwichDecoderLayer", "GemmaSandwichLM"]
 
@@ -40,7 +41,7 @@ def _on_previous_stage(layer: int) -> OutputTransform:
     return OutputTransform(elsewhere, name=f"layer{layer}.post_feedforward_layernorm")
 
 
-class SandwichDecoderLayer(nn.Module):
+class SandwichDecoderLayer(TwoStageLayer):
     """Attention and MLP, each between a pre-norm (the stage's read) and a post-norm (its
     output transform). `previous_output` is the previous layer's post-FFN transform, which this
     layer's attention stage names as its producer's."""
@@ -75,14 +76,7 @@ class SandwichDecoderLayer(nn.Module):
         )
 
     def forward(self, hidden_states, forward, step: StepLayout, ropes: dict, cache: Optional[KVCache]):
-        hidden_states = self.attn_boundary.prepare(hidden_states, forward)
-        if hidden_states.shape[0] != 0:
-            hidden_states = self.self_attn(hidden_states, step, ropes[self.rope_kind], cache)
-        hidden_states = self.attn_boundary.finish(hidden_states, forward)
-        hidden_states = self.ffn_boundary.prepare(hidden_states, forward)
-        with self.ffn_boundary.exit(forward) as output:
-            hidden_states = self.mlp(hidden_states)
-        return output.finish(hidden_states)
+        return super().forward(hidden_states, forward, step, ropes[self.rope_kind], cache)
 
 
 class GemmaSandwichLM(nn.Module):
@@ -92,14 +86,8 @@ class GemmaSandwichLM(nn.Module):
 
     def __init__(self, config: GemmaSandwichConfig, parallel, *, reduction="ar", fusions=None, dtype=None, device=None):
         super().__init__()
-        self.config = config
-        self.parallel = parallel
-        config.check_topology(parallel.topology)
+        place_stage(self, config, parallel, dtype=dtype, device=device)
         H = config.hidden_size
-        pp, stage = parallel.topology.pp, parallel.pp_rank
-        self.layer_ids = pipeline_layers(config.num_layers, pp, stage)
-        self.is_first, self.is_last = stage == 0, stage == pp - 1
-        self.embed_tokens = nn.Embedding(config.vocab_size, H, dtype=dtype, device=device) if self.is_first else None
         layers = []
         first = self.layer_ids[0]
         previous = _on_previous_stage(first - 1) if first else None
@@ -108,13 +96,7 @@ class GemmaSandwichLM(nn.Module):
                 layers.append(SandwichDecoderLayer(config, i, parallel, previous, fusions=fusions, dtype=dtype, device=device))
                 previous = layers[-1].mlp_output
         self.layers = nn.ModuleList(layers)
-        self.norm = self.lm_head = None
-        if self.is_last:
-            self.norm = GemmaRMSNorm(H, config.rms_norm_eps, dtype=dtype, device=device)
-            self.lm_head = nn.Linear(H, config.vocab_size, bias=False, dtype=dtype, device=device)
-            if config.tie_word_embeddings and self.embed_tokens is not None:
-                self.lm_head.weight = self.embed_tokens.weight
-        self.handoff = PipelineHandoff(parallel, H, dtype or torch.get_default_dtype()) if pp > 1 else None
+        place_head(self, lambda: GemmaRMSNorm(H, config.rms_norm_eps, dtype=dtype, device=device), dtype=dtype, device=device)
         kinds = sorted(set(config.layer_types))
         self.rotary = nn.ModuleDict(
             {kind: RotaryEmbedding(config.head_dim, config.rope[kind].theta, config.rope[kind].factor).to(device) for kind in kinds}

@@ -21,10 +21,13 @@ import math
 from typing import Optional
 
 import torch
+from torch import nn
 
 from layer_boundary import residual_batch
 
-__all__ = ["pipeline_layers", "PipelineHandoff", "enter_stage", "leave_stage"]
+from .parts import output_head
+
+__all__ = ["pipeline_layers", "PipelineHandoff", "place_stage", "place_head", "enter_stage", "leave_stage"]
 
 
 def pipeline_layers(num_layers: int, pp: int, stage: int) -> range:
@@ -66,6 +69,29 @@ class PipelineHandoff:
         self._handoff(stage, hidden.shape[0], hidden.device, payload)
         for index in range(stage + 1, pp - 1):
             self._handoff(index, hidden.shape[0], hidden.device, None)
+
+
+def place_stage(model: nn.Module, config, parallel, *, dtype=None, device=None) -> None:
+    """What every pipeline stage of a reference decoder holds, on `model`: its config and
+    parallel (the topology checked first), `layer_ids` (this stage's layers), `is_first` /
+    `is_last`, the embedding on the first stage (None elsewhere) and the handoff between stages
+    (None without pipeline stages)."""
+    config.check_topology(parallel.topology)
+    model.config, model.parallel = config, parallel
+    pp, stage = parallel.topology.pp, parallel.pp_rank
+    model.layer_ids = pipeline_layers(config.num_layers, pp, stage)
+    model.is_first, model.is_last = stage == 0, stage == pp - 1
+    model.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size, dtype=dtype, device=device) if model.is_first else None
+    model.handoff = PipelineHandoff(parallel, config.hidden_size, dtype or torch.get_default_dtype()) if pp > 1 else None
+
+
+def place_head(model: nn.Module, make_norm, *, dtype=None, device=None) -> None:
+    """The final norm (`make_norm()`) and the LM head on the last stage, None on the others (a
+    tied head shares the embedding, or keeps its own copy on a stage without it)."""
+    model.norm = model.lm_head = None
+    if model.is_last:
+        model.norm = make_norm()
+        model.lm_head = output_head(model.config, model.embed_tokens, dtype=dtype, device=device)
 
 
 def enter_stage(model, input_ids: torch.Tensor, forward, step) -> torch.Tensor:

@@ -26,7 +26,8 @@ from .attention import KVCache, StepLayout
 from .config import ConfigError
 from .mlp import TPGatedMLP, TPPlainMLP
 from .overlapped import run_layers
-from .pipeline import PipelineHandoff, enter_stage, leave_stage, pipeline_layers
+from .parts import TwoStageLayer
+from .pipeline import enter_stage, leave_stage, place_head, place_stage
 from .residual_attention import Rotary, ShardedAttention
 from .residual_config import PARALLEL, POST_NORM, ResidualConfig
 from .residual_norms import Olmo2RMSNorm
@@ -64,7 +65,7 @@ def _on_the_previous_stage(x):
 POST_NORM_ON_THE_PREVIOUS_STAGE = OutputTransform(_on_the_previous_stage, name="post_feedforward_layernorm (previous stage)")
 
 
-class ResidualLayer(nn.Module):
+class ResidualLayer(TwoStageLayer):
     """One layer, two stages; `previous` is the declaration of the MLP stage before it (None for
     the first layer of the model)."""
 
@@ -103,28 +104,6 @@ class ResidualLayer(nn.Module):
             label=f"layer{layer_id}",
         )
 
-    def forward(self, hidden_states, forward, step: StepLayout, rope, cache: Optional[KVCache]):
-        hidden_states = self.attention(hidden_states, forward, step, rope, cache)
-        return self.feed_forward(hidden_states, forward)
-
-    def attention(self, hidden_states, forward, step: StepLayout, rope, cache: Optional[KVCache]):
-        hidden_states = self.attn_boundary.prepare(hidden_states, forward)
-        if hidden_states.shape[0] != 0:
-            hidden_states = self.self_attn(hidden_states, step, rope, cache)
-        return self.attn_boundary.finish(hidden_states, forward)
-
-    def feed_forward(self, hidden_states, forward):
-        hidden_states = self.ffn_boundary.prepare(hidden_states, forward)
-        with self.ffn_boundary.exit(forward) as output:
-            hidden_states = self.mlp(hidden_states)
-        return output.finish(hidden_states)
-
-    def operations(self, hidden_states, forward, step: StepLayout, rope, cache: Optional[KVCache]):
-        """The layer for two-batch overlap: `yield` between its stages (no scope is open there)."""
-        hidden_states = self.attention(hidden_states, forward, step, rope, cache)
-        yield
-        return self.feed_forward(hidden_states, forward)
-
 
 class ResidualCausalLM(nn.Module):
     """Embedding, layers, final norm and a replicated LM head (times Cohere's logit scale); under
@@ -135,15 +114,8 @@ class ResidualCausalLM(nn.Module):
         super().__init__()
         if not isinstance(config, ResidualConfig):
             raise ConfigError(f"ResidualCausalLM builds olmo2, gpt_neox and cohere configs, got {type(config).__name__}")
-        config.check_topology(parallel.topology)
-        self.config = config
-        self.parallel = parallel
-        H = config.hidden_size
-        pp, stage = parallel.topology.pp, parallel.pp_rank
-        self.layer_ids = pipeline_layers(config.num_layers, pp, stage)
-        self.is_first, self.is_last = stage == 0, stage == pp - 1
+        place_stage(self, config, parallel, dtype=dtype, device=device)
         self.rotary = Rotary(config).to(device) if device is not None else Rotary(config)
-        self.embed_tokens = nn.Embedding(config.vocab_size, H, dtype=dtype, device=device) if self.is_first else None
         self.layers = nn.ModuleList()
         previous = pipeline_edge(config) if self.layer_ids[0] else None
         with layer_stack(parallel, reduction=reduction):
@@ -151,13 +123,7 @@ class ResidualCausalLM(nn.Module):
                 layer = ResidualLayer(config, i, parallel, self.rotary, previous, fusions=fusions, dtype=dtype, device=device)
                 self.layers.append(layer)
                 previous = layer.ffn_boundary.declaration
-        self.norm = self.lm_head = None
-        if self.is_last:
-            self.norm = make_norm(config, dtype=dtype, device=device)
-            self.lm_head = nn.Linear(H, config.vocab_size, bias=False, dtype=dtype, device=device)
-            if config.tie_word_embeddings and self.embed_tokens is not None:
-                self.lm_head.weight = self.embed_tokens.weight
-        self.handoff = PipelineHandoff(parallel, H, dtype or torch.get_default_dtype()) if pp > 1 else None
+        place_head(self, lambda: make_norm(config, dtype=dtype, device=device), dtype=dtype, device=device)
 
     def new_cache(self) -> KVCache:
         return KVCache(self.config.num_layers)
