@@ -13,7 +13,7 @@ import attrs
 from layer_boundary.plugin import ConfigError as PluginConfigError
 from layer_boundary.plugin import ConfigFields
 
-__all__ = ["FamilyConfig", "DecoderConfig", "check_dense_split", "ConfigError", "FINAL_NORM_KEY", "NO_PIPELINE", "fp8_option"]
+__all__ = ["FamilyConfig", "DenseConfig", "DecoderConfig", "check_dense_split", "ConfigError", "FINAL_NORM_KEY", "NO_PIPELINE", "fp8_option"]
 
 #: a reference-model option (not a Hugging Face key): "gemma" gives qwen3_moe a (1 + w) final norm
 FINAL_NORM_KEY = "layer_boundary_final_norm"
@@ -58,15 +58,22 @@ class FamilyConfig:
 
 
 @attrs.frozen(kw_only=True)
-class DecoderConfig(FamilyConfig):
+class DenseConfig(FamilyConfig):
+    """The fields of a decoder of GQA attention and an MLP of one width (what `check_dense_split`
+    reads)."""
+
     num_layers: int
     num_heads: int
     num_kv_heads: int
     head_dim: int
     intermediate_size: int
     rms_norm_eps: float
-    rope_theta: float
     hidden_act: str
+
+
+@attrs.frozen(kw_only=True)
+class DecoderConfig(DenseConfig):
+    rope_theta: float
     qk_norm: bool
     gemma_norm: bool
     embed_scale: Optional[float]

@@ -27,7 +27,8 @@ from layer_boundary import RMSNorm
 from .attention import StepLayout
 from .deepseek_v4_attention import DeepseekV4Attention, InterleavedRope, SlidingKVCache
 from .deepseek_v4_config import DeepseekV4Config
-from .parts import TwoStageLayer, output_head
+from .parts import TwoStageLayer
+from .pipeline import place_head, place_stage
 from .deepseek_v4_moe import DeepseekV4MoE
 
 __all__ = ["HyperConnectionMapping", "DeepseekV4Layer", "DeepseekV4ForCausalLM"]
@@ -92,11 +93,8 @@ class DeepseekV4ForCausalLM(nn.Module):
 
     def __init__(self, config: DeepseekV4Config, parallel, *, reduction="ar", fusions=None, dtype=None, device=None):
         super().__init__()
-        self.config = config
-        self.parallel = parallel
-        config.check_topology(parallel.topology)
+        place_stage(self, config, parallel, dtype=dtype, device=device)  # one stage: it runs without pipeline stages
         n, H = config.hc_mult, config.hidden_size
-        self.embed_tokens = nn.Embedding(config.vocab_size, H, dtype=dtype, device=device)
         self.hc_head = HyperConnectionMapping(n, H, n, 1, dtype=dtype, device=device)
         layers, previous = [], None
         with layer_stack(parallel, reduction=reduction):
@@ -106,8 +104,7 @@ class DeepseekV4ForCausalLM(nn.Module):
                 previous = layer.residual
         self.layers = nn.ModuleList(layers)
         self.exit_read = previous.final_read
-        self.norm = RMSNorm(H, config.rms_norm_eps, dtype=dtype, device=device)
-        self.lm_head = output_head(config, self.embed_tokens, dtype=dtype, device=device)
+        place_head(self, lambda: RMSNorm(H, config.rms_norm_eps, dtype=dtype, device=device), dtype=dtype, device=device)
         self.rotary = InterleavedRope(config.rope_head_dim, config.rope_theta)
 
     def routed_layers(self) -> list:

@@ -15,7 +15,7 @@ import attrs
 
 from layer_boundary.plugin import ConfigFields
 
-from .config import ConfigError, FamilyConfig, check_dense_split
+from .config import ConfigError, DenseConfig, check_dense_split
 
 __all__ = ["GemmaSandwichConfig", "RopeSpec", "LAYER_TYPES"]
 
@@ -53,14 +53,7 @@ class RopeSpec:
 
 
 @attrs.frozen(kw_only=True)
-class GemmaSandwichConfig(FamilyConfig):
-    num_layers: int
-    num_heads: int
-    num_kv_heads: int
-    head_dim: int
-    intermediate_size: int
-    rms_norm_eps: float
-    hidden_act: str
+class GemmaSandwichConfig(DenseConfig):
     #: the scores are scaled by query_pre_attn_scalar**-0.5 (not head_dim**-0.5)
     query_pre_attn_scalar: float
     sliding_window: Optional[int]

@@ -8,7 +8,7 @@ import torch
 from layer_boundary.plugin import TensorSource, loads_weights
 
 from .gemma2_config import GemmaSandwichConfig
-from .weights import load_stage_ends
+from .weights import load_attention, load_stage_ends
 
 __all__ = ["load_weights", "random_weights"]
 
@@ -22,7 +22,6 @@ def load_weights(model, src: TensorSource) -> None:
     """Copy every weight of a `GemmaSandwichLM` from `src` (HF names), sharded per rank: the
     layers of its pipeline stage, the embedding on the first stage, the final norm and the head
     on the last (a tied head from the embedding)."""
-    cfg = model.config
     ref = next(model.parameters())
 
     def to(t):
@@ -33,12 +32,7 @@ def load_weights(model, src: TensorSource) -> None:
         p = f"model.layers.{i}"
         for name in LAYER_NORMS:
             getattr(layer, name).weight.copy_(to(src.require(f"{p}.{name}.weight")))
-        attn = layer.self_attn
-        attn.load_qkv(*(to(src.require(f"{p}.self_attn.{name}.weight")) for name in ("q_proj", "k_proj", "v_proj")))
-        attn.o_proj.load_full(to(src.require(f"{p}.self_attn.o_proj.weight")))
-        if cfg.qk_norm:
-            attn.q_norm.weight.copy_(to(src.require(f"{p}.self_attn.q_norm.weight")))
-            attn.k_norm.weight.copy_(to(src.require(f"{p}.self_attn.k_norm.weight")))
+        load_attention(layer.self_attn, src, f"{p}.self_attn", to)
         layer.mlp.load_full(*(to(src.require(f"{p}.mlp.{name}.weight")) for name in ("gate_proj", "up_proj", "down_proj")))
 
 

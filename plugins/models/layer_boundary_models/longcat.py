@@ -33,7 +33,8 @@ from .attention import KVCache, RotaryEmbedding, StepLayout
 from .config import NO_PIPELINE, ConfigError, FamilyConfig
 from .overlapped import run_layers, run_operations
 from .mla import TPLatentAttention
-from .parts import output_head, place_experts
+from .parts import place_experts
+from .pipeline import place_head, place_stage
 from .mlp import TPGatedMLP, activation, dense_experts
 from layer_boundary.plugin import TensorSource, loads_weights
 
@@ -286,17 +287,13 @@ class LongcatLayer(nn.Module):
 class LongcatForCausalLM(nn.Module):
     def __init__(self, config: LongcatConfig, parallel, *, reduction="ar", fusions=None, dtype=None, device=None):
         super().__init__()
-        config.check_topology(parallel.topology)
-        self.config = config
-        self.parallel = parallel
+        place_stage(self, config, parallel, dtype=dtype, device=device)  # one stage: it runs without pipeline stages
         H = config.hidden_size
-        self.embed_tokens = nn.Embedding(config.vocab_size, H, dtype=dtype, device=device)
         with layer_stack(parallel, reduction=reduction):
             self.layers = nn.ModuleList(
                 LongcatLayer(config, i, parallel, fusions=fusions, dtype=dtype, device=device) for i in range(config.num_layers)
             )
-        self.norm = RMSNorm(H, config.rms_norm_eps, dtype=dtype, device=device)
-        self.lm_head = output_head(config, self.embed_tokens, dtype=dtype, device=device)
+        place_head(self, lambda: RMSNorm(H, config.rms_norm_eps, dtype=dtype, device=device), dtype=dtype, device=device)
         self.rotary = RotaryEmbedding(config.qk_rope_head_dim, config.rope_theta)
 
     def routed_layers(self) -> list:

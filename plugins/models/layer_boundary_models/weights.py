@@ -13,7 +13,7 @@ import torch
 from layer_boundary.plugin import TensorSource, loads_weights
 
 
-__all__ = ["load_weights", "random_weights", "load_stage_ends"]
+__all__ = ["load_weights", "random_weights", "load_stage_ends", "load_attention"]
 
 
 def _experts(src: TensorSource, prefix: str, num_experts: int):
@@ -42,6 +42,16 @@ def load_stage_ends(model, src: TensorSource, to) -> None:
             model.lm_head.weight.copy_(to(src.require("model.embed_tokens.weight")))
 
 
+def load_attention(attn, src: TensorSource, prefix: str, to) -> None:
+    """A `TPAttention`'s q/k/v and output projections (and its q/k norms, where it has them)
+    from the Hugging Face names under `prefix`, each rank keeping its shard."""
+    attn.load_qkv(*(to(src.require(f"{prefix}.{name}.weight")) for name in ("q_proj", "k_proj", "v_proj")))
+    attn.o_proj.load_full(to(src.require(f"{prefix}.o_proj.weight")))
+    if attn.q_norm is not None:
+        attn.q_norm.weight.copy_(to(src.require(f"{prefix}.q_norm.weight")))
+        attn.k_norm.weight.copy_(to(src.require(f"{prefix}.k_norm.weight")))
+
+
 @loads_weights
 @torch.no_grad()
 def load_weights(model, src: TensorSource) -> None:
@@ -60,13 +70,7 @@ def load_weights(model, src: TensorSource) -> None:
         p = f"model.layers.{i}"
         layer.input_layernorm.weight.copy_(to(src.require(f"{p}.input_layernorm.weight")))
         layer.post_attention_layernorm.weight.copy_(to(src.require(f"{p}.post_attention_layernorm.weight")))
-        attn = layer.self_attn
-        q, k, v = (to(src.require(f"{p}.self_attn.{name}.weight")) for name in ("q_proj", "k_proj", "v_proj"))
-        attn.load_qkv(q, k, v)
-        attn.o_proj.load_full(to(src.require(f"{p}.self_attn.o_proj.weight")))
-        if attn.q_norm is not None:
-            attn.q_norm.weight.copy_(to(src.require(f"{p}.self_attn.q_norm.weight")))
-            attn.k_norm.weight.copy_(to(src.require(f"{p}.self_attn.k_norm.weight")))
+        load_attention(layer.self_attn, src, f"{p}.self_attn", to)
         if cfg.is_sparse(i):
             gate_up, down = _experts(src, f"{p}.mlp", cfg.num_experts)
             shared = None
