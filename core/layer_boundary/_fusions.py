@@ -78,13 +78,22 @@ def read_format(read) -> Optional[str]:
     return "plain" if read.plain_norm else None
 
 
+def offered_here(fused: FusedMlpInput, description) -> bool:
+    """Whether a stage may run `fused`: it produces the read's format, computes the read's norm
+    kind, and applies exactly the post-norm an arriving output owes here (none where none does)."""
+    if fused.output_format != description.read_format or description.norm_kind not in fused.norm_kinds:
+        return False
+    post = description.post_norm_kind
+    return not fused.post_norm_kinds if post is None else post in fused.post_norm_kinds
+
+
 def consumer_candidates(stage, providers) -> tuple[Candidate, ...]:
     """The ordered consumer candidates of `stage`'s input; the last one never declines. Only
-    candidates producing the read's own format are kept."""
+    candidates of the read's own format, norm kind and post-norm kind are kept (`offered_here`)."""
     ffn = stage.kind is StageKind.FFN
     capability = FfnInputFusion if ffn else AttentionInputFusion
     groups = equivalent_groups(stage.parallel.topology)
-    wanted = read_format(stage.read)
+    description = stage.description
     out: list[Candidate] = []
     for provider, source in providers:
         if not isinstance(provider, capability):
@@ -92,7 +101,7 @@ def consumer_candidates(stage, providers) -> tuple[Candidate, ...]:
         offered = provider.ffn_input(stage) if ffn else provider.attention_input(stage)
         for raw in offered or ():
             fused = raw if isinstance(raw, FusedMlpInput) else FusedMlpInput(run=raw)
-            if not fused.always and fused.output_format != wanted:
+            if not fused.always and not offered_here(fused, description):
                 continue
             accepts = None if fused.completes is None else groups[fused.completes]
             out.append(Candidate(fused, source, accepts))

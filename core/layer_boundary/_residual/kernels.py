@@ -52,23 +52,38 @@ class Choice:
     reason: str = ""
 
 
+def compute_dtype_of(norm, dtype: torch.dtype) -> torch.dtype:
+    """The dtype `norm` computes its statistic in for rows of `dtype` (a LayerNorm built with
+    `compute_dtype=None` computes in the wider of the rows' dtype and fp32)."""
+    compute = getattr(norm, "compute_dtype", torch.float32)
+    return torch.promote_types(dtype, torch.float32) if compute is None else compute
+
+
 def request_for(norm, device: torch.device, dtype: torch.dtype, contribution_dtype: torch.dtype) -> AddNormRequest:
     weight = norm.weight
     offset = float(type(norm).offset)
+    kind = type(norm).norm_kind
     return AddNormRequest(
         device=torch.device(device),
         dtype=dtype,
         contribution_dtype=contribution_dtype,
         weight_dtype=weight.dtype,
-        hidden_size=int(weight.shape[0]),
+        hidden_size=int(weight.shape[-1]),
         offset=offset,
         eps=float(norm.eps),
-        compute_dtype=getattr(norm, "compute_dtype", torch.float32),
-        norm_kind="gemma_rms" if offset else "rms",
+        compute_dtype=compute_dtype_of(norm, dtype),
+        norm_kind=kind if kind == "layer" else ("gemma_rms" if offset else "rms"),
+        bias=getattr(norm, "bias", None) is not None,
     )
 
 
 def _bound(kernel: Callable, norm) -> Callable:
+    if type(norm).norm_kind == "layer":  # a LayerNorm's kernel takes its bias (None without one)
+        def run_layer(contribution, residual):
+            return kernel(contribution, residual, norm.weight, norm.bias)
+
+        return run_layer
+
     def run(contribution, residual):
         return kernel(contribution, residual, norm.weight)
 
@@ -168,6 +183,6 @@ def forget(norm=None) -> None:
 _manager.on_registry_reset(forget)
 
 
-def chain() -> list[str]:
-    """The names of the add + norm kernels in the order they are asked, the torch path last."""
-    return [item.name for item in _manager.get_registry().add_norm_kernels] + [TORCH]
+def chain(kind: str = "rms") -> list[str]:
+    """The names of the add + norm kernels asked for a norm of `kind`, in order, the torch path last."""
+    return [item.name for item in _manager.get_registry().add_norm_kernels if kind in item.record.norm_kinds] + [TORCH]
