@@ -237,5 +237,4 @@ def test_a_kind_a_record_does_not_declare_is_never_handed_to_it(fresh_registry, 
     # a LayerNorm in a model asks only the records that declare its kind, with its bias
     plugin.asked.clear()
     norm = _layer_norm(H, dtype=torch.float32)
-    c, r = _rows(dtype=torch.float32), _rows(seed=2, dtype=torch.float32)
     assert norm.add_norm_kernel() == "layer_too.k" and plugin.asked == [("layer_too.k", "layer")]

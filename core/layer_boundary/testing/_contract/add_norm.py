@@ -1,7 +1,9 @@
-"""The contract of an `AddNormKernel` (a local add + RMSNorm kernel), one pass per device.
+"""The contract of an `AddNormKernel` (a local add + norm kernel), one pass per device.
 
-- construction: the factory answers every request of the pass (RMSNorm and Gemma, each dtype,
-  the settings' width) with a callable or None, never raising;
+- construction: the factory answers every request of the pass (RMSNorm and Gemma, LayerNorm with
+  and without a bias where the record declares "layer", each dtype, the settings' width) with a
+  callable or None, never raising; so does a `post_norm_factory` for the post-norm pairs of the
+  kinds it declares (Gemma's sandwich, OLMo-2's post-norm before an identity read, ...);
 - purity: an accepted kernel returns new tensors and leaves contribution and residual unchanged
   (values and version counters): the caller may still hold both (captures, snapshots);
 - parity: its (normed, new residual) match the torch reference `add_rms_norm` within the dtype's
@@ -19,9 +21,11 @@ import importlib
 import torch
 
 from ..._plugins.selection import call_record
-from ..._residual.add_norm import GemmaRMSNorm, RMSNorm, add_rms_norm
+from ..._residual.add_norm import NORM_READ, GemmaRMSNorm, LayerNorm, RMSNorm, add_rms_norm
 from ..._residual.kernels import request_for
+from ..._residual.post_norm import PostNormRead
 from .report import DTYPES, ContractReport, ContractSettings, relative_error
+from .stages import Identity
 
 __all__ = ["ADD_NORM_CHECKS", "add_norm_report"]
 
@@ -39,32 +43,56 @@ def _factory(record, device: str):
         raise RuntimeError(f"record {record.name!r}: its contract_preparation {path!r} did not load: {type(exc).__name__}: {exc}") from exc
 
 
-def _norm_factory(record, device: str, prepared):
-    """The plain-norm factory to check: the record's own on CUDA (or with no preparation), else
-    the prepared factory's `norm_factory` attribute (None: plain norms unchecked here)."""
-    if record.norm_factory is None:
+def _norm_factory(record, device: str, prepared, field: str):
+    """The plain-norm (`field="norm_factory"`) or post-norm factory to check: the record's own on
+    CUDA (or with no preparation), else the prepared factory's attribute of that name (None:
+    unchecked here)."""
+    if getattr(record, field) is None:
         return None
     if not getattr(record, "contract_preparation", None) or device == "cuda":
-        return functools.partial(call_record, record, factory="norm_factory")
-    return getattr(prepared, "norm_factory", None)
+        return functools.partial(call_record, record, factory=field)
+    return getattr(prepared, field, None)
+
+
+#: the norms a pass asks about: (label, kind, build(hidden, dtype))
+_NORMS = (
+    ("RMSNorm", "rms", lambda h, dtype: RMSNorm(h, dtype=dtype, compute_dtype=torch.promote_types(dtype, torch.float32))),
+    ("GemmaRMSNorm", "gemma_rms", lambda h, dtype: GemmaRMSNorm(h, dtype=dtype, compute_dtype=torch.promote_types(dtype, torch.float32))),
+    ("LayerNorm", "layer", lambda h, dtype: LayerNorm(h, dtype=dtype, compute_dtype=None)),
+    ("LayerNorm(bias=False)", "layer", lambda h, dtype: LayerNorm(h, bias=False, dtype=dtype, compute_dtype=None)),
+)
+#: the (post-norm, read) pairs a `post_norm_factory` is asked about: Gemma's sandwich, a plain
+#: RMSNorm pair, OLMo-2's post-norm before an identity read, LayerNorm around LayerNorm
+_POST_PAIRS = (("RMSNorm", "RMSNorm"), ("GemmaRMSNorm", "GemmaRMSNorm"), ("RMSNorm", None), ("LayerNorm", "LayerNorm"))
+
+
+def _weighted(build, hidden, dtype, g, device):
+    """A norm (float64 rows take float64 statistics: the reference then matches to 1e-10) with
+    weights (and a bias) away from their defaults, on `device`."""
+    norm = build(hidden, dtype)
+    with torch.no_grad():
+        norm.weight.copy_((0.0 if norm.offset else 1.0) + 0.1 * torch.randn(hidden, generator=g))
+        if getattr(norm, "bias", None) is not None:
+            norm.bias.copy_(0.1 * torch.randn(hidden, generator=g))
+    return norm.to(device)
 
 
 def add_norm_report(record, settings: ContractSettings) -> ContractReport:
     report = ContractReport(record.name, "add norm kernel")
     device = torch.device(settings.device)
     factory = _factory(record, settings.device)
-    norm_factory = _norm_factory(record, settings.device, factory)
+    norm_factory = _norm_factory(record, settings.device, factory, "norm_factory")
+    post_factory = _norm_factory(record, settings.device, factory, "post_norm_factory")
+    kinds = record.norm_kinds
     g = torch.Generator().manual_seed(settings.seed)
     accepted = 0
-    for norm_cls in (RMSNorm, GemmaRMSNorm):
+    for label, kind, build in _NORMS:
+        if kind not in kinds:
+            continue
         for dtype_name in settings.dtypes:
             dtype = DTYPES[dtype_name]
-            # float64 rows take float64 statistics (the reference then matches to 1e-10)
-            norm = norm_cls(settings.hidden_size, dtype=dtype, compute_dtype=torch.promote_types(dtype, torch.float32))
-            with torch.no_grad():
-                norm.weight.copy_((0.0 if norm.offset else 1.0) + 0.1 * torch.randn(settings.hidden_size, generator=g))
-            norm = norm.to(device)
-            case = f"{norm_cls.__name__} {dtype_name} H={settings.hidden_size} on {settings.device}"
+            norm = _weighted(build, settings.hidden_size, dtype, g, device)
+            case = f"{label} {dtype_name} H={settings.hidden_size} on {settings.device}"
             request = request_for(norm, device, dtype, dtype)
             kernel = _construct(report, factory, request, case)
             if kernel is not None:
@@ -72,8 +100,10 @@ def add_norm_report(record, settings: ContractSettings) -> ContractReport:
                 for rows in settings.rows:
                     _run(report, kernel, norm, rows, dtype, dtype_name, settings, g, f"{case} T={rows}")
             # the plain norm is its own answer: a record may run it and decline the add + norm
-            if norm_factory is not None:
+            if norm_factory is not None and kind != "layer":
                 accepted += _plain(report, norm_factory, norm, request, dtype, dtype_name, settings, g, case)
+    if post_factory is not None:
+        accepted += _post_norms(report, post_factory, kinds, settings, g, device)
     report.stats["accepted"] += accepted
     if not accepted and (getattr(record, "contract_preparation", None) or settings.device == "cpu"):
         report.add("parity", f"accepted no request on {settings.device}: nothing was checked. A record whose kernels need "
@@ -102,8 +132,9 @@ def _run(report, kernel, norm, rows, dtype, dtype_name, settings, g, case) -> No
     c = (torch.randn(rows, hidden, generator=g) * 2).to(dtype).to(settings.device)
     r = torch.randn(rows, hidden, generator=g).to(dtype).to(settings.device)
     held = (c.clone(), r.clone(), c._version, r._version)
+    extra = (norm.bias,) if norm.norm_kind == "layer" else ()  # a LayerNorm's kernel takes its bias
     try:
-        normed, new_residual = kernel(c, r, norm.weight)
+        normed, new_residual = kernel(c, r, norm.weight, *extra)
     except Exception as exc:  # noqa: BLE001
         report.add("parity", f"{case}: the kernel raised {type(exc).__name__}: {exc}")
         return
@@ -160,3 +191,54 @@ def _plain(report, norm_factory, norm, request, dtype, dtype_name, settings, g, 
         if err > settings.tolerance(dtype_name):
             report.add("parity", f"{where}: differs from the torch norm by {err:.2e} relative (tolerance {settings.tolerance(dtype_name):.0e})")
     return True
+
+
+def _post_norms(report, post_factory, kinds, settings, g, device) -> int:
+    """The post-norm + add + norm of every pair of the kinds the record declares: never raises,
+    new tensors out, inputs untouched, within the dtype's tolerance of the torch completion (the
+    post-norm's `torch_forward`, then `add_rms_norm`). Returns how many requests it accepted."""
+    builds = {label: (kind, build) for label, kind, build in _NORMS}
+    accepted = 0
+    hidden = settings.hidden_size
+    for post_label, read_label in _POST_PAIRS:
+        post_kind = builds[post_label][0]
+        read_kind = "none" if read_label is None else builds[read_label][0]
+        if post_kind not in kinds or (read_kind != "none" and read_kind not in kinds):
+            continue
+        for dtype_name in settings.dtypes:
+            dtype = DTYPES[dtype_name]
+            post = _weighted(builds[post_label][1], hidden, dtype, g, device)
+            read = Identity(hidden) if read_label is None else _weighted(builds[read_label][1], hidden, dtype, g, device)
+            case = f"post-norm {post_label} + add + {read_label or 'identity'} {dtype_name} H={hidden} on {settings.device}"
+            request = PostNormRead(post, NORM_READ, read).request(device, dtype, dtype)
+            kernel = _construct(report, post_factory, request, case)
+            if kernel is None:
+                continue
+            accepted += 1
+            identity = read_label is None
+            for rows in settings.rows:
+                where = f"{case} T={rows}"
+                c = (torch.randn(rows, hidden, generator=g) * 2).to(dtype).to(device)
+                r = torch.randn(rows, hidden, generator=g).to(dtype).to(device)
+                held = (c.clone(), r.clone(), c._version, r._version)
+                try:
+                    normed, new_residual = kernel(c, r, post.weight, getattr(post, "bias", None), None if identity else read.weight,
+                                                  None if identity else getattr(read, "bias", None))
+                except Exception as exc:  # noqa: BLE001
+                    report.add("parity", f"{where}: the kernel raised {type(exc).__name__}: {exc}")
+                    continue
+                report.stats["launches"] += 1
+                if not (torch.equal(c, held[0]) and torch.equal(r, held[1])) or (c._version, r._version) != held[2:]:
+                    report.add("purity", f"{where}: the kernel wrote its contribution or residual (return new tensors)")
+                want_normed, want_residual = add_rms_norm(read, post.torch_forward(held[0]), held[1])
+                if normed.shape != want_normed.shape or new_residual.shape != want_residual.shape or new_residual.dtype != dtype:
+                    report.add("parity", f"{where}: {tuple(normed.shape)}, {tuple(new_residual.shape)} {new_residual.dtype}; expected "
+                                         f"{tuple(want_normed.shape)} {dtype}")
+                    continue
+                tol = settings.tolerance(dtype_name)
+                for what, got, want in (("normed", normed, want_normed), ("new residual", new_residual, want_residual)):
+                    err = relative_error(got, want)
+                    if err > tol:
+                        report.add("parity", f"{where}: {what} differs from the torch completion by {err:.2e} relative (tolerance "
+                                             f"{tol:.0e})")
+    return accepted
