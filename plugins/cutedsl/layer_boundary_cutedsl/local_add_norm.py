@@ -140,6 +140,9 @@ class CuteNorms:
         else:
             gamma, beta = weights
             post_gamma = None
+        if torch.compiler.is_compiling():  # the CuTe DSL launch is one op of the graph (an address is not known while tracing)
+            launch = graph_add_norms if self.launch is CUTEDSL_KERNELS.add_norms else self.launch
+            return launch(contribution, residual, gamma, beta, post_gamma, self.eps, self.post_eps, self.shape)
         return self.launch(_rows(contribution), _rows(residual), gamma, beta, post_gamma, self.eps, self.post_eps, self.shape)
 
     def __repr__(self) -> str:

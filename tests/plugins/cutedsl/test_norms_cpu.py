@@ -259,3 +259,34 @@ def test_each_completion_is_one_fused_call(model_case, tp, inline_plugin):
             assert launched == ["oneshot_all_reduce_add_norms"] * ((2 * LAYERS - 1) * steps)
     local_calls = [c for c in local if c[0] == "add_norms"]
     assert len(local_calls) == (2 * LAYERS if tp == 1 else 1) * steps * tp
+
+
+def test_the_oneshot_norms_check_runs_dry_on_cpu_ranks():
+    """norms_checks.check_oneshot_norms (what the GPU test asserts) over the reference protocol:
+    every shape within the bar of float64 and of the unfused path, the ranks bit-identical."""
+    from .norms_checks import SHAPES, check_oneshot_norms
+
+    rows = [r for rank_rows in run_threaded(lambda p: check_oneshot_norms(p, 64, (1, 5), dry=True), Topology(tp=2), timeout=120)
+            for r in rank_rows]
+    assert len(rows) == 2 * len(SHAPES) * 2 and all(r["ok"] for r in rows), [r for r in rows if not r["ok"]]
+    by_case = {}
+    for r in rows:
+        by_case.setdefault(r["case"], set()).add(r["digest"])
+    assert all(len(d) == 1 for d in by_case.values())
+
+
+def test_the_ops_of_a_compiled_graph_give_the_kernels_output_shapes():
+    """Inside torch.compile each norms launch is one custom op; their fake implementations."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from layer_boundary_cutedsl import graph_ops
+    from layer_boundary_cutedsl.local_add_norm import graph_add_norms
+
+    with FakeTensorMode():
+        x, w = torch.empty(5, 64, dtype=torch.bfloat16), torch.empty(64, dtype=torch.bfloat16)
+        for shape in (NormsShape("rms", 1.0, post=True, post_offset=1.0), NormsShape("layer", bias=True), NormsShape("none", post=True)):
+            normed, residual = graph_add_norms(x, x, w, w, w, 1e-5, 1e-6, shape)
+            assert normed.shape == residual.shape == (5, 64) and residual.dtype == torch.bfloat16
+            normed, residual = graph_ops.graph_oneshot_add_norms(x, x, w, w, w, 1e-5, 1e-6, shape, "key")
+            assert normed.shape == residual.shape == (5, 64)
+            assert (normed is residual) == (shape.norm == "none")  # an identity read: the new residual twice
