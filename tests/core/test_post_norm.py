@@ -302,3 +302,18 @@ def test_a_layer_norm_kernel_receives_its_bias(fresh_registry, inline_plugin):
         got = norm.fused_add_forward(c, r)
         assert torch.equal(got[1], norm.add_forward(c, r)[1]) and norm.add_norm_kernel() == "layers.k"
         assert seen[-1] == (bias, norm.bias)
+
+
+def test_prepare_model_chooses_the_post_norm_kernel_before_the_first_forward(post_kernels):
+    """Every plan of a stage shares one post-norm read, kept on its read norm, where
+    `prepare_model` (its `prepare_norms`) finds and chooses it: no choice is left for a capture."""
+    from layer_boundary._residual.add_norm import prepare_norms
+
+    holder = nn.Module()
+    holder.post, holder.read = _norm("rms", 1), _norm("gemma_rms", 2)
+    with layer_stack(Parallel.single()):
+        _, ffn = make_stages((declare_attn(output_transform=OutputTransform(holder.post)), _norm("rms", 3)), (declare_ffn(), holder.read),
+                             terminal=True)
+    assert ffn.plan.read_complete is ffn.plan.paths[next(iter(ffn.plan.paths))].entry.read_complete
+    chosen = dict(prepare_norms(holder))
+    assert chosen["read (after RMSNorm)"] == "postnorms.k" and len(post_kernels.requests) == 1

@@ -372,8 +372,9 @@ def describe_add_norm(norm) -> Optional[str]:
 def prepare_norms(model: Any) -> list[tuple[str, str]]:
     """Choose (and so compile or load) the kernels of every RMSNorm and LayerNorm in `model` for
     its weight's device and dtype, before the first forward and any CUDA-graph capture: (module
-    name, kernel) for the add + norm and ("<module name> (no add)", kernel) for an RMSNorm's plain
-    norm."""
+    name, kernel) for the add + norm, ("<module name> (no add)", kernel) for an RMSNorm's plain
+    norm, and ("<module name> (after <post-norm>)", kernel) for the post-norm + add + norm of a
+    stage reading with it."""
     if not isinstance(model, torch.nn.Module):
         return []
     out = []
@@ -383,4 +384,9 @@ def prepare_norms(model: Any) -> list[tuple[str, str]]:
             out.append((name, kernels.choose(module, w.device, w.dtype, w.dtype).name))
             if is_rms_norm(module):
                 out.append((f"{name} (no add)", kernels.choose_norm(module, w.device, w.dtype).name))
+        # the post-norm + add + norm of the stages reading with this norm (`post_norm.post_norm_read`)
+        for read in list(module.__dict__.get("_post_norm_reads", {}).values()):
+            w = read.post_norm.weight
+            if w.device.type != "meta":
+                out.append((f"{name} (after {type(read.post_norm).__name__})", read.choose(w.device, w.dtype, w.dtype).name))
     return out

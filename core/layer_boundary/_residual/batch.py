@@ -13,7 +13,7 @@ from .._forward import RowLayout
 from .._ops import align_rows
 from .._output import HandoffOutput, UnreducedOutput
 from .add_norm import NORM_READ, has_add_norm
-from .post_norm import PostNormRead
+from .post_norm import post_norm_read
 from .stream import ResidualStream, StreamState
 
 ATTENTION_ROWS = RowLayout.DP_LOCAL
@@ -177,11 +177,7 @@ def _fuses_post_norm(contribution, layernorm, stream, final_read, skip_empty) ->
 def final_post_norm_read(post_norm, layernorm):
     """The final norm's local completion of an output owing `post_norm` (`PostNormRead`), kept on
     the final norm, one per post-norm, so its kernel is chosen once."""
-    reads = layernorm.__dict__.setdefault("_post_norm_reads", {})
-    read = reads.get(id(post_norm))
-    if read is None:
-        read = reads[id(post_norm)] = PostNormRead(post_norm, NORM_READ, layernorm)
-    return read
+    return post_norm_read(post_norm, NORM_READ, layernorm)
 
 
 def _maybe_empty(layernorm, x, skip_empty):

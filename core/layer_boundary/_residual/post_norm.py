@@ -27,7 +27,7 @@ from .._plugins.selection import select
 from .add_norm import PLAIN_ADD, NormRead, kernel_norm_kind
 from .kernels import TORCH, Choice, compute_dtype_of
 
-__all__ = ["LocalRead", "PostNormRead", "local_read", "norm_spec", "forget"]
+__all__ = ["LocalRead", "PostNormRead", "local_read", "post_norm_read", "norm_spec", "forget"]
 
 #: post-norm reads holding cached choices, emptied when the registry is forgotten
 _READS: "weakref.WeakSet" = weakref.WeakSet()
@@ -152,7 +152,19 @@ class PostNormRead:
 
 def local_read(read, norm, post_norm=None):
     """The local completion of a stage that reads with `read` and `norm`, owing `post_norm` (None: none)."""
-    return LocalRead(read, norm) if post_norm is None else PostNormRead(post_norm, read, norm)
+    return LocalRead(read, norm) if post_norm is None else post_norm_read(post_norm, read, norm)
+
+
+def post_norm_read(post_norm, read, norm) -> PostNormRead:
+    """The one `PostNormRead` of (post_norm, read, norm), kept on the read norm: every plan of a
+    stage (and a final norm reading the same pair) shares its kernel choice, and `prepare_model`
+    finds it there (`prepare_norms`)."""
+    reads = norm.__dict__.setdefault("_post_norm_reads", {}) if hasattr(norm, "__dict__") else {}
+    key = (id(post_norm), id(read))
+    found = reads.get(key)
+    if found is None or found.post_norm is not post_norm or found.read is not read:
+        found = reads[key] = PostNormRead(post_norm, read, norm)
+    return found
 
 
 def _refusal(post_norm, read, norm) -> str:
