@@ -195,8 +195,9 @@ def test_a_decode_step_completes_each_sum_in_one_local_norms_call(name):
     ids = torch.tensor(decode[0], device="cuda")
     position = [len(p) for p in prompts]
 
-    def decode_step():
-        step = StepLayout(rids, [1] * len(rids), position, device="cuda")
+    def decode_step():  # each call one step further (the cache grows by a token a request)
+        step = StepLayout(rids, [1] * len(rids), list(position), device="cuda")
+        position[:] = [p + 1 for p in position]
         return model(ids, Forward(parallel, len(rids), mode=ForwardMode.DECODE), step, cache)
 
     profile = profile_step(decode_step, top=200)
