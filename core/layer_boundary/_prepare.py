@@ -53,7 +53,7 @@ def run_local(plan, entry, hidden, fwd):
                 inp, residual = entry.add_norm(pending.value, stream.residual)
             else:
                 inp, residual = plan.read.update_and_read(pending.update, pending.value, stream.residual, norm)
-        elif entry.candidates:
+        elif entry.candidates and entry.post_transform is None:  # (a post-norm entry's candidates apply the norm)
             inp, residual = run_candidates(entry.candidates, owed, stream.residual, fwd, isinstance(owed, HandoffOutput))
         else:
             inp, residual = plan.read.update_and_read(pending.update, pending.complete(), stream.residual, norm)
@@ -151,7 +151,7 @@ def run_entry(plan, entry, hidden, fwd, capture_output=None, captured=None, post
     # LOCAL and ENTER (and DP_PARTIAL when the sum arrived complete)
     transform = contribution.transform
     post = transform is not None and transform is entry.post_transform  # the producer's post-norm, completed here
-    if owed is not None and entry.candidates and (transform is None or post):
+    if owed is not None and entry.candidates and ((transform is None and entry.post_transform is None) or post):
         inp, residual = run_candidates(entry.candidates, owed, residual, fwd, isinstance(owed, HandoffOutput))
     elif owed is None and post:
         inp, residual = entry.read_complete(contribution.value, residual)
