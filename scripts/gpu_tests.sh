@@ -44,6 +44,10 @@
 #               alone (also in `cutedsl` and `cutedsl-kernels`)
 #   late-gamma  the GPU tests of the late gamma read, of L1 staging and of a plain call's kernel by token
 #               count (`layout=AUTO` with the test's own band table) alone (also in `cutedsl`)
+#   norms       the norms kernels of post-norm, sandwich and LayerNorm layers (also in `cutedsl`): the local
+#               kernel vs float64 and the unfused path, in a CUDA graph, its launches in a gemma3/olmo2/gpt_neox
+#               decode step; the one-shot variant at 2 ranks and the three models at TP=2
+#   norms-local the same, one GPU only (the local kernel and the TP=1 models)
 #
 # The archives do not fit one command (64 MiB a command), so a fresh machine is staged in three
 # commands sent back to back (the machine keeps /tmp while it stays warm), then the groups:
@@ -201,6 +205,8 @@ group() {
     qk-norm-rope) run_pytest qk_norm_rope 300 tests/plugins/cutedsl/test_qk_norm_rope_gpu.py ;;
     reread) run_pytest reread 200 tests/plugins/cutedsl/test_kernels_gpu.py -k "reread" ;;
     late-gamma) run_pytest late_gamma 200 tests/plugins/cutedsl/test_kernels_gpu.py -k "late_gamma or token_counts_kernel" ;;
+    norms) run_pytest norms 400 tests/plugins/cutedsl/test_norms_gpu.py ;;
+    norms-local) run_pytest norms_local 300 tests/plugins/cutedsl/test_norms_gpu.py -k "not two_ranks and not tp2" ;;
     # the band grid timed (bench cutedsl --bands-out) and the ROWS_BANDS table it suggests
     bands-cutedsl) run_bench bands_cutedsl 500 python3 -m layer_boundary bench cutedsl -- --bands-out "$OUT/add_norm_bands.json" \
       --out "$OUT/add_norm_bands_timings.json" ;;

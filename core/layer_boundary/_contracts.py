@@ -72,6 +72,11 @@ class FusedMlpInput:
     `preserves_residual` says the candidate never writes the old residual in place.
     `output_format` is what it returns as compute input: "plain" (the normalized tensor), or a
     quantized format ("fp8_static", "fp8_dynamic"); a read is offered only candidates of its own.
+    `norm_kinds` are the read norms it computes (`StageDescription.norm_kind`: the RMSNorm kinds
+    by default; "layer", "none" for an identity read). `post_norm_kinds` are the output norms it
+    applies to the completed sum before the add (`StageDescription.post_norm_kind`); empty (the
+    default): it takes no post-norm, and is offered only where none arrives. A stage is offered
+    only the candidates of its own kinds.
     """
 
     run: Callable[..., Any]
@@ -80,6 +85,8 @@ class FusedMlpInput:
     name: str = ""
     preserves_residual: bool = False
     output_format: str = "plain"
+    norm_kinds: tuple = ("rms", "gemma_rms")
+    post_norm_kinds: tuple = ()
     #: set by the core for its own last-resort candidate, which never declines
     always: bool = False
 
@@ -100,7 +107,8 @@ class StageDescription:
     plain_update: bool
     #: this stage's read is a plain norm
     plain_read: bool
-    #: "rms", "gemma_rms", "layer" (the core's LayerNorm) or "other"
+    #: "rms", "gemma_rms", "layer" (the core's LayerNorm), "none" (a read that normalizes
+    #: nothing: the identity) or "other"
     norm_kind: str
     hidden_size: Optional[int]
     eps: Optional[float]
@@ -111,3 +119,7 @@ class StageDescription:
     #: what the read hands compute: "plain" (a normalized tensor), a quantized format
     #: ("fp8_static", "fp8_dynamic"), or None for a read no fused candidate can stand in for
     read_format: Optional[str] = "plain"
+    #: the kind of the output norm ("rms", "gemma_rms", "layer", "other") an arriving output owes
+    #: before its add (a post-norm or sandwich layer, `OutputTransform(norm)`), which this input
+    #: completes with its sum, its add and its read; None where none arrives
+    post_norm_kind: Optional[str] = None

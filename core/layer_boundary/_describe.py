@@ -39,6 +39,10 @@ def entry(path, plan) -> list[str]:
         steps.append(f"complete {_OWES[path.owed]} through the first accepting candidate: {names}")
     else:
         steps.append(f"complete {_OWES[path.owed]} unfused, then update and read with {norm}")
+    if path.post_transform is not None:
+        post = path.post_transform
+        steps.append(f"the producer's post-norm {post.name} ({type(post.post_norm).__name__}) runs here, on the completed output "
+                     "before the add, in the same call")
     if path.input_move_name:
         steps.append(path.input_move_name)
     if path.compute_rows is RowLayout.ATTN_CP_LOCAL:
@@ -84,6 +88,15 @@ def _parallel_exit(path, plan) -> list[str]:
 
 
 def exit(path, plan) -> list[str]:  # noqa: A001 - the plan's "exit" half
+    steps = _exit_steps(path, plan)
+    if path.keeps_post_norm:
+        transform = plan.declaration.output_transform
+        steps.append(f"leave the post-norm {transform.name} ({type(transform.post_norm).__name__}) for the next input, which "
+                     "applies it to the completed output")
+    return steps
+
+
+def _exit_steps(path, plan) -> list[str]:
     g = path.sum_group.name
     on_rows = f", on {path.output_rows.short}" if path.output_rows is not RowLayout.DP_LOCAL else ""
     if path.role is ExitRole.DECLARED or path.leaves_declared:
@@ -121,6 +134,8 @@ def plan(p) -> dict:
     add_norm = None if p.enters_stack or p.is_branch else describe_add_norm(p.norm)  # the stack entry only norms
     if add_norm is not None:
         out["add_norm"] = add_norm
+    if p.post_norm is not None:
+        out["post_norm"] = p.read_complete.describe()
     if p.unsupported:
         out["unsupported"] = {v.value: reason for v, reason in p.unsupported.items()}
     return out

@@ -83,9 +83,10 @@ def _stream(fwd):
     return stream
 
 
-def record_complete(plan, ex, value, fwd):
-    """Record a complete contribution on the exit's output rows; an update that runs at the
-    exit (`ex.writes_at_exit`) writes the stream now, on the residual's rows."""
+def record_complete(plan, ex, value, fwd, transform=None):
+    """Record a complete contribution on the exit's output rows (its post-norm `transform` still
+    pending, where the exit keeps it for the next input); an update that runs at the exit
+    (`ex.writes_at_exit`) writes the stream now, on the residual's rows."""
     stream = _stream(fwd)
     update = plan.declaration.update
     if ex.writes_at_exit:
@@ -94,7 +95,7 @@ def record_complete(plan, ex, value, fwd):
         new_residual = value if residual is None else update.apply(value, residual)
         stream.write(new_residual, stream.rows, handle=new_residual)
         return new_residual
-    return stream.record(Contribution(value, update, rows=ex.output_rows))
+    return stream.record(Contribution(value, update, transform=transform, rows=ex.output_rows))
 
 
 _DP_LOCAL = RowLayout.DP_LOCAL
@@ -154,20 +155,27 @@ def _leave_sum(plan, ex, out, fwd, *, declared: bool):
         out = move(out, fwd)  # taking rows commutes with the sum: the next input reduces fewer rows
     if ex.group.size == 1:
         transform = decl.output_transform
-        return stream.record(Contribution(out if transform is None else transform(out), decl.update, rows=ex.output_rows))
+        if transform is None or ex.keeps_post_norm:  # a post-norm waits for the next input
+            return stream.record(Contribution(out, decl.update, transform=transform, rows=ex.output_rows))
+        return stream.record(Contribution(transform(out), decl.update, rows=ex.output_rows))
     owed = UnreducedOutput(out, ex.group, ex.sum_group, declared=declared)
     return stream.record(Contribution(None, decl.update, owed=owed, transform=decl.output_transform, rows=ex.output_rows))
 
 
 def complete_reduced(plan, ex, out, fwd):
-    """Output that compute already reduced: transform, move to the exit's output rows, record."""
+    """Output that compute already reduced: transform (unless the exit keeps a post-norm for the
+    next input), move to the exit's output rows, record."""
     transform = plan.declaration.output_transform
+    pending = None
     if transform is not None:
-        out = transform(out)
+        if ex.keeps_post_norm:
+            pending = transform
+        else:
+            out = transform(out)
     move = ex.output_move
     if move is not None:
         out = move(out, fwd)
-    return record_complete(plan, ex, out, fwd)
+    return record_complete(plan, ex, out, fwd, pending)
 
 
 #: a second finish() on one exit scope
@@ -281,12 +289,12 @@ class FfnExit(_ExitScope):
                     f"stage {plan.label} returned a HandoffOutput but its exit did not publish defer_moe_finalize; "
                     "finalize inside the MoE unless get_forward().defer_moe_finalize is set"
                 )
-            return stream.record(Contribution(None, decl.update, owed=out))
+            return stream.record(Contribution(None, decl.update, owed=out, transform=decl.output_transform))
         if not isinstance(out, torch.Tensor):
             raise TypeError(f"stage {plan.label}: compute must return a tensor or a HandoffOutput, got {type(out).__name__}")
-        if decision.defer_sum:
+        if decision.defer_sum:  # the sum (and a post-norm, the only transform that defers) waits for the next input
             owed = UnreducedOutput(out, path.exit.group, path.exit.sum_group, declared=False)
-            return stream.record(Contribution(None, decl.update, owed=owed))
+            return stream.record(Contribution(None, decl.update, owed=owed, transform=decl.output_transform))
         if decision.reduce_scatter:
             transform = decl.output_transform
             if transform is not None:

@@ -104,14 +104,23 @@ def read_format(read) -> Optional[str]:
     return "plain" if read.plain_norm else None
 
 
+def offered_here(fused: FusedMlpInput, description) -> bool:
+    """Whether a stage may run `fused`: it produces the read's format, computes the read's norm
+    kind, and applies exactly the post-norm an arriving output owes here (none where none does)."""
+    if fused.output_format != description.read_format or description.norm_kind not in fused.norm_kinds:
+        return False
+    post = description.post_norm_kind
+    return not fused.post_norm_kinds if post is None else post in fused.post_norm_kinds
+
+
 def consumer_candidates(stage, providers, plugins: Sequence[Optional[str]] = ()) -> tuple[Candidate, ...]:
     """The ordered consumer candidates of `stage`'s input; the last one never declines. Only
-    candidates producing the read's own format are kept. `plugins` names each provider's plugin
-    (None, or missing: the stage's own provider)."""
+    candidates of the read's own format, norm kind and post-norm kind are kept (`offered_here`).
+    `plugins` names each provider's plugin (None, or missing: the stage's own provider)."""
     ffn = stage.kind is StageKind.FFN
     capability = FfnInputFusion if ffn else AttentionInputFusion
     groups = equivalent_groups(stage.parallel.topology)
-    wanted = read_format(stage.read)
+    description = stage.description
     out: list[Candidate] = []
     for index, (provider, source) in enumerate(providers):
         plugin = plugins[index] if index < len(plugins) else None
@@ -120,7 +129,7 @@ def consumer_candidates(stage, providers, plugins: Sequence[Optional[str]] = ())
         offered = provider.ffn_input(stage) if ffn else provider.attention_input(stage)
         for raw in offered or ():
             fused = raw if isinstance(raw, FusedMlpInput) else FusedMlpInput(run=raw)
-            if not fused.always and fused.output_format != wanted:
+            if not fused.always and not offered_here(fused, description):
                 continue
             accepts = None if fused.completes is None else groups[fused.completes]
             out.append(Candidate(fused, source, accepts, plugin, stage.label))

@@ -19,16 +19,25 @@ class OutputTransform:
     It runs after the sum completes, which turns off reduce-scatter and deferral for that
     output, unless `before_reduce_scatter` says the implementation is row-wise and may run on
     each rank's share before a reduce-scatter (never before an all-reduce of partials).
+
+    A transform that is one of the core's norms (`RMSNorm`, `GemmaRMSNorm`, `LayerNorm` or a
+    subclass) is a *post-norm* (`post_norm` is that module): the sum and the norm stay deferrable,
+    and the next input completes them together with its add and its own read, in one call a
+    fusion provider may fuse.
     """
 
-    __slots__ = ("apply", "before_reduce_scatter", "name")
+    __slots__ = ("apply", "before_reduce_scatter", "name", "post_norm")
 
     def __init__(self, apply: Callable[[torch.Tensor], torch.Tensor], *, before_reduce_scatter: bool = False, name: str = ""):
         if not callable(apply):
             raise TypeError("OutputTransform needs a callable")
+        from ._residual.add_norm import has_add_norm
+
         self.apply = apply
         self.before_reduce_scatter = before_reduce_scatter
         self.name = name or getattr(apply, "__name__", type(apply).__name__)
+        #: the norm module this transform is, or None (any other callable)
+        self.post_norm = apply if has_add_norm(apply) else None
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         return self.apply(x)

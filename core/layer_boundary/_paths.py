@@ -19,7 +19,7 @@ from ._layout import SumGroup
 
 __all__ = [
     "EntryMode", "ExitRole", "Owed", "ReduceScatter", "EntryPath", "ExitPath", "StagePath", "defers_to_next_input", "writes_at_exit",
-    "completes_for_split",
+    "completes_for_split", "leaves_post_norm",
 ]
 
 
@@ -47,6 +47,23 @@ def completes_for_split(decl, two_batch_overlap: bool) -> bool:
     FFN completes its output at its exit, on attention rows (the rows a split cuts), and the next
     input, whose `previous=` is the same declaration, expects nothing owed."""
     return bool(two_batch_overlap) and decl.kind.value == "ffn" and not decl.sparse and decl.next_sparse
+
+
+def leaves_post_norm(decl, topology, variant: BatchVariant, two_batch_overlap: bool = False) -> bool:
+    """The post-norm rule, written once: a producer whose output transform is a norm
+    (`OutputTransform.post_norm`) leaves it, with its sum where one is owed, for the next input,
+    which completes sum, norm, add and its own read in one call, wherever the deferral rule lets
+    outputs wait (`defers_to_next_input`) and the update does not run at the producer. The exit
+    (which then records the output with its norm pending) and the consumer's entry (which then
+    binds the fused completion) decide with it."""
+    transform = decl.output_transform
+    return (
+        transform is not None
+        and transform.post_norm is not None
+        and defers_to_next_input(topology, variant)
+        and not writes_at_exit(decl.update)
+        and not completes_for_split(decl, two_batch_overlap)
+    )
 
 
 class EntryMode(enum.Enum):
@@ -120,6 +137,13 @@ class EntryPath:
     candidates: tuple = ()
     #: the norm's add + norm (its chosen kernel) when the read is a plain norm of an RMSNorm (bound once)
     add_norm: Optional[Callable] = None
+    #: the producer's post-norm transform this entry completes itself (`leaves_post_norm`), or None:
+    #: a contribution arriving with exactly this transform pending is completed by the candidates
+    #: (a sum still owed) or by `read_complete` (a complete output), post-norm included
+    post_transform: Optional[Any] = None
+    #: `(value, residual) -> (compute_input, new_residual)`: the post-norm, add and read of a
+    #: complete output in one call (`Stage.read_complete`), where `post_transform` is set
+    read_complete: Optional[Callable] = None
     #: a capture of the residual on the producer's rows allocates (it gathers rows)
     capture_allocates: bool = False
     #: checks the batch before anything moves, `(forward) -> None` (a CP token mapping, say)
@@ -167,6 +191,9 @@ class ExitPath:
     #: output (on the compute rows; into this DP rank's slot of them when they are DP-gathered),
     #: and one sum completes both
     joins_carried: bool = False
+    #: the output transform is a post-norm the next input applies (`leaves_post_norm`): the exit
+    #: records the output (complete or owing its sum) with the norm still pending
+    keeps_post_norm: bool = False
     #: the decision of an FFN exit that no batch fact can change (exits then share it)
     static_decision: Any = attrs.field(init=False)
 

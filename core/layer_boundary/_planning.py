@@ -27,14 +27,16 @@ from ._layout import SumGroup
 from ._ops import dp_gather, dp_reduce_scatter, dp_scatter, gather_slices, reduce_scatter_slices, take_slice
 from ._parallel_residual import check_parallel_branch
 from ._paths import (
-    EntryMode, EntryPath, ExitPath, Owed, ReduceScatter, StagePath, completes_for_split, defers_to_next_input, writes_at_exit,
+    EntryMode, EntryPath, ExitPath, Owed, ReduceScatter, StagePath, completes_for_split, defers_to_next_input, leaves_post_norm,
+    writes_at_exit,
 )
-from ._residual.add_norm import GemmaRMSNorm, LayerNorm, NormRead, has_add_norm, is_rms_norm
+from ._residual.add_norm import NormRead, has_add_norm, kernel_norm_kind, norm_kind_of
+from ._residual.post_norm import local_read
 from ._row_publishers import bind_row_publishers, rows_in_scope
 from ._plugins.requests import CpPathRequest, DefersAllReduce, DefersFinalize
 from ._plugins.selection import RETURNED_NONE, select
 
-__all__ = ["Stage", "StagePlan", "plan_stages", "arriving_sum", "output_sum_group"]
+__all__ = ["Stage", "StagePlan", "plan_stages", "arriving_sum", "arriving_post_norm", "output_sum_group"]
 
 SLICE_VARIANTS = (BatchVariant.SEQUENCE_PARALLEL, BatchVariant.INPUT_SCATTERED)
 
@@ -64,12 +66,15 @@ def arriving_sum(decl, two_batch_overlap: bool = False) -> tuple[Owed, Optional[
     return Owed.DYNAMIC, output_sum_group(prev)
 
 
-def _norm_kind(norm) -> str:
-    if isinstance(norm, GemmaRMSNorm):
-        return "gemma_rms"
-    if isinstance(norm, LayerNorm):
-        return "layer"
-    return "rms" if is_rms_norm(norm) else "other"
+def arriving_post_norm(decl, topology, two_batch_overlap: bool = False):
+    """The output norm (a core norm module) the output arriving at `decl`'s input leaves for this
+    input to apply (`leaves_post_norm`, on ordinary rows), behind a plain add; None elsewhere."""
+    source = decl.previous
+    if source is None or not source.update.plain_add:
+        return None
+    if not leaves_post_norm(source, topology, BatchVariant.ORDINARY, two_batch_overlap):
+        return None
+    return source.output_transform.post_norm
 
 
 @attrs.frozen(eq=False, repr=False)
@@ -97,6 +102,12 @@ class Stage:
     output_sum: SumGroup = attrs.field(init=False)
     fusions: Any = attrs.field(init=False)
     qkv_latent_func: Any = attrs.field(init=False)
+    #: the producer's output norm this input applies before its add (`arriving_post_norm`), or None
+    post_norm: Any = attrs.field(init=False)
+    #: `(value, residual) -> (compute_input, new_residual)`: a complete output's local completion
+    #: at this input, its post-norm (if any), the add and the read, through the chosen kernels
+    #: (a candidate that completed a sum its own way hands the total here)
+    read_complete: Any = attrs.field(init=False)
     #: what a fusion provider's factory decides from
     description: StageDescription = attrs.field(init=False)
 
@@ -113,7 +124,9 @@ class Stage:
             output_sum=output_sum_group(decl),
             fusions=self.options.get("fusions"),
             qkv_latent_func=self.options.get("qkv_latent_func"),
+            post_norm=arriving_post_norm(decl, self.parallel.topology, self.two_batch_overlap),
         )
+        facts["read_complete"] = local_read(decl.read, self.norm, facts["post_norm"])
         for name, value in facts.items():
             object.__setattr__(self, name, value)
         object.__setattr__(self, "description", _description(self))
@@ -148,13 +161,14 @@ def _description(stage: Stage) -> StageDescription:
         incoming_sum=group if owed is not Owed.NOTHING else None,
         plain_update=bool(source is not None and source.update.plain_add),
         plain_read=bool(decl.read.plain_norm),
-        norm_kind=_norm_kind(stage.norm),
+        norm_kind=norm_kind_of(stage.norm),
         hidden_size=stage.hidden_size,
         eps=getattr(stage.norm, "eps", None),
         residual=decl.residual,
         reduction=stage.policy,
         output_sum=stage.output_sum,
         read_format=read_format(decl.read),
+        post_norm_kind=None if stage.post_norm is None else kernel_norm_kind(stage.post_norm),
     )
 
 
@@ -274,10 +288,12 @@ def _entry_path(stage: Stage, variant: BatchVariant, candidates, publishers) -> 
     if source is None:
         return EntryPath(mode=EntryMode.ENTER, input_move=move, input_move_name=name, compute_rows=rows)
     plain = arrives_plain and decl.read.plain_norm and source.output_transform is None
-    fusable = arrives_plain and read_format(decl.read) is not None and source.output_transform is None
+    # the producer's post-norm, applied here with the sum, the add and the read (`leaves_post_norm`)
+    post = arrives_plain and stage.post_norm is not None and leaves_post_norm(source, topo, variant, stage.two_batch_overlap)
+    fusable = arrives_plain and read_format(decl.read) is not None and (source.output_transform is None or post)
     if needs_full and owed is Owed.DECLARED and plain and not decl.read.before_gather and topo.attn_tp > 1 and topo.attn_cp == 1:
         return EntryPath(mode=EntryMode.DP_PARTIAL, input_move=move, arrives_plain=True, owed=owed, compute_rows=rows)
-    use_candidates = owed is not Owed.NOTHING and fusable and is_rms_norm(stage.norm)
+    use_candidates = owed is not Owed.NOTHING and fusable and (post or norm_kind_of(stage.norm) != "other")
     return EntryPath(
         mode=EntryMode.LOCAL,
         input_move=move,
@@ -286,6 +302,8 @@ def _entry_path(stage: Stage, variant: BatchVariant, candidates, publishers) -> 
         arrives_plain=arrives_plain,
         owed=owed,
         add_norm=stage.norm.fused_add_forward if plain and has_add_norm(stage.norm) and type(decl.read) is NormRead else None,
+        post_transform=source.output_transform if post else None,
+        read_complete=stage.read_complete if post else None,
         compute_rows=rows,
     )
 
@@ -362,9 +380,11 @@ def _exit(stage: Stage, variant: BatchVariant, finalize_ok: bool) -> ExitPath:
     slices = variant in SLICE_VARIANTS
     defers = defers_to_next_input(topo, variant)
     at_exit = writes_at_exit(update)  # ExitPath.of records it; such an output never leaves its sum
-    deferrable_update = not at_exit and transform is None
+    # a post-norm waits with the sum for the next input, which applies both (`leaves_post_norm`)
+    keeps = leaves_post_norm(decl, topo, variant, stage.two_batch_overlap)
+    deferrable_update = not at_exit and (transform is None or keeps)
     if decl.kind is StageKind.ATTENTION:
-        return ExitPath.of(stage)
+        return ExitPath.of(stage, keeps_post_norm=keeps)
     if decl.parallel_residual:
         return _parallel_exit(stage, variant)
     if decl.kind is StageKind.MIXER:
@@ -373,7 +393,7 @@ def _exit(stage: Stage, variant: BatchVariant, finalize_ok: bool) -> ExitPath:
         may_defer = (
             defers and not leaves and not decl.terminal and following is not None and topo.attn_tp > 1 and deferrable_update
         )
-        return ExitPath.of(stage, leaves_declared=leaves, may_defer=may_defer)
+        return ExitPath.of(stage, leaves_declared=leaves, may_defer=may_defer, keeps_post_norm=keeps)
     # FFN: a stage with finalize providers asks them on every exit, whatever the variant
     scatter_ok = transform is None or transform.before_reduce_scatter
     if slices:
@@ -393,6 +413,7 @@ def _exit(stage: Stage, variant: BatchVariant, finalize_ok: bool) -> ExitPath:
         may_defer=leaves and not decl.terminal and scoped and deferrable_update and group.size > 1,
         handoff_ok=leaves and finalize_ok and scoped and not at_exit,
         asks_finalize=finalize_ok,
+        keeps_post_norm=keeps,
     )
 
 

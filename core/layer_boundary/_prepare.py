@@ -46,16 +46,22 @@ def run_local(plan, entry, hidden, fwd):
     stream.pending = stream.handle = None
     owed = pending.owed
     norm = plan.norm
-    if pending.transform is None:
+    transform = pending.transform
+    if transform is None:
         if owed is None:
             if entry.add_norm is not None:  # plain add + plain RMSNorm read, bound at construction
                 inp, residual = entry.add_norm(pending.value, stream.residual)
             else:
                 inp, residual = plan.read.update_and_read(pending.update, pending.value, stream.residual, norm)
-        elif entry.candidates:
+        elif entry.candidates and entry.post_transform is None:  # (a post-norm entry's candidates apply the norm)
             inp, residual = run_candidates(entry.candidates, owed, stream.residual, fwd, isinstance(owed, HandoffOutput))
         else:
             inp, residual = plan.read.update_and_read(pending.update, pending.complete(), stream.residual, norm)
+    elif transform is entry.post_transform:  # the producer's post-norm, completed here with the add and the read
+        if owed is None:
+            inp, residual = entry.read_complete(pending.value, stream.residual)
+        else:
+            inp, residual = run_candidates(entry.candidates, owed, stream.residual, fwd, isinstance(owed, HandoffOutput))
     else:
         inp, residual = plan.read.update_and_read(pending.update, pending.complete(), stream.residual, norm)
     pending.owed = pending.value = None  # consumed: the caller's handle retains nothing
@@ -143,8 +149,12 @@ def run_entry(plan, entry, hidden, fwd, capture_output=None, captured=None, post
     if mode is EntryMode.BRANCH:  # pragma: no cover - dispatched by StageBoundary
         raise AssertionError(mode)
     # LOCAL and ENTER (and DP_PARTIAL when the sum arrived complete)
-    if owed is not None and entry.candidates and contribution.transform is None:
+    transform = contribution.transform
+    post = transform is not None and transform is entry.post_transform  # the producer's post-norm, completed here
+    if owed is not None and entry.candidates and ((transform is None and entry.post_transform is None) or post):
         inp, residual = run_candidates(entry.candidates, owed, residual, fwd, isinstance(owed, HandoffOutput))
+    elif owed is None and post:
+        inp, residual = entry.read_complete(contribution.value, residual)
     else:
         value = contribution.complete()
         inp, residual = read.update_and_read(contribution.update, value, residual, norm)

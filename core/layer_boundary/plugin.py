@@ -14,7 +14,7 @@ Registration (one hook per extension point; `docs/plugins.md` walks through them
 | `layer_boundary_overlaps` | `OverlapProvider` | `OverlapRequest` | an `Overlap` |
 | `layer_boundary_branches` | `BranchProvider` | `BranchRequest` | a `BranchTransport` |
 | `layer_boundary_row_publishers` | `RowPublisher` | `RowPublisherRequest` | a `PublishesRows` |
-| `layer_boundary_add_norm_kernels` | `AddNormKernel` | `AddNormRequest` | `kernel(contribution, residual, weight) -> (normed, new_residual)` |
+| `layer_boundary_add_norm_kernels` | `AddNormKernel` | `AddNormRequest` (`PostNormRequest` for its `post_norm_factory`) | `kernel(contribution, residual, weight) -> (normed, new_residual)` |
 | `layer_boundary_rope_kernels` | `RopeKernel` | `RopeRequest` | `kernel(q, k, positions) -> (q, k)` |
 | `layer_boundary_qk_norm_rope_kernels` | `QKNormRopeKernel` | `QKNormRopeRequest` | `kernel(q, k, positions, q_weight, k_weight) -> (q, k)` |
 | `layer_boundary_decode_attention_kernels` | `DecodeAttentionKernel` | `DecodeAttentionRequest` | `kernel(q, k_cache, v_cache, slots, positions) -> out` |
@@ -28,10 +28,10 @@ PrepareRequest)` before the first forward and any CUDA-graph capture, and
 
 Plans and paths (frozen values; CP path providers build theirs from the ordinary path):
 `Stage`, `StagePlan`, `StagePath`, `EntryPath`, `ExitPath`, `ReduceScatter`, `EntryMode`,
-`ExitRole`, `Owed`, the deferral rule `defers_to_next_input` and the producer-update rule
-`writes_at_exit`, and the row moves `align_rows`,
+`ExitRole`, `Owed`, the deferral rule `defers_to_next_input`, the producer-update rule
+`writes_at_exit` and the post-norm rule `leaves_post_norm`, and the row moves `align_rows`,
 `move_residual`, `dp_gather`, `dp_scatter`, `take_slice`, `gather_slices`; the reference
-numerics `add_rms_norm` and the quantized reads (`Fp8Input`, `quantize_fp8`, `fp8_residual`).
+numerics `add_rms_norm`, the norm kinds `norm_kind_of` and the quantized reads (`Fp8Input`, `quantize_fp8`, `fp8_residual`).
 
 Selection (the one rule every extension point follows): `select` asks candidates in order
 and records who declined and why (`Selection`, `Answer`; `recording()` collects them),
@@ -63,7 +63,9 @@ from ._families import ConfigError, DecodeLayout, StateDictSource, StepLayout, T
 from ._graph import graph_collectives, graph_key, graph_object, register_graph_object
 from ._ops import align_rows, dp_gather, dp_scatter, gather_slices, move_residual, take_slice
 from ._options import OneLineParser, non_negative_int, positive_float, positive_int
-from ._paths import EntryMode, EntryPath, ExitPath, ExitRole, Owed, ReduceScatter, StagePath, defers_to_next_input, writes_at_exit
+from ._paths import (
+    EntryMode, EntryPath, ExitPath, ExitRole, Owed, ReduceScatter, StagePath, defers_to_next_input, leaves_post_norm, writes_at_exit,
+)
 from ._planning import Stage, StagePlan
 from ._plugins.hookspecs import PROJECT, hookimpl, hookspec
 from ._plugins.manager import (
@@ -118,8 +120,10 @@ from ._plugins.requests import (
     GATED_ACTIVATIONS,
     GatedActivationRequest,
     HfReference,
+    NormSpec,
     Overlap,
     OverlapRequest,
+    PostNormRequest,
     PrepareRequest,
     PublishesRows,
     QKNormRopeRequest,
@@ -131,7 +135,7 @@ from ._plugins.requests import (
 )
 from ._plugins.results import check_result, result_problem
 from ._plugins.selection import Answer, Selection, disable_hint, recording, select, select_agreed
-from ._residual.add_norm import add_rms_norm, is_rms_norm
+from ._residual.add_norm import add_rms_norm, is_rms_norm, norm_kind_of
 from ._residual.quant import FP8_DTYPE, Fp8Input, fp8_residual, norm_fp32, quantize_fp8
 from ._rope import rope_cos_sin_table
 from ._timing import cuda_event_us, line_plot
@@ -179,6 +183,8 @@ __all__ = [
     "BranchRequest",
     "RowPublisherRequest",
     "AddNormRequest",
+    "PostNormRequest",
+    "NormSpec",
     "RopeRequest",
     "QKNormRopeRequest",
     "DecodeAttentionRequest",
@@ -225,6 +231,7 @@ __all__ = [
     "Owed",
     "defers_to_next_input",
     "writes_at_exit",
+    "leaves_post_norm",
     # row moves and numerics
     "align_rows",
     "move_residual",
@@ -234,6 +241,7 @@ __all__ = [
     "gather_slices",
     "add_rms_norm",
     "is_rms_norm",
+    "norm_kind_of",
     "rope_cos_sin_table",
     # quantized reads (what a quantizing candidate returns)
     "Fp8Input",

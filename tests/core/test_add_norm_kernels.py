@@ -262,6 +262,7 @@ def test_every_boundary_and_the_final_norm_run_the_kernel_at_tp1(kernels_of, nor
 def test_norm_read_after_an_unfused_sum_runs_the_kernel(kernels_of):
     from layer_boundary._plugins.builtin import _complete_then_read
     from layer_boundary._residual.add_norm import NORM_READ
+    from layer_boundary._residual.post_norm import LocalRead
 
     plugin = kernels_of(("a.k", 300, always))
     norm = RMSNorm(16)
@@ -271,7 +272,7 @@ def test_norm_read_after_an_unfused_sum_runs_the_kernel(kernels_of):
         def complete(self):
             return c
 
-    normed, new_residual = _complete_then_read(NORM_READ, norm, Owed(), r, None)
+    normed, new_residual = _complete_then_read(LocalRead(NORM_READ, norm), Owed(), r, None)
     assert plugin.calls == ["a.k"]
     torch.testing.assert_close(new_residual, c + r)
 

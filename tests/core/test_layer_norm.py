@@ -140,7 +140,8 @@ def test_a_layer_norm_stage_binds_its_own_add_norm_and_says_layer():
     assert ffn.description.norm_kind == "layer" and ffn.hidden_size == H
     entry = ffn.paths[next(iter(ffn.paths))].entry
     assert entry.add_norm is not None and entry.add_norm.__self__ is ffn.norm  # the lean entry runs its add + norm
-    assert not entry.candidates  # no fused all-reduce + add + RMSNorm candidate for a LayerNorm
+    # a candidate computing RMSNorm is never offered to a LayerNorm: only the unfused completion here
+    assert [c.name for c in entry.candidates] == ["core.unfused"]
 
 
 # --- the hidden-size check -----------------------------------------------------------------------
@@ -234,10 +235,7 @@ def test_a_kind_a_record_does_not_declare_is_never_handed_to_it(fresh_registry, 
     rms_records = [i.name for i in get_registry().add_norm_kernels if "layer" not in i.record.norm_kinds]
     assert set(rms_records) - {"rms_only.k"} <= set(declined)
     assert ("rms_only.k", "layer") not in plugin.asked  # declined without asking its factory
-    # a LayerNorm in a model runs its own torch add + norm: no record is asked at all
+    # a LayerNorm in a model asks only the records that declare its kind, with its bias
     plugin.asked.clear()
     norm = _layer_norm(H, dtype=torch.float32)
-    c, r = _rows(dtype=torch.float32), _rows(seed=2, dtype=torch.float32)
-    got = norm.fused_add_forward(c, r)
-    want = norm.add_forward(c, r)
-    assert torch.equal(got[0], want[0]) and plugin.asked == []
+    assert norm.add_norm_kernel() == "layer_too.k" and plugin.asked == [("layer_too.k", "layer")]

@@ -35,6 +35,7 @@ from layer_boundary.testing.grid import GridModel, GridSpec, grid_inputs, refere
 from layer_boundary.testing.threaded import run_threaded
 
 from grid_cases import assert_matches_reference, counted_grid_rank
+from installed import needs_cp
 
 H = 4
 
@@ -254,6 +255,7 @@ def test_wrong_combinations_fail_at_construction_naming_the_stage(case):
     assert message.startswith("stage layer") and "parallel-residual FFN" in message and phrase in message and "\n" not in message
 
 
+@needs_cp
 def test_context_parallel_is_refused_naming_the_stage():
     with pytest.raises(ValueError, match=r"stage layer\.1:ffn: .* has no context-parallel path \(attn_cp=2\)"):
         _layer(_planning(Topology(tp=2, attn_cp=2)), terminal=True)

@@ -140,19 +140,30 @@ def test_a_topology_the_model_cannot_split_fails_at_construction(model, topology
     assert "\n" not in str(info.value)
 
 
-def test_plan_shows_two_sums_a_layer_each_completed_before_its_post_norm(capsys):
+def test_plan_shows_two_sums_a_layer_each_completed_with_its_post_norm(capsys):
     """`layer-boundary plan --model gemma3 --tp 2`: per layer an attention and an FFN boundary;
-    the attention's declared sum completes unfused at the FFN input (the post-norm needs it
-    whole), and the MLP all-reduces in its exit: two all-reduces a layer."""
+    each output leaves its sum and its post-norm to the next input, which completes the sum,
+    norms it, adds and reads in one call (the candidates, the core's unfused one last); the MLP
+    defers its all-reduce there (the last one, before the final norm, all-reduces in its exit):
+    two sums a layer."""
     from layer_boundary.cli.main import main
 
     assert main(["plan", "--model", "gemma3", "--tp", "2", "--reduction", "ar", "--json"]) == 0
     plans = json.loads(capsys.readouterr().out)["boundaries"]
     assert [p["label"] for p in plans] == [f"layer{i}.{j}:{kind}" for i in range(4) for j, kind in enumerate(("attention", "ffn"))]
-    for attention, ffn in zip(plans[::2], plans[1::2]):
-        assert attention["variants"]["ordinary"]["exit"] == ["leave the ATTN_TP sum (declared) for the next input"]
-        assert ffn["variants"]["ordinary"]["entry"][0].startswith("complete the declared sum unfused")
-        assert ffn["variants"]["ordinary"]["exit"] == ["compute all-reduces over TP"]
+    leaves = "leave the post-norm layer{}.post_{}_layernorm (GemmaRMSNorm) for the next input, which applies it to the completed output"
+    for i, (attention, ffn) in enumerate(zip(plans[::2], plans[1::2])):
+        assert attention["variants"]["ordinary"]["exit"] == ["leave the ATTN_TP sum (declared) for the next input",
+                                                             leaves.format(i, "attention")]
+        entry = ffn["variants"]["ordinary"]["entry"]
+        assert entry[0].startswith("complete the declared sum through the first accepting candidate") and entry[0].endswith("core.unfused")
+        assert entry[1].startswith(f"the producer's post-norm layer{i}.post_attention_layernorm (GemmaRMSNorm) runs here")
+        assert ffn["post_norm"].startswith("norm the output with GemmaRMSNorm, add, read with GemmaRMSNorm")
+        defer = [] if i == 3 else ["defer the TP all-reduce to the next input when the batch has tokens (fuse_mlp_allreduce)"]
+        last = "compute all-reduces over TP" if i == 3 else "else compute all-reduces over TP"
+        assert ffn["variants"]["ordinary"]["exit"] == defer + [last, leaves.format(i, "feedforward")]
+        if i:
+            assert attention["variants"]["ordinary"]["entry"][1].startswith(f"the producer's post-norm layer{i - 1}.post_feedforward")
 
 
 def test_a_checkpoint_without_a_sandwich_norm_names_the_tensor(tmp_path):

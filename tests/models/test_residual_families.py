@@ -147,8 +147,8 @@ def test_a_dropped_bias_fails_the_check(weights_dir):
 
 #: decode-step collectives of the 4-layer presets: (TP 2, TP 4 with attention DP 2)
 PER_STEP = {
-    # the attention sum and the q/k statistic over attention TP; the MLP's sum completes at its exit
-    # (its post-norm runs on the complete output)
+    # the attention sum and the q/k statistic over attention TP; the MLP's sum over TP (deferred
+    # with its post-norm to the next input, which completes sum, norm and add in one call)
     "olmo2": (
         {"all_reduce@attn_tp": 8, "all_reduce@tp": 4},
         {"all_reduce@attn_tp": 8, "all_gatherv@attn_dp": 4, "all_reduce@tp": 4},

@@ -7,16 +7,17 @@ import functools
 import sys
 
 from .._contracts import FusedMlpInput
-from .._residual.add_norm import PLAIN_ADD, PLAIN_RESIDUAL
+from .._residual.add_norm import PLAIN_RESIDUAL
 from .hookspecs import hookimpl
 from .manager import add_builtin
 from .records import FusionProvider, Priority, ResidualKind
 
 
-def _complete_then_read(read, norm, owed, residual, forward):
-    """Complete the owed sum or finalize unfused, then the read's own add + norm (FP32
-    accumulation; a quantizing read quantizes the fp32 norm output)."""
-    return read.update_and_read(PLAIN_ADD, owed.complete(), residual, norm)
+def _complete_then_read(read_complete, owed, residual, forward):
+    """Complete the owed sum or finalize unfused, then the stage's local completion
+    (`Stage.read_complete`): the arriving post-norm where one is owed, the add in FP32 and the
+    read's norm, through the chosen local kernels (a quantizing read quantizes the fp32 norm)."""
+    return read_complete(owed.complete(), residual)
 
 
 class UnfusedCompletion:
@@ -25,7 +26,7 @@ class UnfusedCompletion:
     def attention_input(self, plan):
         return (
             FusedMlpInput(
-                run=functools.partial(_complete_then_read, plan.read, plan.norm),
+                run=functools.partial(_complete_then_read, plan.read_complete),
                 name="core.unfused",
                 always=True,
                 preserves_residual=True,
@@ -44,7 +45,7 @@ def layer_boundary_fusion_providers():
         name="core.unfused",
         factory=lambda stage: _UNFUSED,
         priority=Priority.BUILTIN,
-        description="complete the sum (or the producer's finalize), then add + RMSNorm in FP32; never declines",
+        description="complete the sum (or the producer's finalize), then its post-norm, add + norm in FP32; never declines",
     )
 
 

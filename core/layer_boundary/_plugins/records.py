@@ -185,11 +185,19 @@ class AddNormKernel(_Record):
     without one declines every plain norm.
 
     `norm_kinds`: the request kinds the factories implement (default the RMSNorm kinds, "rms"
-    and "gemma_rms"); a request of another kind is not handed to them.
+    and "gemma_rms"; "layer" for LayerNorm, whose kernel takes the bias as a fourth argument);
+    a request of another kind is not handed to them.
+
+    `post_norm_factory(request: PostNormRequest)`, optional: the local completion of an output
+    that owes its producer's output norm (a post-norm or sandwich layer: OLMo-2, Gemma 2/3) in
+    one launch, post-norm + add + the read's norm: `kernel(contribution, residual, post_weight,
+    post_bias, weight, bias) -> (normed, new_residual)` (see `PostNormRequest`), or None. Asked
+    only when both norm kinds are among `norm_kinds` (the read's may also be "none").
     """
 
     contract_preparation: Optional[str] = None
     norm_factory: Optional[Callable] = None
+    post_norm_factory: Optional[Callable] = None
     #: the `AddNormRequest.norm_kind`s the kernels implement; the core asks the factories only
     #: for these (a LayerNorm, kind "layer", never reaches an RMSNorm kernel)
     norm_kinds: tuple = ("rms", "gemma_rms")

@@ -70,11 +70,14 @@ class RowPublisherRequest:
 
 @attrs.frozen(kw_only=True)
 class AddNormRequest:
-    """What a local add + RMSNorm kernel is asked to run: rows of `hidden_size` elements,
-    `normed = (sum * rsqrt(mean(sum^2) + eps)) * (weight + offset)` with the sum in fp32 and the
-    statistic in `compute_dtype`, on `device`. `dtype` is the residual's (and the outputs'),
-    `contribution_dtype` and `weight_dtype` those of the other two inputs; `norm_kind` is
-    "rms" (offset 0) or "gemma_rms" (offset 1, the weight is the raw `w` of `1 + w`)."""
+    """What a local add + norm kernel is asked to run: rows of `hidden_size` elements, the sum
+    `contribution + residual` in fp32 rounded once into the new residual, and the norm of the
+    unrounded sum with its statistic in `compute_dtype`, on `device`. `dtype` is the residual's
+    (and the outputs'), `contribution_dtype` and `weight_dtype` those of the other two inputs.
+    `norm_kind` is "rms" (`sum * rsqrt(mean(sum^2) + eps) * (weight + offset)`, offset 0),
+    "gemma_rms" (offset 1, the weight is the raw `w` of `1 + w`) or "layer" (LayerNorm:
+    `(sum - mean) * rsqrt(var + eps) * weight (+ bias)`; `bias` says whether it has one, and its
+    kernel takes it as a fourth argument, None without one)."""
 
     device: "torch.device"
     dtype: "torch.dtype"
@@ -85,11 +88,58 @@ class AddNormRequest:
     eps: float
     compute_dtype: "torch.dtype"
     norm_kind: str
+    bias: bool = False
 
     @property
     def uniform_dtype(self) -> Optional["torch.dtype"]:
         """The one dtype of residual, contribution and weight, or None when they differ."""
         same = self.dtype == self.contribution_dtype == self.weight_dtype
+        return self.dtype if same else None
+
+
+@attrs.frozen(kw_only=True)
+class NormSpec:
+    """One norm of a `PostNormRequest`: its kind ("rms", "gemma_rms", "layer"; the read's may be
+    "none", the identity), the dtype of its weight (None for "none"), its weight offset (1 for
+    "gemma_rms"), epsilon, statistic dtype and whether it has a bias (LayerNorm)."""
+
+    norm_kind: str
+    weight_dtype: Optional["torch.dtype"] = None
+    offset: float = 0.0
+    eps: float = 0.0
+    compute_dtype: Optional["torch.dtype"] = None
+    bias: bool = False
+
+
+@attrs.frozen(kw_only=True)
+class PostNormRequest:
+    """What a local post-norm + add + norm kernel is asked to run on `device`, rows of
+    `hidden_size` elements: a complete output `contribution` (`contribution_dtype`) that owes its
+    producer's output norm `post`, the residual and both outputs in `dtype`:
+
+    1. `post_out = post(contribution)`, the statistic in `post.compute_dtype`, rounded once to
+       `dtype` (as the unfused path hands it on);
+    2. `total = residual + post_out` in fp32, rounded once into the new residual;
+    3. `normed = norm(total)` from the unrounded sum, as an `AddNormRequest` of `norm` describes;
+       where `norm.norm_kind` is "none" (a read that normalizes nothing) the compute input is the
+       new residual itself.
+
+    The kernel is `kernel(contribution, residual, post_weight, post_bias, weight, bias) ->
+    (normed, new_residual)`: the biases None where the norm has none, `weight` and `bias` None for
+    the identity read, which returns the new residual twice."""
+
+    device: "torch.device"
+    dtype: "torch.dtype"
+    contribution_dtype: "torch.dtype"
+    hidden_size: int
+    post: NormSpec
+    norm: NormSpec
+
+    @property
+    def uniform_dtype(self) -> Optional["torch.dtype"]:
+        """The one dtype of residual, contribution and every weight, or None when they differ."""
+        weights = {self.post.weight_dtype} | ({self.norm.weight_dtype} if self.norm.norm_kind != "none" else set())
+        same = self.dtype == self.contribution_dtype and weights == {self.dtype}
         return self.dtype if same else None
 
 

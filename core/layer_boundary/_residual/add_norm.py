@@ -6,10 +6,9 @@ formed in max(dtype, fp32), rounded once into the new residual, and the norm rea
 unrounded sum (as fused add+norm kernels do). The norm statistic runs in `compute_dtype`
 (fp32 by default, like fused kernels and Hugging Face's RMSNorm).
 
-What the boundaries run is `RMSNorm.fused_add_forward`: the first `AddNormKernel` a plugin
-registers that accepts the norm's device and dtypes (one fused kernel), else `add_forward`
-(see `kernels.py`). `LayerNorm` runs its own torch `add_forward`: no plugin kernel declares the
-LayerNorm kind yet, so none is asked.
+What the boundaries run is `fused_add_forward`: the first `AddNormKernel` a plugin registers
+that implements the norm's kind ("rms", "gemma_rms", "layer") and accepts its device and dtypes
+(one fused kernel), else `add_forward` (see `kernels.py`).
 """
 
 from __future__ import annotations
@@ -38,6 +37,8 @@ __all__ = [
     "describe_add_norm",
     "prepare_norms",
     "has_add_norm",
+    "norm_kind_of",
+    "kernel_norm_kind",
 ]
 
 
@@ -45,7 +46,51 @@ def _acc_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.promote_types(dtype, torch.float32)
 
 
-class RMSNorm(nn.Module):
+class _ChosenKernels(nn.Module):
+    """What the core's norms share: the add + norm through the kernel chosen per device and
+    dtypes (`kernels.py`), and forgetting that choice when the norm moves or is copied."""
+
+    #: the chosen add + norm per (device, residual dtype, contribution dtype), filled by the first
+    #: call on each (an instance dict then shadows this empty one; see `kernels.py`)
+    _add_norm_kernels = types.MappingProxyType({})
+    #: the chosen plain norm (no add) per (device, dtype), filled the same way
+    _norm_kernels = types.MappingProxyType({})
+    _CACHES = ("_add_norm_kernels", "_add_norm_choices", "_norm_kernels", "_norm_choices", "_post_norm_reads")
+
+    def fused_add_forward(self, contribution: torch.Tensor, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """`add_forward` through the chosen kernel: one fused launch where a plugin's
+        `AddNormKernel` implements this norm's kind and accepts this device and these dtypes,
+        else `add_forward` itself. New tensors out; the inputs are never written."""
+        run = self._add_norm_kernels.get((residual.device, residual.dtype, contribution.dtype))
+        if run is None:
+            return kernels.first_call(self, contribution, residual)
+        return run(contribution, residual)
+
+    def add_norm_kernel(self, device=None, dtype=None) -> str:
+        """The name of the add + norm this norm runs on `device` for `dtype` rows (default: its
+        weight's), choosing it now if no call has."""
+        device = self.weight.device if device is None else torch.device(device)
+        dtype = self.weight.dtype if dtype is None else dtype
+        return kernels.choose(self, device, dtype, dtype).name
+
+    def kernel_refusal(self, plain: bool = False) -> str:
+        """Why plugin kernels may not stand in for this norm's add + norm (its plain norm when
+        `plain`), or "" (`kernel_refusal`)."""
+        return kernel_refusal(self, plain)
+
+    def _apply(self, fn, recurse=True):
+        for cache in self._CACHES:  # moved or cast: choose again
+            self.__dict__.pop(cache, None)
+        return super()._apply(fn, recurse)
+
+    def __getstate__(self):
+        state = dict(super().__getstate__())
+        for cache in self._CACHES:  # bound to this instance's weight: a copy chooses its own
+            state.pop(cache, None)
+        return state
+
+
+class RMSNorm(_ChosenKernels):
     """RMSNorm, `weight * normalize(x)` (the Llama/Qwen order: round, then scale).
 
     `gemma_weight` is the multiplier as applied, which fused kernels take as gamma.
@@ -55,11 +100,6 @@ class RMSNorm(nn.Module):
     offset = 0.0
     #: what `AddNormRequest.norm_kind` calls this norm (kernels declare the kinds they implement)
     norm_kind = "rms"
-    #: the chosen add + norm per (device, residual dtype, contribution dtype), filled by the first
-    #: call on each (an instance dict then shadows this empty one; see `kernels.py`)
-    _add_norm_kernels = types.MappingProxyType({})
-    #: the chosen plain norm (no add) per (device, dtype), filled the same way
-    _norm_kernels = types.MappingProxyType({})
 
     def __init__(
         self, hidden_size: int, eps: float = 1e-6, *, dtype=None, device=None, compute_dtype=torch.float32, kernels: bool = True
@@ -108,42 +148,6 @@ class RMSNorm(nn.Module):
             return new_residual.new_empty(new_residual.shape), new_residual
         return self._scale(self._normalize(total), residual.dtype), new_residual
 
-    def fused_add_forward(self, contribution: torch.Tensor, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """`add_forward` through the chosen kernel: one fused launch where a plugin's
-        `AddNormKernel` accepts this device and these dtypes, else `add_forward` itself. New
-        tensors out; the inputs are never written."""
-        run = self._add_norm_kernels.get((residual.device, residual.dtype, contribution.dtype))
-        if run is None:
-            return kernels.first_call(self, contribution, residual)
-        return run(contribution, residual)
-
-    def add_norm_kernel(self, device=None, dtype=None) -> str:
-        """The name of the add + norm this norm runs on `device` for `dtype` rows (default: its
-        weight's), choosing it now if no call has."""
-        device = self.weight.device if device is None else torch.device(device)
-        dtype = self.weight.dtype if dtype is None else dtype
-        return kernels.choose(self, device, dtype, dtype).name
-
-    def kernel_refusal(self, plain: bool = False) -> str:
-        """Why plugin kernels may not stand in for this norm's add + norm (its plain norm when
-        `plain`), or "" (`kernel_refusal`)."""
-        return kernel_refusal(self, plain)
-
-    def _apply(self, fn, recurse=True):
-        self.__dict__.pop("_add_norm_kernels", None)  # moved or cast: choose again
-        self.__dict__.pop("_add_norm_choices", None)
-        self.__dict__.pop("_norm_kernels", None)
-        self.__dict__.pop("_norm_choices", None)
-        return super()._apply(fn, recurse)
-
-    def __getstate__(self):
-        state = dict(super().__getstate__())
-        state.pop("_add_norm_kernels", None)  # bound to this instance's weight: a copy chooses its own
-        state.pop("_add_norm_choices", None)
-        state.pop("_norm_kernels", None)
-        state.pop("_norm_choices", None)
-        return state
-
     def extra_repr(self) -> str:
         return f"{self.hidden_size}, eps={self.eps}"
 
@@ -165,7 +169,7 @@ class GemmaRMSNorm(RMSNorm):
         return (normalized * (1.0 + self.weight.to(normalized.dtype))).to(out_dtype)
 
 
-class LayerNorm(nn.Module):
+class LayerNorm(_ChosenKernels):
     """LayerNorm, `(x - mean(x)) / sqrt(var(x) + eps) * weight + bias` over the last dimension,
     with or without the bias.
 
@@ -173,19 +177,23 @@ class LayerNorm(nn.Module):
     order of torch's and Cohere's kernels). `compute_dtype=torch.float32` (the default, like
     `RMSNorm`) reproduces a norm that casts to fp32 first (Cohere's `CohereLayerNorm`, even in a
     float64 model); `compute_dtype=None` computes in the wider of the input's dtype and fp32, as
-    `torch.nn.LayerNorm` does (GPT-NeoX).
+    `torch.nn.LayerNorm` does (GPT-NeoX). Its add + norm runs the first `AddNormKernel` that
+    declares the "layer" kind and accepts (`fused_add_forward`); `kernels=False` keeps it on torch.
     """
 
     norm_kind = "layer"
+    offset = 0.0
 
     def __init__(
-        self, hidden_size: int, eps: float = 1e-5, *, bias: bool = True, dtype=None, device=None, compute_dtype=torch.float32
+        self, hidden_size: int, eps: float = 1e-5, *, bias: bool = True, dtype=None, device=None, compute_dtype=torch.float32,
+        kernels: bool = True,
     ):
         super().__init__()
         self.weight = nn.Parameter(torch.ones(hidden_size, dtype=dtype, device=device))
         self.bias = nn.Parameter(torch.zeros(hidden_size, dtype=dtype, device=device)) if bias else None
         self.eps = float(eps)
         self.compute_dtype = compute_dtype
+        self.kernels = bool(kernels)
 
     @property
     def hidden_size(self) -> int:
@@ -223,13 +231,26 @@ class LayerNorm(nn.Module):
             return new_residual.new_empty(new_residual.shape), new_residual
         return self._scale(self._normalize(total), residual.dtype), new_residual
 
-    def fused_add_forward(self, contribution: torch.Tensor, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """What the boundaries run for a plain add + LayerNorm: `add_forward` (no plugin kernel
-        implements the LayerNorm kind yet)."""
-        return self.add_forward(contribution, residual)
-
     def extra_repr(self) -> str:
         return f"{self.hidden_size}, eps={self.eps}, bias={self.bias is not None}"
+
+
+def norm_kind_of(norm) -> str:
+    """What a norm module computes, as plans and fusion providers name it: "rms", "gemma_rms"
+    (the `(1 + w)` scale), "layer" (the core's `LayerNorm`), "none" (a read that normalizes
+    nothing: a module whose class says `norm_kind = "none"`, the identity), or "other"."""
+    if isinstance(norm, (RMSNorm, LayerNorm)):
+        return type(norm).norm_kind
+    return "none" if getattr(type(norm), "norm_kind", None) == "none" else "other"
+
+
+def kernel_norm_kind(norm) -> str:
+    """`norm_kind_of(norm)`, but "other" for a core norm whose math kernels do not reproduce
+    (`kernel_refusal`: a class overriding the math, `kernels=False`): what a kernel may take."""
+    kind = norm_kind_of(norm)
+    if kind in ("rms", "gemma_rms", "layer") and kernel_refusal(norm, plain=True):
+        return "other"
+    return kind
 
 
 def is_rms_norm(norm) -> bool:
@@ -311,6 +332,14 @@ def kernel_refusal(norm, plain: bool = False) -> str:
     cls = type(norm)
     if not getattr(norm, "kernels", True):
         return "kernels=False"
+    if isinstance(norm, LayerNorm):
+        if cls.forward is not LayerNorm.forward or cls.torch_forward is not LayerNorm.torch_forward:
+            return f"{cls.__name__} overrides the norm"
+        if cls.add_forward is not LayerNorm.add_forward or cls._normalize is not LayerNorm._normalize or cls._scale is not LayerNorm._scale:
+            return f"{cls.__name__} overrides the add + norm"
+        if norm.weight.dim() != 1:
+            return f"{cls.__name__} has a weight of shape {tuple(norm.weight.shape)} (kernels take one row)"
+        return ""
     if plain and (cls.forward is not RMSNorm.forward or cls.torch_forward is not RMSNorm.torch_forward):
         return f"{cls.__name__} overrides the norm"
     if cls.add_forward is not RMSNorm.add_forward or cls._normalize is not RMSNorm._normalize:
@@ -326,10 +355,10 @@ def kernel_refusal(norm, plain: bool = False) -> str:
 
 def describe_add_norm(norm) -> Optional[str]:
     """One line for plans: the chain and what this norm runs for its weight's device and dtype."""
-    if not is_rms_norm(norm):
+    if not has_add_norm(norm):
         return None
     weight = norm.weight
-    chain = kernels.chain()
+    chain = kernels.chain(type(norm).norm_kind)
     if weight.device.type == "meta":
         return f"add + {type(norm).__name__}: chosen per device and dtype at the first call; chain: {' > '.join(chain)}"
     choice = kernels.choose(norm, weight.device, weight.dtype, weight.dtype)
@@ -341,15 +370,23 @@ def describe_add_norm(norm) -> Optional[str]:
 
 
 def prepare_norms(model: Any) -> list[tuple[str, str]]:
-    """Choose (and so compile or load) the kernels of every RMSNorm in `model` for its weight's
-    device and dtype, before the first forward and any CUDA-graph capture: (module name, kernel)
-    for the add + norm and ("<module name> (no add)", kernel) for the plain norm."""
+    """Choose (and so compile or load) the kernels of every RMSNorm and LayerNorm in `model` for
+    its weight's device and dtype, before the first forward and any CUDA-graph capture: (module
+    name, kernel) for the add + norm, ("<module name> (no add)", kernel) for an RMSNorm's plain
+    norm, and ("<module name> (after <post-norm>)", kernel) for the post-norm + add + norm of a
+    stage reading with it."""
     if not isinstance(model, torch.nn.Module):
         return []
     out = []
     for name, module in model.named_modules():
-        if is_rms_norm(module) and module.weight.device.type != "meta":
+        if has_add_norm(module) and module.weight.device.type != "meta":
             w = module.weight
             out.append((name, kernels.choose(module, w.device, w.dtype, w.dtype).name))
-            out.append((f"{name} (no add)", kernels.choose_norm(module, w.device, w.dtype).name))
+            if is_rms_norm(module):
+                out.append((f"{name} (no add)", kernels.choose_norm(module, w.device, w.dtype).name))
+        # the post-norm + add + norm of the stages reading with this norm (`post_norm.post_norm_read`)
+        for read in list(module.__dict__.get("_post_norm_reads", {}).values()):
+            w = read.post_norm.weight
+            if w.device.type != "meta":
+                out.append((f"{name} (after {type(read.post_norm).__name__})", read.choose(w.device, w.dtype, w.dtype).name))
     return out

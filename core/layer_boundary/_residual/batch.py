@@ -12,7 +12,8 @@ from .._errors import Messages
 from .._forward import RowLayout
 from .._ops import align_rows
 from .._output import HandoffOutput, UnreducedOutput
-from .add_norm import has_add_norm
+from .add_norm import NORM_READ, has_add_norm
+from .post_norm import post_norm_read
 from .stream import ResidualStream, StreamState
 
 ATTENTION_ROWS = RowLayout.DP_LOCAL
@@ -132,6 +133,9 @@ def norm(
                     "path: drop handoff_norm or capture elsewhere"
                 )
             normed, new_residual = handoff_norm.finalize(owed, residual, layernorm.gemma_weight)
+        elif _fuses_post_norm(contribution, layernorm, stream, final_read, skip_empty):
+            # the terminal output's post-norm, the add and the final norm in one call
+            normed, new_residual = final_post_norm_read(contribution.transform.post_norm, layernorm)(contribution.value, residual)
         else:
             value = align_rows(contribution.complete(), contribution.rows, stream.rows, forward)
             update = contribution.update
@@ -151,6 +155,29 @@ def norm(
     if capture_output is not None:  # the guide: the final norm's capture is always borrowed
         _call(capture_output, new_residual, False)
     return normed
+
+
+def _fuses_post_norm(contribution, layernorm, stream, final_read, skip_empty) -> bool:
+    """A complete terminal output whose post-norm is still pending (`leaves_post_norm`), on the
+    residual's rows, under the plain add, at a core final norm (a skipped empty batch keeps its
+    own path)."""
+    transform = contribution.transform
+    return (
+        transform is not None
+        and transform.post_norm is not None
+        and contribution.owed is None
+        and final_read is None
+        and contribution.update.plain_add
+        and has_add_norm(layernorm)
+        and contribution.rows is stream.rows
+        and not (skip_empty and contribution.value.shape[0] == 0)
+    )
+
+
+def final_post_norm_read(post_norm, layernorm):
+    """The final norm's local completion of an output owing `post_norm` (`PostNormRead`), kept on
+    the final norm, one per post-norm, so its kernel is chosen once."""
+    return post_norm_read(post_norm, NORM_READ, layernorm)
 
 
 def _maybe_empty(layernorm, x, skip_empty):

@@ -41,9 +41,10 @@ TORCH = "core.torch"
 OUTPUTS = ("normed output", "new residual")
 
 
-def kernel_who(source: str, plain: bool = False) -> str:
-    """A chosen record (`Answer.source`) as messages name it: "add + norm kernel record ..."."""
-    return f"{'norm' if plain else 'add + norm'} kernel {source}"
+def kernel_who(source: str, what: str = "add + norm") -> str:
+    """A chosen record (`Answer.source`) as messages name it: "add + norm kernel record ...";
+    `what` is "norm" for a plain norm, "post-norm + add + norm" for a post-norm completion."""
+    return f"{what} kernel {source}"
 
 #: norms holding cached choices, emptied when the registry is forgotten
 _NORMS: "weakref.WeakSet" = weakref.WeakSet()
@@ -70,28 +71,39 @@ class Choice:
     selection: Optional[Selection] = attrs.field(default=None, eq=False, repr=False)
 
 
+def compute_dtype_of(norm, dtype: torch.dtype) -> torch.dtype:
+    """The dtype `norm` computes its statistic in for rows of `dtype` (a LayerNorm built with
+    `compute_dtype=None` computes in the wider of the rows' dtype and fp32)."""
+    compute = getattr(norm, "compute_dtype", torch.float32)
+    return torch.promote_types(dtype, torch.float32) if compute is None else compute
+
+
 def request_for(norm, device: torch.device, dtype: torch.dtype, contribution_dtype: torch.dtype) -> AddNormRequest:
     weight = norm.weight
     offset = float(type(norm).offset)
+    kind = type(norm).norm_kind
     return AddNormRequest(
         device=torch.device(device),
         dtype=dtype,
         contribution_dtype=contribution_dtype,
         weight_dtype=weight.dtype,
-        hidden_size=int(weight.shape[0]),
+        hidden_size=int(weight.shape[-1]),
         offset=offset,
         eps=float(norm.eps),
-        compute_dtype=getattr(norm, "compute_dtype", torch.float32),
-        norm_kind="gemma_rms" if offset else "rms",
+        compute_dtype=compute_dtype_of(norm, dtype),
+        norm_kind=kind if kind == "layer" else ("gemma_rms" if offset else "rms"),
+        bias=getattr(norm, "bias", None) is not None,
     )
 
 
 def _bound(kernel: Callable, norm, who: str, plugin: Optional[str]) -> Callable:
-    """The chosen add + norm with the norm's weight bound in, its return checked."""
+    """The chosen add + norm with the norm's weight bound in (a LayerNorm's bias too: None
+    without one), its return checked."""
+    extra = (norm.bias,) if type(norm).norm_kind == "layer" else ()
 
     def run(contribution, residual):
         try:
-            out = kernel(contribution, residual, norm.weight)
+            out = kernel(contribution, residual, norm.weight, *extra)
         except Exception as exc:
             raise raised(who, plugin, exc) from exc
         if not pair_matches(out, residual):
@@ -124,7 +136,7 @@ def _choose(norm, key: tuple, plain: bool) -> Choice:
             selection = by_request[request] = _ask(request, plain=plain)
         chosen = selection.chosen
         if chosen is not None:
-            who = kernel_who(chosen.source, plain)
+            who = kernel_who(chosen.source, "norm" if plain else "add + norm")
             run = (_bound_norm if plain else _bound)(chosen.value, norm, who, chosen.plugin)
             choice = Choice(chosen.candidate, run, _names(selection), plugin=chosen.plugin, selection=selection)
     if choice is None:
@@ -215,6 +227,6 @@ def forget(norm=None) -> None:
 _manager.on_registry_reset(forget)
 
 
-def chain() -> list[str]:
-    """The names of the add + norm kernels in the order they are asked, the torch path last."""
-    return [item.name for item in _manager.get_registry().add_norm_kernels] + [TORCH]
+def chain(kind: str = "rms") -> list[str]:
+    """The names of the add + norm kernels asked for a norm of `kind`, in order, the torch path last."""
+    return [item.name for item in _manager.get_registry().add_norm_kernels if kind in item.record.norm_kinds] + [TORCH]

@@ -98,6 +98,8 @@ def run(args) -> int:
         print(f"\n{plan['label']}  {plan['stage']}  (producer: {plan['producer']}; consumer: {plan['consumer']})")
         if "add_norm" in plan:
             print(f"  {plan['add_norm']}")
+        if "post_norm" in plan:
+            print(f"  {plan['post_norm']}")
         for variant, paths in plan["variants"].items():
             print(f"  [{variant}]")
             for step in paths["entry"]:

@@ -26,7 +26,10 @@ import torch
 
 from layer_boundary.plugin import graph_object
 
-__all__ = ["ONESHOT_ALL_REDUCE_ADD_RMSNORM", "ONESHOT_FINALIZE_ALL_REDUCE_ADD_RMSNORM", "MOE_FINALIZE", "MOE_FINALIZE_ADD_RMSNORM", "FUSED_OPS"]
+__all__ = [
+    "ONESHOT_ALL_REDUCE_ADD_RMSNORM", "ONESHOT_FINALIZE_ALL_REDUCE_ADD_RMSNORM", "MOE_FINALIZE", "MOE_FINALIZE_ADD_RMSNORM", "FUSED_OPS",
+    "ONESHOT_ALL_REDUCE_ADD_NORMS", "ONESHOT_ALL_REDUCE_POST_ADD", "graph_oneshot_add_norms",
+]
 
 
 def _rows(t: torch.Tensor) -> torch.Tensor:
@@ -106,9 +109,55 @@ def _(rows, weights, shared, residual, gamma, eps, weight_offset):
     return _new_rows(residual), _new_rows(residual)
 
 
+@torch.library.custom_op("layer_boundary_cutedsl::oneshot_all_reduce_add_norms", mutates_args=())
+def _oneshot_all_reduce_add_norms(
+    partial: torch.Tensor, residual: torch.Tensor, gamma: torch.Tensor, beta: Optional[torch.Tensor], post_gamma: Optional[torch.Tensor],
+    eps: float, post_eps: float, norm: str, weight_offset: float, bias: bool, post: bool, post_offset: float, workspace: str,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    from .kernels.norms import NormsShape
+
+    shape = NormsShape(norm, weight_offset, bias, post, post_offset)
+    return _workspace(workspace).all_reduce_add_norms(partial, residual, gamma, beta, post_gamma, eps, post_eps, shape,
+                                                      out=_new_rows(residual), residual_out=_new_rows(residual))
+
+
+@_oneshot_all_reduce_add_norms.register_fake
+def _(partial, residual, gamma, beta, post_gamma, eps, post_eps, norm, weight_offset, bias, post, post_offset, workspace):
+    return _new_rows(residual), _new_rows(residual)
+
+
+@torch.library.custom_op("layer_boundary_cutedsl::oneshot_all_reduce_post_add", mutates_args=())
+def _oneshot_all_reduce_post_add(
+    partial: torch.Tensor, residual: torch.Tensor, post_gamma: torch.Tensor, post_eps: float, post_offset: float, workspace: str,
+) -> torch.Tensor:
+    from .kernels.norms import NormsShape
+
+    shape = NormsShape("none", post=True, post_offset=post_offset)
+    return _workspace(workspace).all_reduce_add_norms(partial, residual, None, None, post_gamma, 0.0, post_eps, shape,
+                                                      residual_out=_new_rows(residual))[1]
+
+
+@_oneshot_all_reduce_post_add.register_fake
+def _(partial, residual, post_gamma, post_eps, post_offset, workspace):
+    return _new_rows(residual)
+
+
+def graph_oneshot_add_norms(partial, residual, gamma, beta, post_gamma, eps: float, post_eps: float, shape, workspace: str):
+    """The one-shot norms launch as one op of a compiled graph (an identity read's op returns the
+    new residual once: a custom op's two outputs may not be one tensor)."""
+    if shape.norm == "none":
+        new_residual = ONESHOT_ALL_REDUCE_POST_ADD(partial, residual, post_gamma, post_eps, float(shape.post_offset), workspace)
+        return new_residual, new_residual
+    return ONESHOT_ALL_REDUCE_ADD_NORMS(partial, residual, gamma, beta, post_gamma if shape.post else None, eps, post_eps, shape.norm,
+                                       float(shape.weight_offset), bool(shape.bias), bool(shape.post), float(shape.post_offset), workspace)
+
+
 ONESHOT_ALL_REDUCE_ADD_RMSNORM = torch.ops.layer_boundary_cutedsl.oneshot_all_reduce_add_rmsnorm
+ONESHOT_ALL_REDUCE_ADD_NORMS = torch.ops.layer_boundary_cutedsl.oneshot_all_reduce_add_norms
+ONESHOT_ALL_REDUCE_POST_ADD = torch.ops.layer_boundary_cutedsl.oneshot_all_reduce_post_add
 ONESHOT_FINALIZE_ALL_REDUCE_ADD_RMSNORM = torch.ops.layer_boundary_cutedsl.oneshot_finalize_all_reduce_add_rmsnorm
 MOE_FINALIZE = torch.ops.layer_boundary_cutedsl.moe_finalize
 MOE_FINALIZE_ADD_RMSNORM = torch.ops.layer_boundary_cutedsl.moe_finalize_add_rmsnorm
-#: every op a CuTe DSL kernel call becomes inside a compiled region (with local_add_rmsnorm)
-FUSED_OPS = (ONESHOT_ALL_REDUCE_ADD_RMSNORM, ONESHOT_FINALIZE_ALL_REDUCE_ADD_RMSNORM, MOE_FINALIZE, MOE_FINALIZE_ADD_RMSNORM)
+#: every op a CuTe DSL kernel call becomes inside a compiled region (with local_add_rmsnorm and the local norms ops)
+FUSED_OPS = (ONESHOT_ALL_REDUCE_ADD_RMSNORM, ONESHOT_FINALIZE_ALL_REDUCE_ADD_RMSNORM, MOE_FINALIZE, MOE_FINALIZE_ADD_RMSNORM,
+             ONESHOT_ALL_REDUCE_ADD_NORMS, ONESHOT_ALL_REDUCE_POST_ADD)

@@ -22,6 +22,7 @@ import torch
 
 from . import graph_ops
 from .kernels import fused_add_rmsnorm, moe_finalize, moe_finalize_add_rmsnorm, prepare_add_rmsnorm, prepare_moe_finalize
+from .kernels.norms import fused_add_norms, prepare_add_norms
 from .kernels.tiling import MAX_HIDDEN, SUPPORTED_DTYPES
 from .oneshot import CUDA_ONESHOT, OneShotKernels
 
@@ -62,6 +63,12 @@ class KernelSet:
     #: the one-shot fused all-reduce over peer buffers (oneshot.py), or None: TP > 1 then runs
     #: finalize -> the group's all-reduce -> add + norm
     oneshot: Optional[OneShotKernels] = None
+    #: (x, residual, gamma, beta, post_gamma, eps, post_eps, shape) -> (normed, new_residual): the
+    #: norms around the add other than one RMSNorm (an RMS post-norm before it, a LayerNorm or an
+    #: identity read after it; kernels/norms.py), or None where these kernels have none
+    add_norms: Optional[Callable] = None
+    #: (dtype, hidden, shapes, device) -> None: compile and load those `add_norms` kernels
+    prepare_add_norms: Optional[Callable] = None
 
     def takes_rows(self, t, dtype, shape) -> bool:
         """A tensor the kernels can read as rows: that dtype and shape, on the device, contiguous,
@@ -144,6 +151,18 @@ def _graph_moe_finalize_add_rmsnorm(routed, indices, weights, residual, gamma, e
                                     out=out, residual_out=residual_out)
 
 
+def _graph_add_norms(x, residual, gamma, beta, post_gamma, eps, post_eps, shape):
+    if torch.compiler.is_compiling():
+        from .local_add_norm import graph_add_norms
+
+        return graph_add_norms(x, residual, gamma, beta, post_gamma, eps, post_eps, shape)
+    return fused_add_norms(x, residual, gamma, beta, post_gamma, eps, post_eps, shape)
+
+
+def _prepare_add_norms(dtype, hidden, shapes, device) -> None:
+    prepare_add_norms(dtype, hidden, shapes, device)
+
+
 CUTEDSL_KERNELS = KernelSet(
     name="cutedsl",
     fused_add_rmsnorm=_graph_fused_add_rmsnorm,
@@ -153,6 +172,8 @@ CUTEDSL_KERNELS = KernelSet(
     available=kernels_available,
     on_device=lambda t: t.is_cuda,
     oneshot=CUDA_ONESHOT,
+    add_norms=_graph_add_norms,
+    prepare_add_norms=_prepare_add_norms,
 )
 
 # the op `local_add_rmsnorm` the compiled add + norm calls (it imports this module: last)

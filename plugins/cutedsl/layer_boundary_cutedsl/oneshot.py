@@ -45,8 +45,8 @@ import torch
 from layer_boundary import MoeFinalizeHandoff, UnreducedOutput
 from layer_boundary.plugin import graph_key, is_rms_norm, register_graph_object
 
-from .graph_ops import ONESHOT_ALL_REDUCE_ADD_RMSNORM, ONESHOT_FINALIZE_ALL_REDUCE_ADD_RMSNORM
-from .kernels.allreduce_layout import DIAG_WORDS, STATE_WORDS, WORLD_SIZES, AllReduceVariant, buffer_layout
+from .graph_ops import ONESHOT_ALL_REDUCE_ADD_RMSNORM, ONESHOT_FINALIZE_ALL_REDUCE_ADD_RMSNORM, graph_oneshot_add_norms
+from .kernels.allreduce_layout import DIAG_WORDS, STATE_WORDS, WORLD_SIZES, AllReduceNormsVariant, AllReduceVariant, buffer_layout
 from .kernels.tiling import MAX_HIDDEN, MAX_TOP_K, SUPPORTED_DTYPES
 from .peer_memory import HANDLE_BYTES, CudaIpcMemory, HostWords, PeerMemory
 
@@ -61,6 +61,9 @@ __all__ = [
     "finalize_add_norm",
     "all_reduce_candidate",
     "finalize_candidate",
+    "all_reduce_add_norms",
+    "NormsFacts",
+    "norms_facts",
     "DEFAULT_MAX_TOKENS",
     "DEFAULT_TIMEOUT_S",
 ]
@@ -98,6 +101,11 @@ class OneShotKernels:
     quiesce: Callable = field(default=lambda device: None)
     #: what tells the ranks' address spaces apart (CUDA IPC maps between processes only)
     process_id: Callable[[], int] = os.getpid
+    #: (workspace, partial, residual, gamma, beta, post_gamma, eps, post_eps, shape, *, out, residual_out)
+    #: -> (normed, new_residual): the sum with the norms of a `NormsShape` around the add; None: none
+    all_reduce_add_norms: Optional[Callable] = None
+    #: (dtype, hidden, world, shapes, device) -> None: compile and load those ahead of time
+    prepare_norms: Optional[Callable] = None
 
 
 def _cuda_quiesce(device) -> None:
@@ -113,8 +121,15 @@ def _prepare_cuda(dtype, hidden, world, weight_offsets, moe_shapes, device) -> N
             prepare_allreduce(AllReduceVariant(dtype, hidden, world, float(o), top_k=top_k, shared=shared), device)
 
 
+def _prepare_cuda_norms(dtype, hidden, world, shapes, device) -> None:
+    from .kernels.allreduce import prepare_allreduce
+
+    for shape in shapes:
+        prepare_allreduce(AllReduceNormsVariant.of(dtype, hidden, world, shape), device)
+
+
 def _cuda_kernels() -> OneShotKernels:
-    from .kernels.allreduce import allreduce_add_rmsnorm, moe_finalize_allreduce_add_rmsnorm
+    from .kernels.allreduce import allreduce_add_norms, allreduce_add_rmsnorm, moe_finalize_allreduce_add_rmsnorm
 
     return OneShotKernels(
         name="cutedsl-ipc",
@@ -123,6 +138,8 @@ def _cuda_kernels() -> OneShotKernels:
         all_reduce_add_rmsnorm=allreduce_add_rmsnorm,
         moe_finalize_all_reduce_add_rmsnorm=moe_finalize_allreduce_add_rmsnorm,
         quiesce=_cuda_quiesce,
+        all_reduce_add_norms=allreduce_add_norms,
+        prepare_norms=_prepare_cuda_norms,
     )
 
 
@@ -176,7 +193,8 @@ class OneShotWorkspace:
     """This rank's part of a group's peer buffers (see kernels/allreduce_layout.py), the local
     state and report words, and the launches over them. Made by `create_workspace`."""
 
-    def __init__(self, *, group, kernels, memory, device, dtype, hidden, capacity, buffer, addresses, state, diag, timeout_s):
+    def __init__(self, *, group, kernels, memory, device, dtype, hidden, capacity, buffer, addresses, state, diag, timeout_s,
+                 norm_shapes=()):
         self.group = group
         self.ranks = tuple(group.ranks)
         self.world = group.size
@@ -198,6 +216,8 @@ class OneShotWorkspace:
         self.max_ctas: Optional[int] = None
         self.launches = 0
         self.released = False
+        #: the `NormsShape`s whose variants were compiled with the workspace (`all_reduce_add_norms`)
+        self.norm_shapes = frozenset(norm_shapes)
         # inside a compiled region a launch is one op of graph_ops.py, which finds this workspace by its key
         register_graph_object(self, f"cutedsl.oneshot@rank{self.rank}{list(self.ranks)}")
 
@@ -238,6 +258,20 @@ class OneShotWorkspace:
         return self.kernels.moe_finalize_all_reduce_add_rmsnorm(
             self, rows, weights, residual, gamma, eps, shared=shared, weight_offset=weight_offset, out=out, residual_out=residual_out
         )
+
+    def all_reduce_add_norms(self, partial, residual, gamma, beta, post_gamma, eps: float, post_eps: float, shape, *, out=None,
+                             residual_out=None):
+        """The same sum with the norms of `shape` (a `NormsShape`) around the add: an RMS post-norm
+        before it (the sum rounded once, then normed), the read's RMSNorm, LayerNorm or nothing
+        after it (an identity read returns the new residual twice)."""
+        self._check_open()
+        if torch.compiler.is_compiling() and out is None and residual_out is None:
+            return graph_oneshot_add_norms(partial, residual, gamma, beta, post_gamma, float(eps), float(post_eps), shape, graph_key(self))
+        partial, residual = (_readable(t, self.dtype) for t in (partial, residual))
+        gamma, beta, post_gamma = (None if t is None else _readable(t, self.dtype) for t in (gamma, beta, post_gamma))
+        self.launches += 1
+        return self.kernels.all_reduce_add_norms(self, partial, residual, gamma, beta, post_gamma, eps, post_eps, shape, out=out,
+                                                 residual_out=residual_out)
 
     def _check_open(self) -> None:
         if self.released:
@@ -319,11 +353,14 @@ def create_workspace(
     weight_offsets=(0.0,),
     moe_shapes=(),
     local_reason: Optional[str] = None,
+    norm_shapes=(),
 ):
     """(workspace, "") on every rank of `group`, or (None, why) on every rank. Collective: every
     rank calls it, with the same arguments; it runs the same collectives whatever fails locally.
 
-    `moe_shapes`: (top_k, shared) pairs whose MoE variants to compile now, with every offset."""
+    `moe_shapes`: (top_k, shared) pairs whose MoE variants to compile now, with every offset;
+    `norm_shapes`: the `NormsShape`s whose norms variants to compile now (the kernels must have
+    `all_reduce_add_norms`)."""
     settings = oneshot_settings()
     world = group.size
     capacity = min(int(max_tokens), settings["max_tokens"])
@@ -338,9 +375,13 @@ def create_workspace(
         reason = f"hidden size {hidden} is beyond the one-shot kernels' {kernels.max_hidden}"
     if reason is None and capacity <= 0:
         reason = f"no rows to hold ({ENV_MAX_TOKENS}={settings['max_tokens']}, max_tokens={max_tokens})"
+    if reason is None and norm_shapes and kernels.prepare_norms is None:
+        reason = f"the {kernels.name} one-shot kernels have no norms variants"
     if reason is None:
         try:
             kernels.prepare(dtype, hidden, world, tuple(weight_offsets), tuple(moe_shapes), device)
+            if norm_shapes:
+                kernels.prepare_norms(dtype, hidden, world, tuple(norm_shapes), device)
         except Exception as exc:  # noqa: BLE001 - voted on below
             reason = f"compiling the one-shot kernels failed: {type(exc).__name__}: {exc}"
     memory, buffer, handle, state, diag = None, None, b"", None, None
@@ -371,7 +412,7 @@ def create_workspace(
         if group.agree(reason is None):
             ws = OneShotWorkspace(
                 group=group, kernels=kernels, memory=memory, device=device, dtype=dtype, hidden=hidden, capacity=capacity,
-                buffer=buffer, addresses=addresses, state=state, diag=diag, timeout_s=settings["timeout_s"],
+                buffer=buffer, addresses=addresses, state=state, diag=diag, timeout_s=settings["timeout_s"], norm_shapes=norm_shapes,
             )
             return ws, ""
         why = reason or "another rank of the group could not map a peer's buffer"
@@ -470,6 +511,88 @@ def finalize_add_norm(ws, owed, residual, gamma, offset: float, eps: float):
     return ws.all_reduce_add_rmsnorm(partial, residual, gamma, eps, offset)
 
 
+class NormsFacts:
+    """A stage's norms as the norms kernels take them: the `NormsShape` and the modules whose
+    weights each call reads (never copies: a weight loaded or moved later is the one used)."""
+
+    __slots__ = ("shape", "norm", "post_norm")
+
+    def __init__(self, shape, norm, post_norm):
+        self.shape, self.norm, self.post_norm = shape, norm, post_norm
+
+    @property
+    def gamma(self):
+        return None if self.shape.norm == "none" else self.norm.weight.detach()
+
+    @property
+    def beta(self):
+        return self.norm.bias.detach() if self.shape.bias else None
+
+    @property
+    def post_gamma(self):
+        return self.post_norm.weight.detach() if self.shape.post else None
+
+    @property
+    def eps(self) -> float:
+        return 0.0 if self.shape.norm == "none" else float(self.norm.eps)
+
+    @property
+    def post_eps(self) -> float:
+        return float(self.post_norm.eps) if self.shape.post else 0.0
+
+    def __repr__(self) -> str:
+        return f"NormsFacts({self.shape.tag})"
+
+
+def norms_facts(stage, compute_dtypes=(torch.float32,)) -> Optional[NormsFacts]:
+    """The norms kernels' view of a stage input that the add + RMSNorm kernels do not take (an RMS
+    post-norm owed before the add; a LayerNorm or identity read), or None: the stage needs no such
+    kernel, or its norms are not ones the kernels compute (statistics in `compute_dtypes`;
+    a LayerNorm's `None`, as wide as bf16/fp16 rows' fp32, included)."""
+    from .kernels.norms import NormsShape
+
+    desc = getattr(stage, "description", None)
+    if desc is None:  # a stand-in for a stage that names only its norm: the add + RMSNorm kernels' case
+        return None
+    post_kind, kind = getattr(desc, "post_norm_kind", None), desc.norm_kind
+    if post_kind is None and kind not in ("layer", "none"):
+        return None
+    if post_kind is not None and post_kind not in ("rms", "gemma_rms"):
+        return None
+    if kind not in ("rms", "gemma_rms", "layer", "none") or (kind == "none" and post_kind is None):
+        return None
+    norms = [n for n in (stage.norm if kind != "none" else None, stage.post_norm if post_kind is not None else None) if n is not None]
+    if any(getattr(n, "compute_dtype", torch.float32) not in (*compute_dtypes, None) for n in norms):
+        return None
+    if kind in ("rms", "gemma_rms") and getattr(stage.norm, "compute_dtype", torch.float32) is None:
+        return None
+    post = post_kind is not None
+    shape = NormsShape(
+        "rms" if kind in ("rms", "gemma_rms") else kind,
+        weight_offset=float(type(stage.norm).offset) if kind in ("rms", "gemma_rms") else 0.0,
+        bias=kind == "layer" and stage.norm.bias is not None,
+        post=post,
+        post_offset=float(type(stage.post_norm).offset) if post else 0.0,
+    )
+    return NormsFacts(shape, stage.norm, stage.post_norm if post else None)
+
+
+def all_reduce_add_norms(ws, owed, residual, facts):
+    """(normed, new_residual) of an `UnreducedOutput` with the norms of a stage (`NormsFacts`:
+    a post-norm, a LayerNorm or identity read) in one launch, or None (untouched, on every rank
+    alike) when the one-shot path does not apply."""
+    if ws is None or ws.kernels.all_reduce_add_norms is None or facts.shape not in ws.norm_shapes:
+        return None
+    if not isinstance(owed, UnreducedOutput) or not _eligible(ws, owed.group, residual):
+        return None
+    partial = owed.partial
+    if not isinstance(partial, torch.Tensor) or partial.shape != residual.shape or partial.dtype != ws.dtype:
+        return None
+    if any(t is not None and t.dtype != ws.dtype for t in (facts.gamma, facts.beta, facts.post_gamma)):
+        return None
+    return ws.all_reduce_add_norms(partial, residual, facts.gamma, facts.beta, facts.post_gamma, facts.eps, facts.post_eps, facts.shape)
+
+
 def _candidate(path, service, norm, owed, residual):
     """`path` with the multiplier, offset and epsilon of a core RMSNorm computing as the kernels
     do, over the service's workspace; None (untouched) when there is none or the norm differs."""
@@ -504,4 +627,5 @@ def create_for_service(service, max_tokens: int):
         device=service.device,
         weight_offsets=service.weight_offsets,
         moe_shapes=shapes,
+        norm_shapes=service.norm_shapes,
     )

@@ -8,7 +8,8 @@ installs the model's service (`install_cutedsl_fusion`) and prepares it, and
 
 The local add + RMSNorm kernel ("cutedsl.add_rmsnorm", `local_add_norm.py`) needs no opt-in:
 installed, it runs every plain add + RMSNorm no fusion takes (TP=1, the final norm, ...) on CUDA
-bf16/fp16 rows, and declines everything else. So does the q/k norm + rope kernel
+bf16/fp16 rows, and declines everything else; "cutedsl.local_norms" likewise runs the add +
+LayerNorm and the post-norm + add + norm of post-norm and sandwich layers. So does the q/k norm + rope kernel
 ("cutedsl.qk_norm_rope", `qk_norm_rope_kernel.py`): qwen3-style attentions' two per-head norms
 and the rope in one launch on the static-cache path; and the gated activation
 ("cutedsl.gated_activation", `gated_activation_kernel.py`): the gated MLP's act(gate) * up.
@@ -50,15 +51,16 @@ def layer_boundary_fusion_providers():
 
 class _Lazy:
     """A record factory that imports its module of this package on the first call (the registry
-    loads this module without the kernels' code)."""
+    loads this module without the kernels' code) and calls its `attr`."""
 
-    def __init__(self, module: str):
+    def __init__(self, module: str, attr: str = "factory"):
         self.module = module
+        self.attr = attr
 
     def __call__(self, request):
         import importlib
 
-        return importlib.import_module(f"{__package__}.{self.module}").factory(request)
+        return getattr(importlib.import_module(f"{__package__}.{self.module}"), self.attr)(request)
 
 
 @hookimpl
@@ -67,6 +69,13 @@ def layer_boundary_add_norm_kernels():
         name="cutedsl.add_rmsnorm", factory=_Lazy("local_add_norm"), priority=Priority.ARCH_SPECIFIC,
         contract_preparation="layer_boundary_cutedsl.local_add_norm:contract_factory",
         description="residual add + RMSNorm (and Gemma's) in one CuTe DSL kernel, out of place; CUDA bf16/fp16 rows",
+    )
+    yield AddNormKernel(
+        name="cutedsl.local_norms", factory=_Lazy("local_add_norm", "norms_factory"), priority=Priority.ARCH_SPECIFIC,
+        post_norm_factory=_Lazy("local_add_norm", "post_norm_factory"), norm_kinds=("rms", "gemma_rms", "layer"),
+        contract_preparation="layer_boundary_cutedsl.local_add_norm:norms_contract_factory",
+        description=("residual add + LayerNorm (with or without a bias), and an RMS post-norm + add + the read's norm (Gemma's "
+                     "sandwich, OLMo-2) in one CuTe DSL kernel; CUDA bf16/fp16 rows"),
     )
 
 

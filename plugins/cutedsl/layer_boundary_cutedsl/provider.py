@@ -7,7 +7,12 @@ A stage's fusion provider (core/layer_boundary/fusions.py). Its candidates take
   installed service holds a workspace and the batch fits it (oneshot.py), else `moe_finalize`,
   the handoff group's all-reduce, then `fused_add_rmsnorm`;
 - an `UnreducedOutput` (a partial sum): the one-shot kernel likewise, else its all-reduce, then
-  `fused_add_rmsnorm`.
+  `fused_add_rmsnorm`;
+- at an input that owes an RMS post-norm before the add (Gemma's sandwich, OLMo-2's post-norm) or
+  reads with a LayerNorm or the identity: an `UnreducedOutput` through the one-shot norms variant
+  (sum, post-norm, add, read norm in one launch) when the service's workspace takes it; else it
+  declines, and the core's completion runs the group's all-reduce and then the stage's local
+  completion ("cutedsl.local_norms": post-norm + add + norm in one kernel).
 
 Each candidate declines (returns None, touching nothing) unless everything is on the kernels'
 device in a dtype they take, with a core RMSNorm computing in fp32 and a supported width, so
@@ -57,6 +62,17 @@ def _all_reduce(provider, kernels, owed, residual, gamma, offset, eps):
     return fused_paths.all_reduce_add_norm(kernels, owed, residual, gamma, offset, eps)
 
 
+#: the candidate at a post-norm, LayerNorm or identity read input
+NORMS_NAME = "cutedsl.all_reduce_add_norms"
+
+
+def all_reduce_add_norms(provider: "CuteDSLFusion", facts, owed, residual, forward=None):
+    """Candidate for an `UnreducedOutput` at an input with norms other than one RMSNorm: one
+    launch of the one-shot norms variant, or None (decline) without a workspace that takes it."""
+    service = provider.service
+    return oneshot.all_reduce_add_norms(None if service is None else service.oneshot, owed, residual, facts)
+
+
 def finalize_add_norm(provider: "CuteDSLFusion", norm, owed, residual, forward=None):
     """Candidate for a `MoeFinalizeHandoff`: (normed, new_residual), or None to decline."""
     return _candidate(provider, oneshot.finalize_candidate, _finalize, norm, owed, residual)
@@ -104,6 +120,11 @@ class CuteDSLFusion:
 
     # consumer candidates ------------------------------------------------------------------------
     def attention_input(self, plan):
+        facts = oneshot.norms_facts(plan, self.kernels.norm_compute_dtypes)
+        if facts is not None:  # a post-norm owed, or a LayerNorm or identity read: the norms variant
+            post = ("rms", "gemma_rms") if facts.shape.post else ()
+            return (FusedMlpInput(run=functools.partial(all_reduce_add_norms, self, facts), name=NORMS_NAME, preserves_residual=True,
+                                  norm_kinds=("rms", "gemma_rms", "layer", "none"), post_norm_kinds=post),)
         norm = plan.norm
         return (
             FusedMlpInput(

@@ -59,6 +59,7 @@ class CuteDSLService:
         terminal_finalize: bool = False,
         kernels: Optional[KernelSet] = None,
         label: str = "model",
+        norm_shapes=(),
     ):
         self.hidden_size = int(hidden_size)
         self.rms_epsilon = float(rms_epsilon)
@@ -71,6 +72,9 @@ class CuteDSLService:
         self.terminal_finalize = terminal_finalize
         self.kernels = kernels if kernels is not None else CUTEDSL_KERNELS
         self.label = label
+        #: the `NormsShape`s of the stages that owe a post-norm or read with a LayerNorm or the
+        #: identity: the one-shot norms variants the workspace compiles
+        self.norm_shapes = tuple(sorted(set(norm_shapes), key=lambda s: s.tag))
         #: tokens the workspace holds (None: not prepared; nothing defers until it is)
         self.max_tokens: Optional[int] = None
         #: the kernels are usable on every rank of the group (agreed in prepare)
@@ -255,6 +259,9 @@ def install_cutedsl_fusion(
         final_norm = getattr(model, "norm", None)
     # the norms the fused paths run: every stage input with a provider, and the final norm
     fused = [(f"stage {b.plan.label}", b.plan.norm) for b, _ in pairs if is_rms_norm(b.plan.norm)]
+    # inputs with a post-norm owed, or a LayerNorm or identity read: the one-shot norms variants
+    facts = {b.plan.label: oneshot.norms_facts(b.plan, (kernels or pairs[0][1].kernels).norm_compute_dtypes) for b, _ in pairs}
+    norm_shapes = {f.shape for f in facts.values() if f is not None}
     if terminal_finalize:
         if not is_rms_norm(final_norm):
             raise ValueError(
@@ -262,17 +269,21 @@ def install_cutedsl_fusion(
                 f"(pass final_norm=); got {type(final_norm).__name__}"
             )
         fused.append(("the final norm", final_norm))
-    if not fused:
-        raise ValueError(f"install_cutedsl_fusion: no stage of {label} with a CuteDSLFusion provider has a core RMSNorm")
-    eps = float(rms_epsilon) if rms_epsilon is not None else float(fused[0][1].eps)
+    if not fused and not norm_shapes:
+        raise ValueError(
+            f"install_cutedsl_fusion: no stage of {label} with a CuteDSLFusion provider has a core RMSNorm, a LayerNorm or a "
+            "post-norm the kernels compute"
+        )
+    eps = float(rms_epsilon) if rms_epsilon is not None else (float(fused[0][1].eps) if fused else 0.0)
     for where, norm in fused:
         if float(norm.eps) != eps:
             raise ValueError(
                 f"{label}: the CuTe DSL fusion compiles one workspace for rms_epsilon={eps}, but a fused norm uses "
                 f"{norm.eps} ({where}); give every fused norm the same epsilon, or build that stage without CuteDSLFusion"
             )
-    hidden = int(hidden_size) if hidden_size is not None else fused[0][1].hidden_size
-    for where, norm in fused:
+    hidden = int(hidden_size) if hidden_size is not None else (fused[0][1].hidden_size if fused else pairs[0][0].plan.hidden_size)
+    widths = fused + [(f"stage {b.plan.label}", b.plan) for b, _ in pairs if facts[b.plan.label] is not None]
+    for where, norm in widths:
         if norm.hidden_size != hidden:
             raise ValueError(f"{label}: the CuTe DSL workspace is {hidden} wide, but {where} normalizes {norm.hidden_size} features")
     terminal = [b for b, _ in pairs if b.plan.terminal and b.plan.declaration.sparse]
@@ -292,7 +303,7 @@ def install_cutedsl_fusion(
     if shared_expert is None and config is not None and hasattr(config, "shared_expert_intermediate_size"):
         shared_expert = bool(config.shared_expert_intermediate_size)
     plan = pairs[0][0].plan
-    weight = fused[0][1].weight
+    weight = fused[0][1].weight if fused else _weight_of(next(f for f in facts.values() if f is not None))
     service = CuteDSLService(
         hidden_size=hidden,
         rms_epsilon=eps,
@@ -305,6 +316,7 @@ def install_cutedsl_fusion(
         terminal_finalize=terminal_finalize,
         kernels=kernels if kernels is not None else pairs[0][1].kernels,
         label=label,
+        norm_shapes=norm_shapes,
     )
     choose = can_defer_finalize or _default_finalize
     by_provider: dict = {}
@@ -317,6 +329,11 @@ def install_cutedsl_fusion(
     if terminal_finalize and model is not None and hasattr(model, "handoff_norm"):
         model.handoff_norm = service
     return service
+
+
+def _weight_of(facts) -> torch.Tensor:
+    """A weight of a stage's norms (the read's, else its post-norm's): the rows' dtype and device."""
+    return (facts.norm if facts.shape.norm != "none" else facts.post_norm).weight
 
 
 def services_of(model) -> list:

@@ -22,7 +22,7 @@ import torch
 from layer_boundary.testing import shared_env
 
 from .kernel_set import CUTEDSL_KERNELS, KernelSet
-from .kernels.reference import add_rmsnorm_reference, moe_finalize_add_rmsnorm_reference, moe_finalize_reference
+from .kernels.reference import add_norms_reference, add_rmsnorm_reference, moe_finalize_add_rmsnorm_reference, moe_finalize_reference
 from .oneshot import OneShotKernels, OneShotTimeout
 from .peer_memory import HostWords, PeerMemory
 
@@ -61,6 +61,13 @@ def reference_kernels(calls: Optional[list] = None, *, oneshot: Optional[OneShot
     def prepare(dtype, hidden, device, add_norm_offsets, moe_shapes):
         record("prepare", 0, {"dtype": dtype, "hidden": hidden, "offsets": tuple(add_norm_offsets), "moe": tuple(moe_shapes)})
 
+    def add_norms(x, residual, gamma, beta, post_gamma, eps, post_eps, shape):
+        record("add_norms", x.shape[0], {"shape": shape, "eps": eps, "post_eps": post_eps})
+        return add_norms_reference(x, residual, gamma, beta, post_gamma, eps, post_eps, shape)
+
+    def prepare_add_norms(dtype, hidden, shapes, device):
+        record("prepare_add_norms", 0, {"dtype": dtype, "hidden": hidden, "shapes": tuple(shapes)})
+
     return KernelSet(
         name="float64-reference",
         fused_add_rmsnorm=fused_add_rmsnorm,
@@ -72,6 +79,8 @@ def reference_kernels(calls: Optional[list] = None, *, oneshot: Optional[OneShot
         dtypes=(torch.bfloat16, torch.float16, torch.float32, torch.float64),
         norm_compute_dtypes=(torch.float32, torch.float64),
         oneshot=oneshot,
+        add_norms=add_norms,
+        prepare_add_norms=prepare_add_norms,
     )
 
 
@@ -213,6 +222,19 @@ def reference_oneshot(calls: Optional[list] = None, *, memory: Optional[Callable
     def prepare(dtype, hidden, world, weight_offsets, moe_shapes, device):
         record("oneshot_prepare", 0, {"dtype": dtype, "hidden": hidden, "world": world, "offsets": weight_offsets, "moe": moe_shapes})
 
+    def all_reduce_add_norms(ws, partial, residual, gamma, beta, post_gamma, eps, post_eps, shape, *, out=None, residual_out=None):
+        record("oneshot_all_reduce_add_norms", residual.shape[0], {"shape": shape, "eps": eps, "post_eps": post_eps, "world": ws.world})
+        total = _exchange(ws, partial.to(ws.dtype))
+        if shape.post:  # the completed sum, rounded once, goes through the post-norm
+            normed, new_residual = add_norms_reference(total.to(ws.dtype), residual, gamma, beta, post_gamma, eps, post_eps, shape)
+        else:
+            normed, new_residual = add_norms_reference(total, residual, gamma, beta, post_gamma, eps, post_eps, shape)
+        new_residual = _into(new_residual, residual_out)
+        return (new_residual if shape.norm == "none" else _into(normed, out)), new_residual
+
+    def prepare_norms(dtype, hidden, world, shapes, device):
+        record("oneshot_prepare_norms", 0, {"dtype": dtype, "hidden": hidden, "world": world, "shapes": tuple(shapes)})
+
     return OneShotKernels(
         name="reference-oneshot",
         memory=memory or FakePeerMemory,
@@ -221,6 +243,8 @@ def reference_oneshot(calls: Optional[list] = None, *, memory: Optional[Callable
         moe_finalize_all_reduce_add_rmsnorm=moe_finalize_all_reduce_add_rmsnorm,
         dtypes=(torch.bfloat16, torch.float16, torch.float32, torch.float64),
         process_id=lambda: (os.getpid() << 24) ^ threading.get_ident(),
+        all_reduce_add_norms=all_reduce_add_norms,
+        prepare_norms=prepare_norms,
     )
 
 

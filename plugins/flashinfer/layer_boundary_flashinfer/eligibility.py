@@ -313,8 +313,38 @@ def stage_reason(description) -> Optional[str]:
         return "the arriving update is not a plain add"
     if description.read_format not in READ_FORMATS:
         return "the read is neither a plain norm nor an FP8-quantizing norm"
+    if description.post_norm_kind is not None:
+        return "the arriving output owes its output norm before the add, which the fused kernels do not apply"
     if description.norm_kind not in ("rms", "gemma_rms"):
         return f"norm kind {description.norm_kind!r} is not an RMSNorm"
+    return _sum_reason(description)
+
+
+#: the read norms after FlashInfer's plain all-reduce (the norms run as local kernels)
+PLAIN_NORM_KINDS = ("rms", "gemma_rms", "layer", "none")
+#: the output norms an arriving output may owe there (applied by the local completion)
+PLAIN_POST_NORM_KINDS = ("rms", "gemma_rms", "layer", "other")
+
+
+def plain_stage_reason(description) -> Optional[str]:
+    """Why FlashInfer's plain all-reduce (followed by the stage's local norms: the post-norm, the
+    add and the read, as local kernels) cannot complete this stage's input where the fused
+    patterns do not apply, an output norm owed before the add or a LayerNorm or identity read
+    (None: it can)."""
+    if description.incoming_sum is None:
+        return "nothing is ever owed at this input"
+    if not description.plain_update:
+        return "the arriving update is not a plain add"
+    if description.read_format != "plain":
+        return "the read is not a plain norm"
+    if description.post_norm_kind is None and description.norm_kind in ("rms", "gemma_rms"):
+        return "the fused all-reduce + add + RMSNorm takes this input"
+    if description.norm_kind not in PLAIN_NORM_KINDS:
+        return f"norm kind {description.norm_kind!r} is not one the local kernels compute"
+    return _sum_reason(description)
+
+
+def _sum_reason(description) -> Optional[str]:
     size = _group_size(description.topology, description.incoming_sum)
     if size not in SUPPORTED_WORLD_SIZES:
         return f"the {description.incoming_sum.name} sum runs over {size} rank(s); the kernels need 2, 4, 8 or 16"

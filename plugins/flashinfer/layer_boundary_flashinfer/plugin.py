@@ -11,7 +11,7 @@ from layer_boundary.plugin import (
     AddNormKernel, Benchmark, DecodeAttentionKernel, FusionProvider, GatedActivationKernel, Priority, RopeKernel, hookimpl,
 )
 
-from .eligibility import ENABLE_ENV, finalize_stage_reason, flashinfer_installed, settings, stage_reason
+from .eligibility import ENABLE_ENV, finalize_stage_reason, flashinfer_installed, plain_stage_reason, settings, stage_reason
 
 RECORD_NAME = "flashinfer.ar_add_rmsnorm"
 
@@ -22,11 +22,14 @@ def hardware_ready() -> bool:
 
 
 def build_provider(description):
-    """A `FlashInferFusion` for a stage whose input (or, for a MoE FFN, whose output) the
-    fused kernels can complete; None elsewhere, and on machines without CUDA or flashinfer."""
+    """A `FlashInferFusion` for a stage whose input the fused kernels can complete (or where
+    they cannot, an output norm owed before the add or a LayerNorm or identity read, whose sum
+    FlashInfer's plain all-reduce can; or, for a MoE FFN, whose output); None elsewhere, and on
+    machines without CUDA or flashinfer."""
     input_ok = stage_reason(description) is None
+    plain_ok = plain_stage_reason(description) is None
     finalize_ok = finalize_stage_reason(description) is None
-    if not (input_ok or finalize_ok):
+    if not (input_ok or plain_ok or finalize_ok):
         return None
     if not hardware_ready():
         return None
@@ -34,12 +37,13 @@ def build_provider(description):
     if not opts.enabled:
         return None
     finalize_ok = finalize_ok and opts.defer_finalize
-    if not (input_ok or finalize_ok):
+    if not (input_ok or plain_ok or finalize_ok):
         return None
     from .provider import FlashInferFinalizeFusion, FlashInferFusion
 
     provider = (FlashInferFinalizeFusion if finalize_ok else FlashInferFusion)(description)
     provider.offers_input = input_ok
+    provider.offers_plain = plain_ok
     return provider
 
 

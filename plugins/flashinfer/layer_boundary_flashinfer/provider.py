@@ -9,7 +9,11 @@ candidates are inert until `prepare_flashinfer_fusion` binds them to an agreed w
 - `FinalizeAddNorm` takes a `MoeFinalizeHandoff` (a MoE that left its weighted combine to the
   next input) and runs top-k combine + shared expert + all-reduce + add + RMSNorm in one kernel
   (`kMoEFinalizeARResidualRMSNorm`) up to 128 tokens; above that (where the one-shot-only
-  finalize kernel is not tuned) it combines in torch and runs the fused all-reduce + add + norm.
+  finalize kernel is not tuned) it combines in torch and runs the fused all-reduce + add + norm;
+- `AllReduceThenLocalNorms` takes an `UnreducedOutput` where the fused patterns do not apply
+  (an output norm owed before the add: post-norm and sandwich layers; a LayerNorm or identity
+  read): FlashInfer's plain all-reduce (`kAllReduce`), then the stage's local completion
+  (`Stage.read_complete`: the post-norm, add and read norm, as local kernels).
 
 A candidate declines (None, before touching anything) on facts every rank of the group shares:
 not bound, a token count outside (0, limit], another dtype or width, another device type, a sum
@@ -39,11 +43,14 @@ __all__ = [
     "AR_NAME",
     "FINALIZE_NAME",
     "FP8_NAME",
+    "AllReduceThenLocalNorms",
+    "PLAIN_NAME",
 ]
 
 AR_NAME = "flashinfer.ar_add_rmsnorm"
 FINALIZE_NAME = "flashinfer.moe_finalize_ar_add_rmsnorm"
 FP8_NAME = "flashinfer.ar_add_rmsnorm_fp8"
+PLAIN_NAME = "flashinfer.all_reduce_then_local_norms"
 
 _Tensor = torch.Tensor
 
@@ -169,6 +176,37 @@ class FinalizeAddNorm(_Bound):
         return fused(_aligned(owed.finalize_local()), _aligned(residual), tokens)
 
 
+class AllReduceThenLocalNorms(_Bound):
+    """Candidate for an `UnreducedOutput` the fused patterns cannot complete (an output norm owed
+    before the add, a LayerNorm or identity read): FlashInfer's plain all-reduce kernel, then the
+    stage's local completion (`local(total, residual)`: `Stage.read_complete`, set by the
+    provider). The same declines as `AllReduceAddNorm`; inside a compiled region it declines (the
+    core's completion then runs, its all-reduce on the group), on every rank alike."""
+
+    __slots__ = ("local",)
+
+    def __init__(self):
+        super().__init__()
+        self.local = None
+
+    def __call__(self, owed, residual, forward=None):
+        launch, local = self.launch, self.local
+        if launch is None or local is None or type(owed) is not UnreducedOutput or torch.compiler.is_compiling():
+            return None
+        partial = owed.partial
+        tokens = partial.shape[0]
+        if not 0 < tokens <= self.limit or not isinstance(residual, _Tensor):
+            return None
+        dtype = self.dtype
+        if partial.dtype is not dtype or residual.dtype is not dtype or partial.shape != residual.shape:
+            return None
+        if partial.dim() != 2 or partial.shape[1] != self.hidden:
+            return None
+        if partial.is_cuda is not self.cuda or residual.is_cuda is not self.cuda or not self._same_group(owed.group):
+            return None
+        return local(launch(_aligned(partial)), residual)
+
+
 class AllReduceAddNormFp8(AllReduceAddNorm):
     """Candidate for an `UnreducedOutput` at an FP8-quantizing read: all-reduce + add + RMSNorm +
     E4M3 quantization in one kernel (`fmt` "fp8_static": the read's fixed scale; "fp8_dynamic": one
@@ -254,8 +292,11 @@ class FlashInferFusion:
         self.finalize = FinalizeAddNorm(self.all_reduce)
         self.fp8 = AllReduceAddNormFp8()
         self.fp8_handoff = Fp8HandoffAddNorm(self.fp8)
+        self.plain = AllReduceThenLocalNorms()
         #: the input candidates exist only where the stage's input is eligible (set by the factory)
         self.offers_input = True
+        #: the plain all-reduce candidate, where the fused patterns do not apply (set by the factory)
+        self.offers_plain = False
 
     @property
     def read_format(self) -> str:
@@ -268,6 +309,13 @@ class FlashInferFusion:
 
     def attention_input(self, plan):
         self.plan = plan
+        if self.offers_plain:  # the stage's local norms after FlashInfer's plain all-reduce
+            from .eligibility import PLAIN_NORM_KINDS, PLAIN_POST_NORM_KINDS
+
+            self.plain.local = plan.read_complete
+            post = PLAIN_POST_NORM_KINDS if self.description.post_norm_kind is not None else ()
+            return (FusedMlpInput(run=self.plain, name=PLAIN_NAME, preserves_residual=True, norm_kinds=PLAIN_NORM_KINDS,
+                                  post_norm_kinds=post),)
         if not self.offers_input:
             return ()
         fmt = self.read_format
@@ -290,7 +338,7 @@ class FlashInferFusion:
 
     @property
     def bound(self) -> bool:
-        return self.all_reduce.bound or self.fp8.bound
+        return self.all_reduce.bound or self.fp8.bound or self.plain.bound
 
     def __repr__(self) -> str:
         state = "bound" if self.bound else "not prepared"

@@ -21,7 +21,7 @@ import torch
 from layer_boundary import GemmaRMSNorm, RMSNorm, StageBoundary, boundaries_of
 
 from .collectives import wrapped_flashinfer_collectives
-from .eligibility import ENABLE_ENV, SUPPORTED_DTYPES, FlashInferSettings, finalize_stage_reason, stage_reason
+from .eligibility import ENABLE_ENV, SUPPORTED_DTYPES, FlashInferSettings, finalize_stage_reason, plain_stage_reason, stage_reason
 from .eligibility import settings as _env_settings
 from .provider import FlashInferFinalizeFusion, FlashInferFusion
 from .workspace import EnsureResult, WorkspaceManager, WorkspaceSpec
@@ -92,6 +92,8 @@ class _Need:
     local_reason: Optional[str]
     producer: bool = False
     read: object = None
+    #: the plain all-reduce before the stage's local norms (`plain_stage_reason`)
+    plain: bool = False
 
 
 def _boundaries(model) -> list:
@@ -124,6 +126,16 @@ def _weight_bias(norm) -> float:
     return float(type(norm).offset)  # 0 for RMSNorm, 1 for Gemma's (1 + w)
 
 
+def _weight_of(plan):
+    """A weight of the stage's norms (the read's, else the arriving post-norm's: an identity read
+    has none): its dtype and device are the stage's rows'."""
+    for norm in (plan.norm, plan.post_norm):
+        weight = getattr(norm, "weight", None)
+        if isinstance(weight, torch.Tensor):
+            return weight
+    return None
+
+
 def _collect(boundaries, backend) -> tuple[dict, list, list]:
     needs: dict = defaultdict(list)
     skipped: list = []
@@ -135,26 +147,30 @@ def _collect(boundaries, backend) -> tuple[dict, list, list]:
         norm = plan.norm
         if isinstance(provider, FlashInferFinalizeFusion) or (provider is None and finalize_stage_reason(desc) is None):
             producers.append((plan, provider))
-        reason = stage_reason(desc)
-        dtype = getattr(getattr(norm, "weight", None), "dtype", None)
-        if reason is None:
+        plain = plain_stage_reason(desc) is None  # FlashInfer's plain all-reduce, then the local norms
+        weight = _weight_of(plan)
+        dtype = getattr(weight, "dtype", None)
+        reason = None if plain else stage_reason(desc)
+        if reason is None and not plain:
             reason = _norm_reason(norm, dtype)
+        if reason is None and dtype not in SUPPORTED_DTYPES:
+            reason = f"dtype {dtype} has no FlashInfer fusion workspace"
         if reason is None:
             reason = backend.width_reason(desc.hidden_size, dtype)
         if reason is not None:
             skipped.append((plan.label, reason))
             continue
         local = None
-        if provider is None or not provider.offers_input:
+        if provider is None or not (provider.offers_plain if plain else provider.offers_input):
             local = (
                 "the flashinfer provider is not attached to this stage on this rank "
                 f"(no CUDA or flashinfer, {ENABLE_ENV}=0, or LAYER_BOUNDARY_DISABLE_PLUGINS)"
             )
         if local is None:
-            local = backend.placement_reason(norm.weight)
+            local = backend.placement_reason(weight)
         group = plan.group(desc.incoming_sum)
         needs[(tuple(group.ranks), dtype)].append(
-            _Need(plan.label, provider, norm, group, desc.hidden_size, dtype, norm.weight.device, local, read=plan.read)
+            _Need(plan.label, provider, norm, group, desc.hidden_size, dtype, weight.device, local, read=plan.read, plain=plain)
         )
     return needs, skipped, producers
 
@@ -173,6 +189,11 @@ def _bind(slot, needs: list, limit: int, backend, collectives=()) -> Optional[st
                 continue
             norm, provider = need.norm, need.provider
             capped = min(limit, slot.spec.capacity(need.hidden))
+            if need.plain:  # the plain all-reduce; the stage's norms run as local kernels
+                provider.plain.bind(backend.bind_plain_all_reduce(slot), limit=capped, dtype=need.dtype, hidden=need.hidden,
+                                    group=need.group, cuda=cuda)
+                slot.bind(provider.plain)
+                continue
             gamma, eps, bias = norm.weight.detach(), float(norm.eps), _weight_bias(norm)
             common = dict(limit=capped, dtype=need.dtype, hidden=need.hidden, group=need.group, cuda=cuda)
             fmt = provider.read_format

@@ -223,6 +223,13 @@ class ContractPreparation:
         if isinstance(provider, FlashInferFinalizeFusion):
             provider.enable_finalize(self.LIMIT)
         desc, norm = provider.description, plan.norm
+        if provider.offers_plain:  # the plain all-reduce before the stage's local norms
+            weight = next((n.weight for n in (norm, plan.post_norm) if isinstance(getattr(n, "weight", None), torch.Tensor)), None)
+            if weight is not None and weight.dtype in SUPPORTED_DTYPES:
+                group = plan.group(desc.incoming_sum)
+                provider.plain.bind(self._backend.bind_plain_all_reduce(types.SimpleNamespace(group=group)), limit=self.LIMIT,
+                                    dtype=weight.dtype, hidden=desc.hidden_size, group=group, cuda=weight.is_cuda)
+            return
         if not provider.offers_input or desc.incoming_sum is None or norm is None:
             return
         dtype = norm.weight.dtype

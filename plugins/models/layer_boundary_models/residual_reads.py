@@ -13,7 +13,10 @@ __all__ = ["Unnormed"]
 
 class Unnormed(nn.Module):
     """The norm of a stage that reads the residual as it is: the identity, with the hidden size
-    the boundary checks every compute output against."""
+    the boundary checks every compute output against. `norm_kind = "none"` tells the boundary
+    (and fusion providers) it is the identity: a fused completion then skips the read's norm."""
+
+    norm_kind = "none"
 
     def __init__(self, hidden_size: int):
         super().__init__()

@@ -16,6 +16,10 @@ CONFIGS = {
     "qwen3_moe": {"hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 3, "head_dim": 8, "vocab_size": 96,
                   "moe_intermediate_size": 16, "mlp_only_layers": [2]},
     "gemma": {"hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 3, "head_dim": 8, "vocab_size": 96},
+    # residual shapes the fused patterns do not take: sandwich and post-norms, LayerNorm reads
+    "gemma3": {"num_hidden_layers": 3, "layer_types": ["sliding_attention", "full_attention", "sliding_attention"]},
+    "olmo2": {"num_hidden_layers": 3},
+    "gpt_neox": {"num_hidden_layers": 3, "use_parallel_residual": False},
 }
 
 family("qwen3")  # load the model families now: `models._load` is not safe when threads race into it

@@ -12,7 +12,7 @@ from layer_boundary.testing.contract import ContractSettings
 from layer_boundary.testing._contract.stages import stage_descriptions
 from layer_boundary_flashinfer import eligibility
 from layer_boundary_flashinfer.backend import MAX_COMM_SIZE, oneshot_table, workspace_bytes
-from layer_boundary_flashinfer.eligibility import device_reason, finalize_stage_reason, settings, stage_reason
+from layer_boundary_flashinfer.eligibility import device_reason, finalize_stage_reason, plain_stage_reason, settings, stage_reason
 from layer_boundary_flashinfer.plugin import build_provider
 from layer_boundary_flashinfer.provider import FlashInferFinalizeFusion, FlashInferFusion
 from layer_boundary_flashinfer.workspace import WorkspaceSpec
@@ -49,14 +49,33 @@ def test_stage_rules(gpu_rank):
     assert stage_reason(_find("attention_after_ffn", Topology(tp=4, moe_ep=2))) is None
 
 
+def test_where_the_fused_patterns_stop_the_plain_all_reduce_starts(gpu_rank):
+    """An output norm owed before the add (sandwich, post-norm) or a LayerNorm or identity read:
+    no fused pattern takes it, FlashInfer's plain all-reduce does (the norms then run locally)."""
+    tp2 = Topology(tp=2)
+    for label in ("ffn_after_post_norm_attention", "attention_after_post_norm_ffn"):
+        for norm in ("rms", "gemma_rms", "layer", "none"):
+            d = _find(label, tp2, norm)
+            assert "output norm before the add" in stage_reason(d) and plain_stage_reason(d) is None, (label, norm)
+        assert "norm kind 'other'" in plain_stage_reason(_find(label, tp2, "other"))
+        under_dp = _find(label, Topology(tp=2, attn_dp=2), "layer")  # rows move: the exit completes the post-norm itself
+        assert under_dp.post_norm_kind is None and plain_stage_reason(under_dp) is not None
+    for norm in ("layer", "none"):
+        d = _find("ffn_after_attention", tp2, norm)
+        assert "not an RMSNorm" in stage_reason(d) and plain_stage_reason(d) is None
+    assert "takes this input" in plain_stage_reason(_find("ffn_after_attention", tp2, "rms"))
+    assert "not a plain add" in plain_stage_reason(_find("attention_after_scaled_ffn", tp2, "layer"))
+
+
 def test_the_factory_follows_the_rules_and_picks_the_finalize_provider_for_moe(gpu_rank):
     descriptions = stage_descriptions(SETTINGS)
     for d in descriptions:
         provider = build_provider(d)
-        eligible = stage_reason(d) is None or finalize_stage_reason(d) is None
+        eligible = stage_reason(d) is None or plain_stage_reason(d) is None or finalize_stage_reason(d) is None
         assert (provider is not None) == eligible, d.label
         if provider is not None:
             assert provider.offers_input == (stage_reason(d) is None)
+            assert provider.offers_plain == (plain_stage_reason(d) is None)
             assert isinstance(provider, FlashInferFinalizeFusion) == (finalize_stage_reason(d) is None)
             assert provider.takes_handoff == (provider.offers_input and d.incoming_sum is SumGroup.MOE_OUTPUT)
     moe = build_provider(_find("moe_after_attention", Topology(tp=2)))

@@ -1,8 +1,10 @@
-"""The contract of an `AddNormKernel` (a local add + RMSNorm kernel), one pass per device.
+"""The contract of an `AddNormKernel` (a local add + norm kernel), one pass per device.
 
 - construction: the factory answers every request of the pass (RMSNorm and Gemma, each dtype
-  with each statistic dtype the models ask for it (`compute_dtypes`), the settings' width)
-  with a callable or None, never raising;
+  with each statistic dtype the models ask for it (`compute_dtypes`); LayerNorm with and without a
+  bias where the record declares "layer"; the settings' width) with a callable or None, never
+  raising; so does a `post_norm_factory` for the post-norm pairs of the kinds it declares
+  (Gemma's sandwich, OLMo-2's post-norm before an identity read, ...);
 - purity: an accepted kernel returns new tensors and leaves contribution and residual unchanged
   (values and version counters): the caller may still hold both (captures, snapshots);
 - parity: its (normed, new residual) are shaped, typed and placed as asked (a wrong one is
@@ -22,9 +24,11 @@ import torch
 
 from ..._plugins.results import matches, pair_matches, pair_problem, result_problem
 from ..._plugins.selection import Answer, call_record
-from ..._residual.add_norm import GemmaRMSNorm, RMSNorm, add_rms_norm
+from ..._residual.add_norm import NORM_READ, GemmaRMSNorm, LayerNorm, RMSNorm, add_rms_norm
 from ..._residual.kernels import OUTPUTS, kernel_who, request_for
+from ..._residual.post_norm import POST_NORM, PostNormRead, post_norm_arguments
 from .report import DTYPES, ContractReport, ContractSettings, relative_error
+from .stages import Identity
 
 __all__ = ["ADD_NORM_CHECKS", "add_norm_report", "compute_dtypes"]
 
@@ -55,35 +59,66 @@ def _factory(record, device: str):
         raise RuntimeError(f"record {record.name!r}: its contract_preparation {path!r} did not load: {type(exc).__name__}: {exc}") from exc
 
 
-def _norm_factory(record, device: str, prepared):
-    """The plain-norm factory to check: the record's own on CUDA (or with no preparation), else
-    the prepared factory's `norm_factory` attribute (None: plain norms unchecked here)."""
-    if record.norm_factory is None:
+def _norm_factory(record, device: str, prepared, field: str):
+    """The plain-norm (`field="norm_factory"`) or post-norm factory to check: the record's own on
+    CUDA (or with no preparation), else the prepared factory's attribute of that name (None:
+    unchecked here)."""
+    if getattr(record, field) is None:
         return None
     if not getattr(record, "contract_preparation", None) or device == "cuda":
-        return functools.partial(call_record, record, factory="norm_factory")
-    return getattr(prepared, "norm_factory", None)
+        return functools.partial(call_record, record, factory=field)
+    return getattr(prepared, field, None)
+
+
+#: the norms a pass asks about: (label, kind, build(hidden, dtype, statistic dtype))
+_NORMS = (
+    ("RMSNorm", "rms", lambda h, dtype, compute: RMSNorm(h, dtype=dtype, compute_dtype=compute)),
+    ("GemmaRMSNorm", "gemma_rms", lambda h, dtype, compute: GemmaRMSNorm(h, dtype=dtype, compute_dtype=compute)),
+    ("LayerNorm", "layer", lambda h, dtype, compute: LayerNorm(h, dtype=dtype, compute_dtype=compute)),
+    ("LayerNorm(bias=False)", "layer", lambda h, dtype, compute: LayerNorm(h, bias=False, dtype=dtype, compute_dtype=compute)),
+)
+#: the (post-norm, read) pairs a `post_norm_factory` is asked about: Gemma's sandwich, a plain
+#: RMSNorm pair, OLMo-2's post-norm before an identity read, LayerNorm around LayerNorm
+_POST_PAIRS = (("RMSNorm", "RMSNorm"), ("GemmaRMSNorm", "GemmaRMSNorm"), ("RMSNorm", None), ("LayerNorm", "LayerNorm"))
+
+
+def _computes(kind: str, dtype: torch.dtype) -> list:
+    """The statistic dtypes a pass asks a norm of `kind` with rows of `dtype`: an RMS norm's
+    `compute_dtypes`; a LayerNorm's own (None: the wider of the rows' dtype and float32)."""
+    return [None] if kind == "layer" else compute_dtypes(dtype)
+
+
+def _weighted(build, hidden, dtype, compute, g, device):
+    """A norm with weights (and a bias) away from their defaults, on `device`."""
+    norm = build(hidden, dtype, compute)
+    with torch.no_grad():
+        norm.weight.copy_((0.0 if norm.offset else 1.0) + 0.1 * torch.randn(hidden, generator=g))
+        if getattr(norm, "bias", None) is not None:
+            norm.bias.copy_(0.1 * torch.randn(hidden, generator=g))
+    return norm.to(device)
 
 
 def add_norm_report(record, settings: ContractSettings, registered=None) -> ContractReport:
     report = ContractReport(record.name, "add norm kernel")
     device = torch.device(settings.device)
     factory = _factory(record, settings.device)
-    norm_factory = _norm_factory(record, settings.device, factory)
+    norm_factory = _norm_factory(record, settings.device, factory, "norm_factory")
+    post_factory = _norm_factory(record, settings.device, factory, "post_norm_factory")
+    kinds = record.norm_kinds
     # the record as a run names it (`Answer.source`), so a wrong return reads as it would there
     plugin = None if registered is None else registered.plugin
     source = Answer(record.name, plugin, None if registered is None else registered.distribution).source
     g = torch.Generator().manual_seed(settings.seed)
     accepted = 0
-    for norm_cls in (RMSNorm, GemmaRMSNorm):
+    for label, kind, build in _NORMS:
+        if kind not in kinds:
+            continue
         for dtype_name in settings.dtypes:
             dtype = DTYPES[dtype_name]
-            for compute in compute_dtypes(dtype):
-                norm = norm_cls(settings.hidden_size, dtype=dtype, compute_dtype=compute)
-                with torch.no_grad():
-                    norm.weight.copy_((0.0 if norm.offset else 1.0) + 0.1 * torch.randn(settings.hidden_size, generator=g))
-                norm = norm.to(device)
-                case = f"{norm_cls.__name__} {dtype_name} (statistics in {_dtype(compute)}) H={settings.hidden_size} on {settings.device}"
+            for compute in _computes(kind, dtype):
+                norm = _weighted(build, settings.hidden_size, dtype, compute, g, device)
+                statistics = "" if compute is None else f" (statistics in {_dtype(compute)})"
+                case = f"{label} {dtype_name}{statistics} H={settings.hidden_size} on {settings.device}"
                 request = request_for(norm, device, dtype, dtype)
                 kernel = _construct(report, factory, request, case)
                 if kernel is not None:
@@ -92,9 +127,11 @@ def add_norm_report(record, settings: ContractSettings, registered=None) -> Cont
                     for rows in settings.rows:
                         _run(report, kernel, norm, rows, dtype, dtype_name, settings, g, f"{case} T={rows}", who)
                 # the plain norm is its own answer: a record may run it and decline the add + norm
-                if norm_factory is not None:
-                    who = (kernel_who(source, plain=True), plugin)
+                if norm_factory is not None and kind != "layer":
+                    who = (kernel_who(source, "norm"), plugin)
                     accepted += _plain(report, norm_factory, norm, request, dtype, dtype_name, settings, g, case, who)
+    if post_factory is not None:
+        accepted += _post_norms(report, post_factory, kinds, settings, g, device, (kernel_who(source, POST_NORM), plugin))
     report.stats["accepted"] += accepted
     if not accepted and (getattr(record, "contract_preparation", None) or settings.device == "cpu"):
         report.add("parity", f"accepted no request on {settings.device}: nothing was checked. A record whose kernels need "
@@ -123,8 +160,9 @@ def _run(report, kernel, norm, rows, dtype, dtype_name, settings, g, case, who) 
     c = (torch.randn(rows, hidden, generator=g) * 2).to(dtype).to(settings.device)
     r = torch.randn(rows, hidden, generator=g).to(dtype).to(settings.device)
     held = (c.clone(), r.clone(), c._version, r._version)
+    extra = (norm.bias,) if norm.norm_kind == "layer" else ()  # a LayerNorm's kernel takes its bias
     try:
-        out = kernel(c, r, norm.weight)
+        out = kernel(c, r, norm.weight, *extra)
     except Exception as exc:  # noqa: BLE001
         report.add("parity", f"{case}: the kernel raised {type(exc).__name__}: {exc}")
         return
@@ -181,3 +219,53 @@ def _plain(report, norm_factory, norm, request, dtype, dtype_name, settings, g, 
         if err > settings.tolerance(dtype_name):
             report.add("parity", f"{where}: differs from the torch norm by {err:.2e} relative (tolerance {settings.tolerance(dtype_name):.0e})")
     return True
+
+
+def _post_norms(report, post_factory, kinds, settings, g, device, who) -> int:
+    """The post-norm + add + norm of every pair of the kinds the record declares: never raises,
+    new tensors out, inputs untouched, within the dtype's tolerance of the torch completion (the
+    post-norm's `torch_forward`, then `add_rms_norm`). Returns how many requests it accepted."""
+    builds = {label: (kind, build) for label, kind, build in _NORMS}
+    accepted = 0
+    hidden = settings.hidden_size
+    for post_label, read_label in _POST_PAIRS:
+        post_kind = builds[post_label][0]
+        read_kind = "none" if read_label is None else builds[read_label][0]
+        if post_kind not in kinds or (read_kind != "none" and read_kind not in kinds):
+            continue
+        for dtype_name in settings.dtypes:
+            dtype = DTYPES[dtype_name]
+            widest = compute_dtypes(dtype)[-1]  # float64 rows take float64 statistics: the reference then matches to 1e-10
+            post = _weighted(builds[post_label][1], hidden, dtype, widest, g, device)
+            read = Identity(hidden) if read_label is None else _weighted(builds[read_label][1], hidden, dtype, widest, g, device)
+            case = f"post-norm {post_label} + add + {read_label or 'identity'} {dtype_name} H={hidden} on {settings.device}"
+            request = PostNormRead(post, NORM_READ, read).request(device, dtype, dtype)
+            kernel = _construct(report, post_factory, request, case)
+            if kernel is None:
+                continue
+            accepted += 1
+            for rows in settings.rows:
+                where = f"{case} T={rows}"
+                c = (torch.randn(rows, hidden, generator=g) * 2).to(dtype).to(device)
+                r = torch.randn(rows, hidden, generator=g).to(dtype).to(device)
+                held = (c.clone(), r.clone(), c._version, r._version)
+                try:
+                    out = kernel(c, r, *post_norm_arguments(post, read))
+                except Exception as exc:  # noqa: BLE001
+                    report.add("parity", f"{where}: the kernel raised {type(exc).__name__}: {exc}")
+                    continue
+                report.stats["launches"] += 1
+                if not (torch.equal(c, held[0]) and torch.equal(r, held[1])) or (c._version, r._version) != held[2:]:
+                    report.add("purity", f"{where}: the kernel wrote its contribution or residual (return new tensors)")
+                if not pair_matches(out, r):  # what a run raises (`FusionError`), word for word
+                    report.add("parity", f"{where}: {pair_problem(out, r, *who, names=OUTPUTS)}")
+                    continue
+                normed, new_residual = out
+                want_normed, want_residual = add_rms_norm(read, post.torch_forward(held[0]), held[1])
+                tol = settings.tolerance(dtype_name)
+                for what, got, want in (("normed", normed, want_normed), ("new residual", new_residual, want_residual)):
+                    err = relative_error(got, want)
+                    if err > tol:
+                        report.add("parity", f"{where}: {what} differs from the torch completion by {err:.2e} relative (tolerance "
+                                             f"{tol:.0e})")
+    return accepted

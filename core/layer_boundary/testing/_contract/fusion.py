@@ -76,13 +76,19 @@ def _build_provider(record, plan, report: ContractReport, builtin: bool, where: 
             return None, ()
     plugin = None if registered is None else registered.plugin
     source = Answer(record.name, plugin, None if registered is None else registered.distribution).source
-    plugins = (plugin, "core")
-    candidates = consumer_candidates(plan, [(_Listed(raw), source), (UnfusedCompletion(), "core")], plugins)[: len(raw)]
-    again_c = consumer_candidates(plan, [(_Listed(raw_again), source), (UnfusedCompletion(), "core")], plugins)[: len(raw_again)]
+    candidates = _own(plan, raw, source, plugin, builtin)
+    again_c = _own(plan, raw_again, source, plugin, builtin)
     if _candidate_facts(candidates) != _candidate_facts(again_c):
         report.add("construction", f"{method}(plan) listed different candidates when asked twice on the {where} stage")
     report.stats["candidates_listed"] += len(candidates)
     return provider, candidates
+
+
+def _own(plan, raw, source: str, plugin, builtin: bool) -> tuple:
+    """The candidates of `raw` the core binds for `plan` (those of the stage's format and norm
+    kinds), without the core's last-resort one (unless `raw` is the core's own)."""
+    bound = consumer_candidates(plan, [(_Listed(raw), source), (UnfusedCompletion(), "core")], (plugin, "core"))
+    return tuple(c for c in bound if c.source == source and (builtin or not c.fused.always))
 
 
 class _Listed:
@@ -121,6 +127,15 @@ def _make_owed(kind: str, plan, rows: int, dtype, device, gen: torch.Generator):
     declared = kind == "declared"
     return (UnreducedOutput(partial, group, sum_group, declared=declared),
             UnreducedOutput(partial.clone(), inner, sum_group, declared=declared))
+
+
+def reference_completion(plan, total, residual):
+    """The unfused reference in torch: the arriving post-norm (if any) on the completed sum, then
+    `add_rms_norm` (the add in fp32, the read's norm of the unrounded sum)."""
+    post = plan.post_norm
+    if post is not None:
+        total = post.torch_forward(total)
+    return add_rms_norm(plan.norm, total, residual)
 
 
 class _NoPreparation:
@@ -174,7 +189,8 @@ class _RankRun:
         s, dtype = self.settings, DTYPES[dtype_name]
         self.plans += 1
         seed = s.seed + self.plans
-        boundary = situation.boundary(self.parallel, lambda: make_norm(norm_kind, s.hidden_size, dtype, self.device, seed))
+        boundary = situation.boundary(self.parallel, lambda post=False: make_norm(norm_kind, s.hidden_size, dtype, self.device, seed,
+                                                                                  post=post))
         plan = boundary.plan
         tag = f"{situation.name}/{norm_kind}/{dtype_name}/tp{plan.parallel.topology.tp}"
         self.counter.reset()
@@ -226,7 +242,7 @@ class _RankRun:
         mine = torch.Generator().manual_seed(s.seed * 1_000_003 + self.case + 7919 * (self.parallel.rank + 1))
         residual = torch.randn(rows, plan.norm.hidden_size, generator=shared, dtype=torch.float64).to(dtype=dtype, device=self.device)
         owed, owed_ref = _make_owed(owed_kind, plan, rows, dtype, self.device, mine)
-        want = add_rms_norm(plan.norm, owed_ref.complete(), residual.clone())
+        want = reference_completion(plan, owed_ref.complete(), residual.clone())
         inputs = _tensors_of(owed) + [residual]
         versions = [t._version for t in inputs]
         values = [t.clone() for t in inputs]

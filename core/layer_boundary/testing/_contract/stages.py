@@ -10,8 +10,9 @@ import attrs
 import torch
 
 from ..._factories import declare_attn, declare_ffn, make_stages
+from ..._output import OutputTransform
 from ..._parallel import Parallel
-from ..._residual.add_norm import GemmaRMSNorm, RMSNorm
+from ..._residual.add_norm import GemmaRMSNorm, LayerNorm, RMSNorm
 from .report import ContractSettings
 
 
@@ -23,7 +24,8 @@ def device_of(name: str) -> torch.device:
 
 @attrs.frozen
 class Situation:
-    """A consumer stage in context; `boundary(parallel, norm_of)` builds it."""
+    """A consumer stage in context; `boundary(parallel, norm_of)` builds it (`norm_of()` a read
+    norm, `norm_of(post=True)` a producer's output norm)."""
 
     name: str
     build: Callable
@@ -65,6 +67,27 @@ def _attention_after_scaled_ffn(parallel, norm_of, label):
     return attn
 
 
+def _post_norm(norm_of) -> OutputTransform:
+    return OutputTransform(norm_of(post=True), name="post_norm")
+
+
+def _ffn_after_post_norm_attention(parallel, norm_of, label):
+    """A sandwich (or post-norm) layer's FFN input: the attention's sum arrives owing its output norm."""
+    _, ffn = make_stages((declare_attn(output_transform=_post_norm(norm_of)), norm_of()),
+                         (declare_ffn(output_transform=_post_norm(norm_of)), norm_of()), following=declare_attn(),
+                         parallel=parallel, reduction="ar", label=label)
+    return ffn
+
+
+def _attention_after_post_norm_ffn(parallel, norm_of, label):
+    """The next layer's attention input: the FFN's deferred sum arrives owing its output norm."""
+    attn, _ = make_stages((declare_attn(output_transform=_post_norm(norm_of)), norm_of()),
+                          (declare_ffn(output_transform=_post_norm(norm_of)), norm_of()),
+                          previous=declare_ffn(output_transform=_post_norm(norm_of)), terminal=True, parallel=parallel,
+                          reduction="ar", label=label)
+    return attn
+
+
 SITUATIONS = (
     Situation("ffn_after_attention", _ffn_after_attention, ("declared",)),
     Situation("moe_after_attention", functools.partial(_ffn_after_attention, sparse=True), ("declared",)),
@@ -73,8 +96,15 @@ SITUATIONS = (
               ("deferred", "handoff")),
     Situation("attention_at_entry", _attention_at_entry, ()),
     Situation("attention_after_scaled_ffn", _attention_after_scaled_ffn, ()),
+    Situation("ffn_after_post_norm_attention", _ffn_after_post_norm_attention, ("declared",)),
+    Situation("attention_after_post_norm_ffn", _attention_after_post_norm_ffn, ("deferred",)),
 )
-NORM_KINDS = ("rms", "gemma_rms", "other")
+#: the read norms of every situation: RMSNorm, Gemma's, LayerNorm (with a bias), the identity
+#: (a post-norm layer's read) and a norm no kernel computes
+NORM_KINDS = ("rms", "gemma_rms", "layer", "none", "other")
+#: the output norm a post-norm situation's producer owes, by the read's kind: Gemma's sandwich,
+#: OLMo-2's RMSNorm before an identity read, LayerNorm around LayerNorm
+POST_NORM_KINDS = {"rms": "rms", "gemma_rms": "gemma_rms", "layer": "layer", "none": "rms", "other": "rms"}
 
 
 class _OtherNorm(torch.nn.Module):
@@ -89,10 +119,35 @@ class _OtherNorm(torch.nn.Module):
         return self.inner(x)
 
 
-def make_norm(kind: str, hidden: int, dtype, device, seed: int):
+class Identity(torch.nn.Module):
+    """A read that normalizes nothing (a post-norm layer's), naming its width."""
+
+    norm_kind = "none"
+
+    def __init__(self, hidden):
+        super().__init__()
+        self.hidden_size = hidden
+
+    def forward(self, x):
+        return x
+
+
+def make_norm(kind: str, hidden: int, dtype, device, seed: int, *, post: bool = False):
+    """A norm of `kind` with weights away from their defaults; `post=True`: the output norm a
+    post-norm producer owes before a read of `kind` (`POST_NORM_KINDS`)."""
+    if post:
+        kind, seed = POST_NORM_KINDS[kind], seed + 101
     gen = torch.Generator().manual_seed(seed)
     if kind == "other":
         return _OtherNorm(hidden, dtype, device)
+    if kind == "none":
+        return Identity(hidden)
+    if kind == "layer":
+        norm = LayerNorm(hidden, 1e-5, bias=True, dtype=dtype, device=device)
+        with torch.no_grad():
+            norm.weight.copy_(1.0 + 0.25 * torch.randn(hidden, generator=gen, dtype=torch.float64).to(dtype))
+            norm.bias.copy_(0.25 * torch.randn(hidden, generator=gen, dtype=torch.float64).to(dtype))
+        return norm
     norm = (RMSNorm if kind == "rms" else GemmaRMSNorm)(hidden, 1e-6, dtype=dtype, device=device)
     with torch.no_grad():  # weights away from 1 (and 0 for Gemma) so a misread weight shows
         base = 1.0 if kind == "rms" else 0.0
@@ -120,6 +175,7 @@ def stage_descriptions(settings: ContractSettings) -> list:
         parallel = Parallel.create(topology, 0, _NoCollectives)
         for situation in SITUATIONS:
             for kind in NORM_KINDS:
-                boundary = situation.boundary(parallel, lambda: make_norm(kind, settings.hidden_size, torch.float32, "cpu", 0))
+                boundary = situation.boundary(parallel, lambda post=False: make_norm(kind, settings.hidden_size, torch.float32, "cpu", 0,
+                                                                                     post=post))
                 out.append(boundary.plan.description)
     return out

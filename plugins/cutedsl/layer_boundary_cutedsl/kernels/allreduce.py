@@ -15,19 +15,26 @@ from typing import Optional
 import torch
 
 from ._launch import _raw_stream, address, check_all, check_rows, executor_for, routing_weights
-from .allreduce_layout import ENTRY_KINDS, MAX_WORLD, N_ADDRESSES, AllReduceVariant
+from .allreduce_layout import (
+    ENTRY_KINDS, MAX_WORLD, N_ADDRESSES, NORMS_ENTRY_KINDS, NORMS_N_ADDRESSES, AllReduceNormsVariant, AllReduceVariant,
+)
 from .tiling import MAX_TOP_K
 
-__all__ = ["prepare_allreduce", "allreduce_add_rmsnorm", "moe_finalize_allreduce_add_rmsnorm", "grid_for"]
+__all__ = ["prepare_allreduce", "allreduce_add_rmsnorm", "moe_finalize_allreduce_add_rmsnorm", "allreduce_add_norms", "grid_for"]
 
 _PROBE = (*range(0x1000, 0x1000 + 16 * N_ADDRESSES, 16), 7, 1, 5, 0.5, 3, 0x5150)
+_NORMS_PROBE = (*range(0x1000, 0x1000 + 16 * NORMS_N_ADDRESSES, 16), 7, 1, 5, 0.5, 0.25, 3, 0x5150)
 _entries: dict = {}
 
 
 def _entry(variant: AllReduceVariant, device: torch.device):
     entry = _entries.get((variant, device))
     if entry is None:
-        entry = executor_for(("allreduce", variant), device, lambda: variant, N_ADDRESSES, kinds=ENTRY_KINDS, probe=_PROBE)
+        if isinstance(variant, AllReduceNormsVariant):
+            entry = executor_for(("allreduce", variant), device, lambda: variant, NORMS_N_ADDRESSES, kinds=NORMS_ENTRY_KINDS,
+                                 probe=_NORMS_PROBE)
+        else:
+            entry = executor_for(("allreduce", variant), device, lambda: variant, N_ADDRESSES, kinds=ENTRY_KINDS, probe=_PROBE)
         _entries[(variant, device)] = entry
     return entry
 
@@ -47,7 +54,8 @@ def grid_for(rows: int, sms: int, max_ctas: Optional[int]) -> int:
     return grid
 
 
-def _launch(variant: AllReduceVariant, peers, rows: int, tensors: list, eps: float, device: torch.device) -> None:
+def _launch(variant: AllReduceVariant, peers, rows: int, tensors: list, eps: float, device: torch.device, norms: tuple = ()) -> None:
+    """`norms`: the norms variant's extra arguments ((beta, post_gamma) addresses, post_eps)."""
     if rows > peers.capacity:
         raise ValueError(f"{rows} rows do not fit the one-shot workspace ({peers.capacity} rows)")
     entry = _entry(variant, device)
@@ -55,13 +63,18 @@ def _launch(variant: AllReduceVariant, peers, rows: int, tensors: list, eps: flo
     bases = list(peers.addresses) + [0] * (MAX_WORLD - len(peers.addresses))
     state = peers.state
     addresses = [*tensors, state.data_ptr(), peers.diag_address, peers.buffer, *bases]
+    scalars = [rows, peers.rank, peers.capacity, eps]
+    if norms:
+        extra, post_eps = norms
+        addresses += list(extra)
+        scalars.append(post_eps)
     grid = grid_for(rows, sms, peers.max_ctas)  # persistent: never more CTAs than SMs, loop or not
     stream = _raw_stream(device.index)
     if torch.cuda.current_device() == device.index:
-        launcher(*addresses, rows, peers.rank, peers.capacity, eps, grid, stream)
+        launcher(*addresses, *scalars, grid, stream)
     else:
         with torch.cuda.device(device):
-            launcher(*addresses, rows, peers.rank, peers.capacity, eps, grid, stream)
+            launcher(*addresses, *scalars, grid, stream)
 
 
 def _outputs(residual, out, residual_out):
@@ -118,3 +131,32 @@ def moe_finalize_allreduce_add_rmsnorm(peers, rows: torch.Tensor, weights: torch
     _launch(variant, peers, tokens, tensors, eps, device)
     return out, residual_out
 
+
+
+def allreduce_add_norms(peers, partial: torch.Tensor, residual: torch.Tensor, gamma: Optional[torch.Tensor], beta: Optional[torch.Tensor],
+                        post_gamma: Optional[torch.Tensor], eps: float, post_eps: float, shape, *, out=None, residual_out=None):
+    """(normed, new_residual) of the group's sum of each rank's `partial` with the norms of
+    `shape` (a `NormsShape`, kernels/norms.py) around the residual add: with a post-norm the sum
+    rounded once, normed, rounded, then added; the read's RMSNorm, LayerNorm or nothing (an
+    identity read returns the new residual twice). [T, H] rows of the workspace dtype; gamma,
+    beta, post_gamma [H] (None where the shape has none)."""
+    tokens, hidden = residual.shape
+    dtype, device = residual.dtype, residual.device
+    identity = shape.norm == "none"
+    residual_out = torch.empty_like(residual) if residual_out is None else residual_out
+    if not identity:
+        out = torch.empty_like(residual) if out is None else out
+        if out.data_ptr() == residual_out.data_ptr():
+            raise ValueError("out and residual_out must not be the same memory")
+    weights = dict(gamma=None if identity else gamma, beta=beta if shape.bias else None, post_gamma=post_gamma if shape.post else None)
+    missing = [k for k, need in (("gamma", not identity), ("beta", shape.bias), ("post_gamma", shape.post)) if need and weights[k] is None]
+    if missing:
+        raise ValueError(f"{shape.tag} needs {', '.join(missing)}")
+    check_rows(dtype, device, residual.shape, partial=partial, residual=residual, out=out, residual_out=residual_out)
+    check_rows(dtype, device, (hidden,), **weights)
+    if tokens == 0:
+        return (residual_out if identity else out), residual_out
+    variant = AllReduceNormsVariant.of(dtype, hidden, peers.world, shape)
+    tensors = [partial.data_ptr(), 0, 0, residual.data_ptr(), address(weights["gamma"]), residual_out.data_ptr(), address(out)]
+    _launch(variant, peers, tokens, tensors, eps, device, norms=((address(weights["beta"]), address(weights["post_gamma"])), float(post_eps)))
+    return (residual_out if identity else out), residual_out

@@ -16,15 +16,23 @@ every rank of a group, which the workspace checks when it exchanges the buffers.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING, Optional
 
 import torch
 
 from .tiling import MAX_TOP_K, SUPPORTED_DTYPES, _DTYPE_NAMES, RowTiling, check_hidden, row_tiling
 
+if TYPE_CHECKING:
+    from .norms import NormsShape
+
 __all__ = [
     "WORLD_SIZES",
     "N_ADDRESSES",
     "ENTRY_KINDS",
+    "NORMS_N_ADDRESSES",
+    "NORMS_ENTRY_KINDS",
+    "AllReduceNormsVariant",
+    "all_allreduce_norms_variants",
     "MAX_WORLD",
     "FLAG_BYTES",
     "STATE_WORDS",
@@ -44,6 +52,10 @@ FLAG_BYTES = 8  # one int64 epoch per (source rank, row)
 #: scalars rows, rank, capacity, eps, grid and the stream
 N_ADDRESSES = 10 + MAX_WORLD
 ENTRY_KINDS = ("i64",) * N_ADDRESSES + ("i32", "i32", "i32", "f32", "i32", "stream")
+#: the norms variant's entry: the same addresses, then beta and post_gamma; rows, rank, capacity,
+#: eps, post_eps, grid, stream
+NORMS_N_ADDRESSES = N_ADDRESSES + 2
+NORMS_ENTRY_KINDS = ("i64",) * NORMS_N_ADDRESSES + ("i32", "i32", "i32", "f32", "f32", "i32", "stream")
 #: the local state words: [0] completed calls (the epoch of the last call), [1] CTAs of the
 #: running call that have finished, [2] the spin timeout in ns, [3] spare
 STATE_WORDS = 4
@@ -122,6 +134,44 @@ class AllReduceVariant:
 
 
 @dataclass(frozen=True)
+class AllReduceNormsVariant(AllReduceVariant):
+    """The one-shot all-reduce with the norms of a `NormsShape` around the add (kernels/norms.py):
+    the group's sum rounded once to the row dtype, its RMS post-norm (rounded), the residual add,
+    the read's RMSNorm, LayerNorm or nothing; or, without a post-norm, the sum + residual into a
+    LayerNorm or an identity read. This rank's partial is a [T, H] tensor (no MoE finalize)."""
+
+    shape: Optional["NormsShape"] = None
+
+    def __post_init__(self):
+        super().__post_init__()
+        if self.top_k:
+            raise ValueError("the norms variant takes a [T, H] partial, not a MoE finalize")
+        if self.shape is None or (self.shape.norm == "rms" and not self.shape.post):
+            raise ValueError("a norms variant needs a post-norm or a read other than RMSNorm (AllReduceVariant runs add + RMSNorm)")
+        if self.weight_offset != self.shape.weight_offset:
+            raise ValueError("weight_offset is the shape's")
+
+    @property
+    def name(self) -> str:
+        return f"allreduce_{self.shape.tag}_{_DTYPE_NAMES[self.dtype]}_h{self.hidden}_w{self.world}"
+
+    def kernel_object(self):
+        from .allreduce_dsl import AllReduceNormsKernel
+
+        return AllReduceNormsKernel(self)
+
+    def example_args(self) -> list:
+        import cuda.bindings.driver as cuda
+        from cutlass import Float32, Int32, Int64
+
+        return [Int64(0)] * NORMS_N_ADDRESSES + [Int32(1), Int32(0), Int32(1), Float32(1e-6), Float32(1e-6), Int32(1), cuda.CUstream(0)]
+
+    @classmethod
+    def of(cls, dtype, hidden: int, world: int, shape) -> "AllReduceNormsVariant":
+        return cls(dtype, hidden, world, float(shape.weight_offset), shape=shape)
+
+
+@dataclass(frozen=True)
 class BufferLayout:
     """Byte offsets inside one rank's peer buffer."""
 
@@ -170,4 +220,17 @@ def all_allreduce_variants() -> list:
             out.append(AllReduceVariant(torch.bfloat16, 4096, world, 0.0, top_k=8, shared=shared))
     out.append(AllReduceVariant(torch.float16, 4096, 2, 1.0, top_k=8, shared=True))
     out.append(AllReduceVariant(torch.bfloat16, 2880, 4, 1.0, top_k=1))
+    return out
+
+
+def all_allreduce_norms_variants() -> list:
+    """The norms variants the CPU compile test builds: each shape the plugin takes at 2 ranks on
+    a width without bounds checks, one with them at 4 ranks, fp16 once, 8 ranks once."""
+    from .norms import NormsShape
+
+    shapes = [NormsShape("rms", 1.0, post=True, post_offset=1.0), NormsShape("none", post=True), NormsShape("rms", post=True),
+              NormsShape("layer", bias=True), NormsShape("layer")]
+    out = [AllReduceNormsVariant.of(torch.bfloat16, 4096, 2, shape) for shape in shapes]
+    out += [AllReduceNormsVariant.of(torch.bfloat16, 2880, 4, shape) for shape in (shapes[0], shapes[3])]
+    out.append(AllReduceNormsVariant.of(torch.float16, 2048, 8, shapes[1]))
     return out

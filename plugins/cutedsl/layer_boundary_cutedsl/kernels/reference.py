@@ -23,7 +23,10 @@ from typing import Optional
 
 import torch
 
-__all__ = ["add_rmsnorm_reference", "moe_finalize_reference", "moe_finalize_add_rmsnorm_reference", "dense_indices", "qk_norm_rope_reference"]
+__all__ = [
+    "add_rmsnorm_reference", "add_norms_reference", "moe_finalize_reference", "moe_finalize_add_rmsnorm_reference", "dense_indices",
+    "qk_norm_rope_reference",
+]
 
 
 def _rmsnorm64(total: torch.Tensor, gamma: torch.Tensor, eps: float, weight_offset: float) -> torch.Tensor:
@@ -47,6 +50,30 @@ def add_rmsnorm_reference(
     if exact:
         return normed, total
     return normed.to(x.dtype), total.to(residual.dtype)
+
+
+def add_norms_reference(x, residual, gamma, beta, post_gamma, eps: float, post_eps: float, shape, *, exact: bool = False):
+    """(normed, new_residual) of the norms kernels (kernels/norms.py, a `NormsShape`): with a
+    post-norm, x's RMS post-norm rounded once to x's dtype; the sum with the residual; the read's
+    RMSNorm, LayerNorm (the centered row's variance) or nothing (an identity read: the new residual
+    twice). Each output rounded once to the residual's dtype (`exact`: both in float64)."""
+    x64 = x.to(torch.float64)
+    if shape.post:
+        x64 = _rmsnorm64(x64, post_gamma, post_eps, shape.post_offset).to(x.dtype).to(torch.float64)
+    total = x64 + residual.to(torch.float64)
+    if shape.norm == "none":
+        normed = total
+    elif shape.norm == "rms":
+        normed = _rmsnorm64(total, gamma, eps, shape.weight_offset)
+    else:
+        centered = total - total.mean(-1, keepdim=True)
+        normed = centered * torch.rsqrt(centered.pow(2).mean(-1, keepdim=True) + eps) * gamma.to(torch.float64)
+        if shape.bias:
+            normed = normed + beta.to(torch.float64)
+    if exact:
+        return normed, total
+    new_residual = total.to(residual.dtype)
+    return (new_residual if shape.norm == "none" else normed.to(residual.dtype)), new_residual
 
 
 def dense_indices(tokens: int, top_k: int, device=None) -> torch.Tensor:
