@@ -10,6 +10,7 @@
 # Groups (each fits one 10-minute device command; `run all` is for a machine without that limit):
 #   core        the core's GPU tests (graph decode, fused qkv), tbo's
 #   core-ranks  ranks on the GPU: collectives on CUDA tensors, the CLI at TP=2 against a single rank
+#   moe-verdicts the MoE models' `run --device cuda` default check (bf16 against Hugging Face, plugins on)
 #   cutedsl     CuTe DSL kernels, the model with the plugin, the fused one-shot all-reduce
 #   cutedsl-allreduce the fused one-shot all-reduce's GPU tests alone (ranks as processes on the GPUs)
 #   flashinfer  the flashinfer plugin's fused all-reduce + add + RMSNorm at 2 ranks (workspace memory,
@@ -31,7 +32,8 @@
 #               gelu_and_mul) against the torch path (alone, in a qwen3 static-cache decode with
 #               prepare_model, a CUDA graph, torch.compile); the first run JIT-builds the three
 #               activation modules (not in fijit.tgz)
-#   bench-decode   `layer-boundary bench decode` (batch 1, 32: graph replay, kernels vs HF, floor)
+#   bench-decode   `layer-boundary bench decode` (batch 1, 32: graph replay, kernels vs HF, floor) of each
+#               family in BENCH_MODELS (default qwen3)
 #   qk-norm-rope the CuTe DSL q/k norm + rope kernel's GPU tests alone (also in `cutedsl`)
 #   bench-cutedsl  `layer-boundary bench cutedsl` (CuTe DSL add + RMSNorm vs FlashInfer, copy baseline)
 #   bench-cutedsl-cells  the same for CUTEDSL_SHAPES (default: T=1024 at each width) in CUTEDSL_CELL_RUNS (3)
@@ -179,7 +181,10 @@ group() {
   case $1 in
     core) run_pytest core 560 tests/models/test_static_decode.py tests/models/test_fused_qkv.py tests/plugins/tbo ;;
     # the CLI at TP=2 on the GPU against a single rank: its qwen3 bf16 run alone takes ~280 s
-    core-ranks) run_pytest core_ranks 560 tests/models/test_gpu_ranks.py ;;
+    core-ranks) run_pytest core_ranks 560 tests/models/test_gpu_ranks.py -k "not default_bf16" ;;
+    # qwen3_moe (TP=2, TP=4 with attention DP 2) and deepseek_v4 (TP=2): `run --device cuda`'s default bf16 check
+    # against Hugging Face with every plugin on
+    moe-verdicts) run_pytest moe_verdicts 580 -s tests/models/test_gpu_ranks.py -k default_bf16 ;;
     cutedsl) run_pytest cutedsl 560 tests/plugins/cutedsl ;;
     # torch.compile: reduce-overhead decode vs CapturedStep and vs the Inductor step captured whole (timings
     # printed and in compile_gpu.json), TP=2 with the flashinfer plugin or the CuTe DSL fusion compiled fullgraph
@@ -201,7 +206,13 @@ group() {
     cutedsl-allreduce) run_pytest cutedsl_allreduce 400 tests/plugins/cutedsl/test_allreduce_gpu.py ;;
     decode-kernels) run_pytest decode_kernels 560 -s tests/plugins/flashinfer/test_flashinfer_decode_kernels_gpu.py \
       tests/plugins/flashinfer/test_flashinfer_gated_activation_gpu.py ;;
-    bench-decode) run_bench bench_decode 290 python3 -m layer_boundary bench decode -- --out "$OUT/decode.json" ;;
+    # BENCH_MODELS: the families timed, one process each (default qwen3)
+    bench-decode)
+      local m rc=0
+      for m in ${BENCH_MODELS:-qwen3}; do
+        run_bench "bench_decode_$m" 290 python3 -m layer_boundary bench decode -- --model "$m" --out "$OUT/decode_$m.json" || rc=1
+      done
+      return "$rc" ;;
     qk-norm-rope) run_pytest qk_norm_rope 300 tests/plugins/cutedsl/test_qk_norm_rope_gpu.py ;;
     reread) run_pytest reread 200 tests/plugins/cutedsl/test_kernels_gpu.py -k "reread" ;;
     late-gamma) run_pytest late_gamma 200 tests/plugins/cutedsl/test_kernels_gpu.py -k "late_gamma or token_counts_kernel" ;;

@@ -11,6 +11,7 @@ from torch import nn
 from layer_boundary import (
     Forward,
     FusedMlpInput,
+    FusionError,
     GemmaRMSNorm,
     LayerNorm,
     OutputTransform,
@@ -317,3 +318,21 @@ def test_prepare_model_chooses_the_post_norm_kernel_before_the_first_forward(pos
     assert ffn.plan.read_complete is ffn.plan.paths[next(iter(ffn.plan.paths))].entry.read_complete
     chosen = dict(prepare_norms(holder))
     assert chosen["read (after RMSNorm)"] == "postnorms.k" and len(post_kernels.requests) == 1
+
+
+class SpoiledPostNormKernels(PostNormKernels):
+    """The same kernel, its new residual cut to one row (it would broadcast into the next add)."""
+
+    def post_norm_factory(self, request: PostNormRequest):
+        run = super().post_norm_factory(request)
+        return lambda *args: (lambda normed, residual: (normed, residual[:1]))(*run(*args))
+
+
+def test_a_wrong_post_norm_result_fails_at_the_kernel_naming_its_plugin(fresh_registry, inline_plugin):
+    inline_plugin(SpoiledPostNormKernels(), name="postnorms")
+    with pytest.raises(FusionError) as info:
+        _stack_rank(Parallel.single(), "sandwich", 2)
+    message = str(info.value)
+    assert message.startswith("post-norm + add + norm kernel record 'postnorms.k' of plugin 'postnorms'"), message
+    assert "wrong new residual: 1 row where" in message
+    assert message.endswith("set LAYER_BOUNDARY_DISABLE_PLUGINS=postnorms to run without it")

@@ -68,3 +68,28 @@ def test_run_on_the_gpu_at_tp2_matches_a_single_rank(model, dtype):
     assert out["check"]["passed"] is True, out["check"]
     if torch.cuda.device_count() < 2:
         assert "2 ranks on 1 GPU: correctness only; timings are not representative" in proc.stderr
+
+
+#: the MoE models' default check on the GPU: bf16 (the default there) against Hugging Face, with
+#: every installed plugin on; the verdict holds the routing to the reference's choices and bounds
+#: the logits by the dtype's tolerance (docs/verdicts.md)
+MOE_DEFAULT_CHECKS = {
+    "qwen3_moe-tp2": ("qwen3_moe", "--tp", "2"),
+    "qwen3_moe-tp4-attn-dp2": ("qwen3_moe", "--tp", "4", "--attn-dp", "2"),
+    "deepseek_v4-tp2": ("deepseek_v4", "--tp", "2"),
+}
+
+
+@pytest.mark.parametrize("case", list(MOE_DEFAULT_CHECKS))
+def test_a_moe_model_passes_its_default_bf16_check_with_the_plugins_on(case):
+    model, *topology = MOE_DEFAULT_CHECKS[case]
+    proc = subprocess.run(
+        [sys.executable, "-m", "layer_boundary", "run", "--model", model, *topology, "--device", "cuda", "--json", "--decode-steps", "2"],
+        capture_output=True, text=True, timeout=540, env=ENV,
+    )
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+    out = json.loads(proc.stdout)
+    print(case, json.dumps({k: out["check"].get(k) for k in ("passed", "rel_err", "tolerance", "max_abs_err", "reference")}))
+    assert out["config"]["dtype"] == "bfloat16" and out["check"]["passed"] is True, out["check"]
+    plugins = {c.get("plugin") for b in out["kernels"]["boundaries"] for c in b["candidates"] if c.get("accepted")}
+    print(case, "accepting plugins:", sorted(p or "core" for p in plugins))

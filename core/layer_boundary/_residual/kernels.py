@@ -33,7 +33,7 @@ from .._plugins.results import matches, pair_matches, pair_problem, raised, resu
 from .._plugins.selection import Answer, Selection, select
 
 __all__ = ["TORCH", "Choice", "choose", "choose_norm", "choices_of", "first_call", "first_norm_call", "forget", "chain",
-           "OUTPUTS", "kernel_who"]
+           "OUTPUTS", "kernel_who", "checked_pair"]
 
 #: the name of the norm's own torch path in plans and choices
 TORCH = "core.torch"
@@ -96,14 +96,14 @@ def request_for(norm, device: torch.device, dtype: torch.dtype, contribution_dty
     )
 
 
-def _bound(kernel: Callable, norm, who: str, plugin: Optional[str]) -> Callable:
-    """The chosen add + norm with the norm's weight bound in (a LayerNorm's bias too: None
-    without one), its return checked."""
-    extra = (norm.bias,) if type(norm).norm_kind == "layer" else ()
+def checked_pair(kernel: Callable, parameters: Callable[[], tuple], who: str, plugin: Optional[str]) -> Callable:
+    """`(contribution, residual) -> kernel(contribution, residual, *parameters())`, its return
+    checked for a (normed, new residual) pair and its exceptions named (`who`, `plugin`).
+    `parameters` is read at each call: a norm's weights may be swapped after the choice."""
 
     def run(contribution, residual):
         try:
-            out = kernel(contribution, residual, norm.weight, *extra)
+            out = kernel(contribution, residual, *parameters())
         except Exception as exc:
             raise raised(who, plugin, exc) from exc
         if not pair_matches(out, residual):
@@ -111,6 +111,13 @@ def _bound(kernel: Callable, norm, who: str, plugin: Optional[str]) -> Callable:
         return out
 
     return run
+
+
+def _bound(kernel: Callable, norm, who: str, plugin: Optional[str]) -> Callable:
+    """The chosen add + norm with the norm's weight bound in (a LayerNorm's bias too: None
+    without one), its return checked."""
+    layer = type(norm).norm_kind == "layer"
+    return checked_pair(kernel, (lambda: (norm.weight, norm.bias)) if layer else (lambda: (norm.weight,)), who, plugin)
 
 
 def choose(norm, device: torch.device, dtype: torch.dtype, contribution_dtype: torch.dtype) -> Choice:

@@ -23,11 +23,9 @@ import torch
 
 from .._plugins import manager as _manager
 from .._plugins.requests import NormSpec, PostNormRequest
-from .._errors import FusionError
-from .._plugins.results import pair_matches, pair_problem, raised
 from .._plugins.selection import select
 from .add_norm import PLAIN_ADD, NormRead, kernel_norm_kind
-from .kernels import OUTPUTS, TORCH, Choice, compute_dtype_of, kernel_who
+from .kernels import TORCH, Choice, checked_pair, compute_dtype_of, kernel_who
 
 __all__ = ["LocalRead", "PostNormRead", "local_read", "post_norm_read", "post_norm_arguments", "norm_spec", "forget", "POST_NORM"]
 
@@ -212,17 +210,7 @@ def post_norm_arguments(post_norm, norm) -> tuple:
 def _bound(kernel: Callable, post_norm, norm, who: str, plugin: Optional[str]) -> Callable:
     """The chosen post-norm completion with both norms' parameters bound in, its return checked
     as an add + norm's is."""
-
-    def run(value, residual):
-        try:
-            out = kernel(value, residual, *post_norm_arguments(post_norm, norm))
-        except Exception as exc:
-            raise raised(who, plugin, exc) from exc
-        if not pair_matches(out, residual):
-            raise FusionError(pair_problem(out, residual, who, plugin, names=OUTPUTS))
-        return out
-
-    return run
+    return checked_pair(kernel, lambda: post_norm_arguments(post_norm, norm), who, plugin)
 
 
 def forget(read: Optional[PostNormRead] = None) -> None:

@@ -156,13 +156,20 @@ def _construct(report, factory, request, case: str):
 
 
 def _run(report, kernel, norm, rows, dtype, dtype_name, settings, g, case, who) -> None:
+    extra = (norm.bias,) if norm.norm_kind == "layer" else ()  # a LayerNorm's kernel takes its bias
+    _check_pair(report, case, lambda c, r: kernel(c, r, norm.weight, *extra), lambda c, r: add_rms_norm(norm, c, r), "add_rms_norm",
+                rows, dtype, dtype_name, settings, g, who)
+
+
+def _check_pair(report, case, call, reference, reference_name, rows, dtype, dtype_name, settings, g, who) -> None:
+    """`call(c, r)` on random rows: inputs untouched, new tensors out, a (normed, new residual)
+    pair as a run checks it, each within the dtype's tolerance of `reference(c, r)`."""
     hidden = settings.hidden_size
     c = (torch.randn(rows, hidden, generator=g) * 2).to(dtype).to(settings.device)
     r = torch.randn(rows, hidden, generator=g).to(dtype).to(settings.device)
     held = (c.clone(), r.clone(), c._version, r._version)
-    extra = (norm.bias,) if norm.norm_kind == "layer" else ()  # a LayerNorm's kernel takes its bias
     try:
-        out = kernel(c, r, norm.weight, *extra)
+        out = call(c, r)
     except Exception as exc:  # noqa: BLE001
         report.add("parity", f"{case}: the kernel raised {type(exc).__name__}: {exc}")
         return
@@ -176,12 +183,12 @@ def _run(report, kernel, norm, rows, dtype, dtype_name, settings, g, case, who) 
     ptrs = {c.data_ptr(), r.data_ptr()} if rows else set()
     if rows and (normed.data_ptr() in ptrs or new_residual.data_ptr() in ptrs):
         report.add("purity", f"{case}: an output is an input's memory")
-    want_normed, want_residual = add_rms_norm(norm, held[0], held[1])
+    want_normed, want_residual = reference(held[0], held[1])
     tol = settings.tolerance(dtype_name)
     for what, got, want in (("normed", normed, want_normed), ("new residual", new_residual, want_residual)):
         err = relative_error(got, want)
         if err > tol:
-            report.add("parity", f"{case}: {what} differs from add_rms_norm by {err:.2e} relative (tolerance {tol:.0e})")
+            report.add("parity", f"{case}: {what} differs from {reference_name} by {err:.2e} relative (tolerance {tol:.0e})")
 
 
 def _plain(report, norm_factory, norm, request, dtype, dtype_name, settings, g, case, who) -> bool:
@@ -245,27 +252,7 @@ def _post_norms(report, post_factory, kinds, settings, g, device, who) -> int:
                 continue
             accepted += 1
             for rows in settings.rows:
-                where = f"{case} T={rows}"
-                c = (torch.randn(rows, hidden, generator=g) * 2).to(dtype).to(device)
-                r = torch.randn(rows, hidden, generator=g).to(dtype).to(device)
-                held = (c.clone(), r.clone(), c._version, r._version)
-                try:
-                    out = kernel(c, r, *post_norm_arguments(post, read))
-                except Exception as exc:  # noqa: BLE001
-                    report.add("parity", f"{where}: the kernel raised {type(exc).__name__}: {exc}")
-                    continue
-                report.stats["launches"] += 1
-                if not (torch.equal(c, held[0]) and torch.equal(r, held[1])) or (c._version, r._version) != held[2:]:
-                    report.add("purity", f"{where}: the kernel wrote its contribution or residual (return new tensors)")
-                if not pair_matches(out, r):  # what a run raises (`FusionError`), word for word
-                    report.add("parity", f"{where}: {pair_problem(out, r, *who, names=OUTPUTS)}")
-                    continue
-                normed, new_residual = out
-                want_normed, want_residual = add_rms_norm(read, post.torch_forward(held[0]), held[1])
-                tol = settings.tolerance(dtype_name)
-                for what, got, want in (("normed", normed, want_normed), ("new residual", new_residual, want_residual)):
-                    err = relative_error(got, want)
-                    if err > tol:
-                        report.add("parity", f"{where}: {what} differs from the torch completion by {err:.2e} relative (tolerance "
-                                             f"{tol:.0e})")
+                _check_pair(report, f"{case} T={rows}", lambda c, r, k=kernel, p=post, n=read: k(c, r, *post_norm_arguments(p, n)),
+                            lambda c, r, p=post, n=read: add_rms_norm(n, p.torch_forward(c), r), "the torch completion",
+                            rows, dtype, dtype_name, settings, g, who)
     return accepted
