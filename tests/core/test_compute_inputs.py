@@ -51,11 +51,11 @@ def _ops(read):
 
 
 def _layer(parallel, read, tokens, **facts):
-    torch.manual_seed(0)
+    g = torch.Generator().manual_seed(0)  # each rank its own: threads share torch's default generator
     norms = [RMSNorm(H, dtype=torch.float64) for _ in range(2)]
     ops = _ops(read)
     attn, ffn = make_stages((declare_attn(residual=ops), norms[0]), (declare_ffn(residual=ops), norms[1]), terminal=True, parallel=parallel)
-    x = torch.randn(tokens, H, dtype=torch.float64)
+    x = torch.randn(tokens, H, dtype=torch.float64, generator=g)
     fwd = Forward(parallel, tokens, **facts)
     residual_batch.start(fwd)
     a, b = attn.prepare(x, fwd)

@@ -12,9 +12,9 @@ import sys
 import pytest
 
 from layer_boundary.cli.usage import EXIT_BAD_INPUT, EXIT_CHECK_FAILED, EXIT_PLUGIN_FAILED
+from layer_boundary.testing import requires_plugins
 
 from fake_dists import make_dist
-from installed import needs_models
 
 #: a provider whose candidate completes the sum correctly, then spoils the result (`SPOIL`)
 ACME = """
@@ -70,7 +70,7 @@ def test_run_help_documents_every_exit_status():
     assert "LAYER_BOUNDARY_DISABLE_PLUGINS=<plugin>" in text
 
 
-@needs_models
+@requires_plugins("models")
 def test_bad_input_exits_2_before_any_rank_starts():
     out = cli("run", "--model", "qwen3", "--tp", "3")
     assert out.returncode == EXIT_BAD_INPUT == 2
@@ -78,7 +78,7 @@ def test_bad_input_exits_2_before_any_rank_starts():
 
 
 @pytest.mark.gloo
-@needs_models
+@requires_plugins("models")
 def test_a_failed_check_exits_1(tmp_path):
     out = cli(*RUN, site=_acme(tmp_path, WRONG_VALUES))
     assert out.returncode == EXIT_CHECK_FAILED == 1, out.stderr
@@ -89,7 +89,7 @@ def test_a_failed_check_exits_1(tmp_path):
 
 
 @pytest.mark.gloo
-@needs_models
+@requires_plugins("models")
 def test_a_plugin_failing_at_run_time_exits_3_naming_it_and_its_switch(tmp_path):
     site = _acme(tmp_path, ONE_ROW)
     out = cli(*RUN, site=site)

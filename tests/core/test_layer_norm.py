@@ -85,7 +85,6 @@ def _stack_rank(parallel, layers, rows, bias):
     """`layers` pre-norm layers (attention partial + dense FFN) with LayerNorm reads and a
     LayerNorm final norm: each rank's compute is its share of a linear map, summed by the
     boundaries."""
-    torch.manual_seed(0)
     tp = parallel.groups["tp"]
     norms = [_layer_norm(H, bias=bias, seed=10 + i) for i in range(2 * layers + 1)]
     weights = [torch.randn(H, H, dtype=torch.float64, generator=torch.Generator().manual_seed(20 + i)) / H for i in range(2 * layers)]

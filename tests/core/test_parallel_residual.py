@@ -33,9 +33,9 @@ from layer_boundary.cli.plan_cmd import PlanningCollectives
 from layer_boundary.plugin import add_rms_norm
 from layer_boundary.testing.grid import GridModel, GridSpec, grid_inputs, reference, run_grid_rank
 from layer_boundary.testing.threaded import run_threaded
+from layer_boundary.testing import requires_plugins
 
 from grid_cases import assert_matches_reference, counted_grid_rank
-from installed import needs_cp
 
 H = 4
 
@@ -255,7 +255,7 @@ def test_wrong_combinations_fail_at_construction_naming_the_stage(case):
     assert message.startswith("stage layer") and "parallel-residual FFN" in message and phrase in message and "\n" not in message
 
 
-@needs_cp
+@requires_plugins("cp")
 def test_context_parallel_is_refused_naming_the_stage():
     with pytest.raises(ValueError, match=r"stage layer\.1:ffn: .* has no context-parallel path \(attn_cp=2\)"):
         _layer(_planning(Topology(tp=2, attn_cp=2)), terminal=True)
