@@ -155,3 +155,36 @@ def test_cuda_graph_decode_step_replays_the_eager_step(name):
         cache.restore(snap)
         replayed = graph.replay(step_ids, base + s).clone()
         assert torch.equal(eager, replayed), f"step {s}: max diff {(eager - replayed).abs().max().item()}"
+
+
+#: the families `bench decode` times at a real width (their records' `realistic()`)
+REALISTIC = ["qwen3", "gemma3", "gpt_neox"]
+
+
+@pytest.mark.parametrize("name", REALISTIC)
+def test_a_realistic_config_parses_builds_and_makes_a_static_cache(name):
+    """What `bench decode --model NAME` needs before its GPU: the record's real-width config, with
+    the bench's layer count, parses; the model builds (on the meta device: no memory) with the
+    parameters Hugging Face's model of the same dict has (the bench's comparison), its layer types
+    and rope as Hugging Face reads them; and it makes a static cache."""
+    import transformers
+
+    from layer_boundary.bench.decode import realistic_config
+    from layer_boundary.cli.families import build, family_config, find_family
+
+    item = find_family(name)
+    raw = realistic_config(item, 6)
+    config = family_config(item, raw)
+    assert config.num_layers == 6 and config.hidden_size >= 2048 and config.vocab_size == 32000
+    hf_config = transformers.AutoConfig.for_model(raw["model_type"], **{k: v for k, v in raw.items() if k != "model_type"})
+    if name == "gemma3":  # five sliding-window layers to one global one, at any layer count
+        assert config.layer_types == tuple(hf_config.layer_types) == ("sliding_attention",) * 5 + ("full_attention",)
+        assert (config.sliding_window, config.rope["full_attention"].factor) == (1024, 8.0)
+    if name == "gpt_neox":
+        assert config.rotary_dim == 32 and config.residual == "parallel"
+    model = build(item, config, Parallel.single(), dtype=torch.bfloat16, device="meta")
+    with torch.device("meta"):
+        hf = transformers.AutoModelForCausalLM.from_config(hf_config)
+    assert sum(p.numel() for p in model.parameters()) == sum(p.numel() for p in hf.parameters())
+    cache = model.new_static_cache(2, 40)
+    assert cache.k[0].shape == (2, config.num_kv_heads, 40, config.head_dim) and len(cache.k) == 6
