@@ -15,7 +15,7 @@ from layer_boundary import Linear, RMSNorm, RowParallelLinear, shard_rows
 from layer_boundary.plugin import DecodeLayout, StepLayout
 
 __all__ = ["RotaryEmbedding", "KernelRope", "KVCache", "StaticKVCache", "TPAttention", "StepLayout", "DecodeLayout", "BoundDecodeLayout",
-           "attend_requests", "causal_probs"]
+           "attend_requests", "attend_static_prefill", "attend_static_decode", "causal_probs"]
 
 
 class BoundDecodeLayout(DecodeLayout):
@@ -56,8 +56,9 @@ class StaticKVCache:
     """Preallocated keys/values [slots, kv_heads_local, max_len, head_dim] per layer; writes and
     reads use device index tensors, so a decode step has fixed shapes and no host sync.
 
-    `rope_table` ([max_len, 2, head_dim]: cos, sin in the model's dtype; set by the model that
-    made the cache) lets a step look its rotary factors up instead of computing them.
+    `rope_table` ([max_len, 2, rotary channels]: cos, sin, in the dtype the model's rotation
+    takes them; set by the model that made the cache) lets a step look its rotary factors up
+    instead of computing them.
 
     Every tensor it holds is marked a static address for torch.compile: a compiled step writes
     the cache in place, and CUDA graph trees (`mode="reduce-overhead"`) capture a graph that
@@ -237,6 +238,71 @@ def attend_requests(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, step, cac
     return out
 
 
+def attend_static_prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, step: StepLayout, cache: "StaticKVCache", layer: int,
+                          scaling: float, *, softcap: Optional[float] = None, window: Optional[int] = None) -> torch.Tensor:
+    """`attend_requests` against a static cache: each request of `step` (its slot is its rid)
+    writes its keys and values at its positions, then attends over the slot's keys so far, as
+    Hugging Face's eager attention does. q [tokens, heads, D], k and v [tokens, kv_heads, D];
+    returns [tokens, heads, D]."""
+    T, heads, D = q.shape
+    groups = heads // k.shape[1]
+    out = q.new_empty(T, heads, D)
+    for slot, start, count, past in zip(step.rids, step.starts, step.counts, step.past):
+        rows = slice(start, start + count)
+        cache.write_span(layer, slot, past, k[rows], v[rows])
+        total = past + count
+        ks = cache.k[layer][slot, :, :total].repeat_interleave(groups, dim=0)
+        vs = cache.v[layer][slot, :, :total].repeat_interleave(groups, dim=0)
+        qs = q[rows].transpose(0, 1)
+        probs = causal_probs(torch.matmul(qs, ks.transpose(1, 2)) * scaling, count, softcap=softcap, window=window)
+        out[rows] = torch.matmul(probs, vs).transpose(0, 1)
+    return out
+
+
+def attend_static_decode(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, step: DecodeLayout, cache: "StaticKVCache", layer: int,
+                         scaling: float, *, softcap: Optional[float] = None, window: Optional[int] = None, kernel=None) -> torch.Tensor:
+    """One token per row against the whole cache length: q [tokens, heads, D], k and v [tokens,
+    kv_heads, D] of the step's rows; returns [tokens, heads, D]. No host sync, no data-dependent
+    shape: a decode step through it can be captured in a CUDA graph.
+
+    Writes in place (index_put_ on the step's precomputed index), reads the slots as views,
+    and shares each KV head across its query group by a view of the queries ([tokens,
+    kv_heads, group, D]) instead of repeating keys and values. `kernel`: a plugin's decode
+    attention (`DecodeAttentionKernel`), else the torch path."""
+    if not isinstance(step, BoundDecodeLayout) or not step.bound or (kernel is None and step.key_bias is None):  # a layout nobody bound for this path
+        step = cache.bind(step, kernel)
+    if window is not None and step.window_bias is None:
+        raise ValueError(
+            f"layer {layer} has a sliding window of {window}: decode it through a cache made with "
+            f"sliding_window={window} (the model's new_static_cache), whose bind() computes the window mask"
+        )
+    k_cache, v_cache = cache.k[layer], cache.v[layer]
+    if step.kernel_state is not None:  # a step-bound kernel: its own write, then its attention
+        kernel.write(step.kernel_state, k, v, k_cache, v_cache)
+        return kernel.attend(step.kernel_state, q, k_cache, v_cache)
+    cache.write_decode(layer, step, k, v)
+    if kernel is not None:  # a plugin's decode attention over the cache as it is
+        return kernel(q, k_cache, v_cache, step.slots, step.positions)
+    keys, values = cache.read_decode(layer, step)  # [T, kv_heads, L, D]
+    T, heads, D = q.shape
+    kv_heads = k.shape[1]
+    grouped = q.view(T, kv_heads, heads // kv_heads, D)
+    if softcap is not None or window is not None:  # Hugging Face's order: scale, cap, then mask
+        scores = torch.matmul(grouped, keys.transpose(-1, -2)) * scaling
+        if softcap is not None:
+            scores = torch.tanh(scores / softcap) * softcap
+        scores = scores + (step.key_bias if window is None else step.window_bias)
+    else:
+        scores = torch.add(step.key_bias, torch.matmul(grouped, keys.transpose(-1, -2)), alpha=scaling)
+    # HF's eager softmax runs in fp32; half types' kernels accumulate in fp32 already (one
+    # launch, no round trip), wider types keep the fp32 softmax HF computes
+    if scores.dtype in (torch.bfloat16, torch.float16):
+        probs = torch.softmax(scores, dim=-1)
+    else:
+        probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(scores.dtype)
+    return torch.matmul(probs, values).view(T, heads, D)
+
+
 class KernelRope:
     """A plugin's rope kernel bound to a step's positions: what the attention calls on its
     queries and keys in place of the (cos, sin) rotation (`RopeKernel`).
@@ -376,10 +442,6 @@ class TPAttention(nn.Module):
             w[q : q + kv].copy_(k_full[rows])
             w[q + kv :].copy_(v_full[rows])
 
-    def _probs(self, scores: torch.Tensor, count: int) -> torch.Tensor:
-        """`causal_probs` with this attention's soft cap and window."""
-        return causal_probs(scores, count, softcap=self.softcap, window=self.sliding_window)
-
     def _qkv(self, x):
         """q [tokens, heads, D], k and v [tokens, kv_heads, D]: views of one GEMM's output (rows
         strided by the fused width), each with its addend's delta when one is set."""
@@ -429,60 +491,12 @@ class TPAttention(nn.Module):
         against the preallocated cache; decode has no host sync and no data-dependent shape."""
         q, k, v = self._project(x, rope)
         T, D = x.shape[0], self.head_dim
-        groups = self.heads // self.kv_heads
         if isinstance(step, DecodeLayout):
-            return self.o_proj(self._decode_static(q, k, v, step, cache).reshape(T, self.heads * D))
-        out = q.new_empty(T, self.heads, D)
-        for slot, start, count, past in zip(step.rids, step.starts, step.counts, step.past):
-            rows = slice(start, start + count)
-            cache.write_span(self.layer, slot, past, k[rows], v[rows])
-            total = past + count
-            ks = cache.k[self.layer][slot, :, :total].repeat_interleave(groups, dim=0)
-            vs = cache.v[self.layer][slot, :, :total].repeat_interleave(groups, dim=0)
-            qs = q[rows].transpose(0, 1)
-            probs = self._probs(torch.matmul(qs, ks.transpose(1, 2)) * self.scaling, count)
-            out[rows] = torch.matmul(probs, vs).transpose(0, 1)
+            out = attend_static_decode(q, k, v, step, cache, self.layer, self.scaling, softcap=self.softcap, window=self.sliding_window,
+                                       kernel=self.decode_attention_kernel)
+        else:
+            out = attend_static_prefill(q, k, v, step, cache, self.layer, self.scaling, softcap=self.softcap, window=self.sliding_window)
         return self.o_proj(out.reshape(T, self.heads * D))
-
-    def _decode_static(self, q, k, v, step: DecodeLayout, cache: "StaticKVCache") -> torch.Tensor:
-        """One token per row against the whole cache length: [tokens, heads, D].
-
-        Writes in place (index_put_ on the step's precomputed index), reads the slots as views,
-        and shares each KV head across its query group by a view of the queries ([tokens,
-        kv_heads, group, D]) instead of repeating keys and values."""
-        kernel = self.decode_attention_kernel
-        window = self.sliding_window
-        if not isinstance(step, BoundDecodeLayout) or not step.bound or (kernel is None and step.key_bias is None):  # a layout nobody bound for this path
-            step = cache.bind(step, kernel)
-        if window is not None and step.window_bias is None:
-            raise ValueError(
-                f"layer {self.layer} has a sliding window of {window}: decode it through a cache made with "
-                f"sliding_window={window} (the model's new_static_cache), whose bind() computes the window mask"
-            )
-        k_cache, v_cache = cache.k[self.layer], cache.v[self.layer]
-        if step.kernel_state is not None:  # a step-bound kernel: its own write, then its attention
-            kernel.write(step.kernel_state, k, v, k_cache, v_cache)
-            return kernel.attend(step.kernel_state, q, k_cache, v_cache)
-        cache.write_decode(self.layer, step, k, v)
-        if kernel is not None:  # a plugin's decode attention over the cache as it is
-            return kernel(q, k_cache, v_cache, step.slots, step.positions)
-        keys, values = cache.read_decode(self.layer, step)  # [T, kv_heads, L, D]
-        T, D = q.shape[0], self.head_dim
-        grouped = q.view(T, self.kv_heads, self.heads // self.kv_heads, D)
-        if self.softcap is not None or window is not None:  # Hugging Face's order: scale, cap, then mask
-            scores = torch.matmul(grouped, keys.transpose(-1, -2)) * self.scaling
-            if self.softcap is not None:
-                scores = torch.tanh(scores / self.softcap) * self.softcap
-            scores = scores + (step.key_bias if window is None else step.window_bias)
-        else:
-            scores = torch.add(step.key_bias, torch.matmul(grouped, keys.transpose(-1, -2)), alpha=self.scaling)
-        # HF's eager softmax runs in fp32; half types' kernels accumulate in fp32 already (one
-        # launch, no round trip), wider types keep the fp32 softmax HF computes
-        if scores.dtype in (torch.bfloat16, torch.float16):
-            probs = torch.softmax(scores, dim=-1)
-        else:
-            probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(scores.dtype)
-        return torch.matmul(probs, values).view(T, self.heads, D)
 
     def _forward_context_parallel(self, x, step, rope, cache, cp) -> torch.Tensor:
         """Prefill of a context-parallel batch: `x` holds this CP rank's rows (`cp`, the batch's

@@ -36,6 +36,11 @@ def _family(model: str, description: str, *, config: str, weights: str, architec
     )
 
 
+def _realistic(model: str):
+    """`realistic=` of a family with a real-width config in `presets.REALISTIC` (bench decode)."""
+    return functools.partial(lazy(f"{_PACKAGE}.presets:realistic"), model)
+
+
 _DECODER = dict(config="config:DecoderConfig.from_hf", weights="weights")
 _SANDWICH = dict(config="gemma2_config:GemmaSandwichConfig.from_hf", weights="gemma2_family")
 _RESIDUAL = dict(config="residual_config:ResidualConfig.from_hf", weights="residual_families")
@@ -43,7 +48,7 @@ _RESIDUAL = dict(config="residual_config:ResidualConfig.from_hf", weights="resid
 #: every family this distribution ships, in the order `layer-boundary plugins` lists them
 FAMILIES = (
     _family("qwen3", "dense Qwen3: GQA attention with q/k norm, SiLU gated MLP", architecture="Qwen3ForCausalLM",
-            options=("lora", "fp8", "tbo"), realistic=lazy(f"{_PACKAGE}.presets:realistic_qwen3"), **_DECODER),
+            options=("lora", "fp8", "tbo"), realistic=_realistic("qwen3"), **_DECODER),
     _family("qwen3_moe", "Qwen3-MoE: routed experts over EP x TP, dense layers from mlp_only_layers",
             architecture="Qwen3MoeForCausalLM", options=("fp8", "tbo"),
             # FP8 reads flip the routing of tokens that close (measured up to 0.26 relative)
@@ -70,14 +75,14 @@ FAMILIES = (
     _family("gemma2", "Gemma 2: sandwich (1 + w) norms, alternating sliding-window and full attention, soft-capped scores and logits",
             architecture="Gemma2ForCausalLM", **_SANDWICH),
     _family("gemma3", "Gemma 3 (text): Gemma 2's sandwich layers with per-head q/k norms and a local rope base for sliding layers",
-            architecture="Gemma3ForCausalLM", model_type="gemma3_text", **_SANDWICH),
+            architecture="Gemma3ForCausalLM", model_type="gemma3_text", realistic=_realistic("gemma3"), **_SANDWICH),
     _family("olmo2", "OLMo-2: post-norm (h + norm(f(h))), q/k RMSNorms over the whole projections (a statistic across attention TP)",
             architecture="Olmo2ForCausalLM", options=("tbo",), **_RESIDUAL,
             # Hugging Face sums OLMo-2's q/k norm statistics in fp32 even in a float64 model: split over
             # attention-TP ranks the partial sums add in another order (3e-7 at TP 2 and 4; exact on one rank)
             tolerances={"float64": 1e-6}),
     _family("gpt_neox", "GPT-NeoX: LayerNorm with bias, biases on every projection, partial rotary, parallel or sequential residual",
-            architecture="GPTNeoXForCausalLM", options=("tbo",), **_RESIDUAL),
+            architecture="GPTNeoXForCausalLM", options=("tbo",), realistic=_realistic("gpt_neox"), **_RESIDUAL),
     _family("cohere", "Cohere: one LayerNorm feeding attention and MLP in parallel, interleaved rotary, per-head q/k norms, logit scale",
             architecture="CohereForCausalLM", options=("tbo",), **_RESIDUAL),
 )

@@ -158,24 +158,73 @@ def preset(name: str) -> dict:
     return copy.deepcopy(PRESETS[name])
 
 
-#: a real-width Qwen3 (hidden 4096, 8 layers) for `layer-boundary bench decode`
-_REALISTIC_QWEN3 = {
-    "model_type": "qwen3",
-    "architectures": ["Qwen3ForCausalLM"],
-    "vocab_size": 32000,
-    "hidden_size": 4096,
-    "num_hidden_layers": 8,
-    "num_attention_heads": 32,
-    "num_key_value_heads": 8,
-    "head_dim": 128,
-    "intermediate_size": 12288,
-    "rms_norm_eps": 1e-6,
-    "rope_parameters": {"rope_type": "default", "rope_theta": 1000000.0},
-    "hidden_act": "silu",
-    "tie_word_embeddings": False,
+#: real-width configs for `layer-boundary bench decode` (8 layers; the bench sets
+#: num_hidden_layers), with a 32000-token vocabulary so the head does not dominate a step
+REALISTIC = {
+    # Qwen3-8B's widths
+    "qwen3": {
+        "model_type": "qwen3",
+        "architectures": ["Qwen3ForCausalLM"],
+        "vocab_size": 32000,
+        "hidden_size": 4096,
+        "num_hidden_layers": 8,
+        "num_attention_heads": 32,
+        "num_key_value_heads": 8,
+        "head_dim": 128,
+        "intermediate_size": 12288,
+        "rms_norm_eps": 1e-6,
+        "rope_parameters": {"rope_type": "default", "rope_theta": 1000000.0},
+        "hidden_act": "silu",
+        "tie_word_embeddings": False,
+    },
+    # Gemma 3 12B's widths and attention: five sliding-window (1024) layers to one global, the
+    # pattern given by sliding_window_pattern so it holds for any layer count; local rope base
+    # 10000, global 1e6 with Gemma 3's linear factor 8; tied head, no soft caps
+    "gemma3": {
+        "model_type": "gemma3_text",
+        "architectures": ["Gemma3ForCausalLM"],
+        "vocab_size": 32000,
+        "hidden_size": 3840,
+        "num_hidden_layers": 8,
+        "num_attention_heads": 16,
+        "num_key_value_heads": 8,
+        "head_dim": 256,
+        "intermediate_size": 15360,
+        "rms_norm_eps": 1e-6,
+        "hidden_activation": "gelu_pytorch_tanh",
+        "query_pre_attn_scalar": 256,
+        "sliding_window": 1024,
+        "sliding_window_pattern": 6,
+        "rope_parameters": {
+            "full_attention": {"rope_type": "linear", "factor": 8.0, "rope_theta": 1000000.0},
+            "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+        },
+        "attn_logit_softcapping": None,
+        "final_logit_softcapping": None,
+        "tie_word_embeddings": True,
+        "max_position_embeddings": 131072,
+    },
+    # Pythia-6.9B's widths: 32 heads of 128 with a quarter of each rotated, the parallel residual,
+    # biases on every projection, an ungated GELU MLP of 4x the width
+    "gpt_neox": {
+        "model_type": "gpt_neox",
+        "architectures": ["GPTNeoXForCausalLM"],
+        "vocab_size": 32000,
+        "hidden_size": 4096,
+        "num_hidden_layers": 8,
+        "num_attention_heads": 32,
+        "intermediate_size": 16384,
+        "hidden_act": "gelu",
+        "layer_norm_eps": 1e-5,
+        "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.25},
+        "use_parallel_residual": True,
+        "attention_bias": True,
+        "tie_word_embeddings": False,
+        "max_position_embeddings": 2048,
+    },
 }
 
 
-def realistic_qwen3() -> dict:
-    """A fresh copy of the real-width Qwen3 config `bench decode` times."""
-    return copy.deepcopy(_REALISTIC_QWEN3)
+def realistic(name: str) -> dict:
+    """A fresh copy of family `name`'s real-width config, the one `bench decode` times."""
+    return copy.deepcopy(REALISTIC[name])

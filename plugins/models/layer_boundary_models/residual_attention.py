@@ -2,8 +2,9 @@
 
 One GEMM projects q, k and v (with their biases when the config has them), the family's q/k
 norms and rotary run on this rank's heads, each request attends as Hugging Face's eager
-attention does (`attention.attend_requests`), and the row-parallel output projection leaves
-its sum to the boundary (its bias added once, on attention-TP rank 0).
+attention does (`attention.attend_requests`; through a `StaticKVCache`, `attend_static_prefill`
+and the capturable `attend_static_decode`), and the row-parallel output projection leaves its
+sum to the boundary (its bias added once, on attention-TP rank 0).
 
 The rotary embedding turns the leading `rotary_dim` channels of each head (GPT-NeoX's partial
 rotary; all of them elsewhere), pairing the two halves of those channels ("half") or neighbouring
@@ -20,7 +21,7 @@ import torch
 from torch import nn
 
 from layer_boundary import Linear, RowParallelLinear, shard_rows
-from .attention import KVCache, attend_requests
+from .attention import DecodeLayout, KVCache, StaticKVCache, attend_requests, attend_static_decode, attend_static_prefill
 from .residual_norms import HeadLayerNorm, ProjectionQKNorm
 
 __all__ = ["Rotary", "ShardedAttention"]
@@ -48,6 +49,13 @@ class Rotary(nn.Module):
         if self.fp32_factors:
             return cos, sin
         return cos.to(dtype), sin.to(dtype)
+
+    def table(self, length: int, dtype: torch.dtype, device=None) -> torch.Tensor:
+        """[length, 2, rotary_dim]: (cos, sin) of positions 0..length-1, the values `forward`
+        gives them (OLMo-2's in fp32), built once for a static cache's steps to look up."""
+        device = self.inv_freq.device if device is None else device
+        cos, sin = self(torch.arange(length, device=device), dtype)
+        return torch.stack((cos, sin), dim=1)
 
     def _turned(self, x: torch.Tensor) -> torch.Tensor:
         if self.interleaved:
@@ -145,5 +153,10 @@ class ShardedAttention(nn.Module):
             q, k = self.q_norm(q), self.k_norm(k)
         cos, sin = rope
         q, k = self.rotary.apply(q, cos, sin), self.rotary.apply(k, cos, sin)
-        out = attend_requests(q, k, v, step, cache, self.layer, self.scaling)
+        if not isinstance(cache, StaticKVCache):
+            out = attend_requests(q, k, v, step, cache, self.layer, self.scaling)
+        elif isinstance(step, DecodeLayout):  # fixed shapes, no host sync: capturable
+            out = attend_static_decode(q, k, v, step, cache, self.layer, self.scaling)
+        else:
+            out = attend_static_prefill(q, k, v, step, cache, self.layer, self.scaling)
         return self.o_proj(out.reshape(T, self.heads * D))

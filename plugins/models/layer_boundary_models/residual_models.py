@@ -12,6 +12,10 @@ boundaries the pre-norm decoders use, each layer two stages (attention, then the
 - sequential (GPT-NeoX otherwise): pre-norm, `h = h + attn(n1(h))`, `h = h + mlp(n2(h))`.
 
 The post-norm and sequential shapes complete each stage's own sum (two a layer).
+
+`new_static_cache(slots, max_len)` gives the preallocated cache of CUDA-graph decode (`bench
+decode`): its prefill writes the cache, a decode step binds it once for every layer and looks its
+rotary factors up in a table of what the per-request path computes.
 """
 
 from __future__ import annotations
@@ -22,7 +26,7 @@ import torch
 from torch import nn
 
 from layer_boundary import LayerNorm, OutputTransform, declare_attn, declare_ffn, layer_stack, make_stages
-from .attention import KVCache, StepLayout
+from .attention import DecodeLayout, KVCache, StaticKVCache, StepLayout
 from .config import ConfigError
 from .mlp import TPGatedMLP, TPPlainMLP
 from .overlapped import run_layers
@@ -128,6 +132,16 @@ class ResidualCausalLM(nn.Module):
     def new_cache(self) -> KVCache:
         return KVCache(self.config.num_layers)
 
+    def new_static_cache(self, slots: int, max_len: int) -> StaticKVCache:
+        """A preallocated cache for CUDA-graph decode (requests live in slots 0..slots-1), with
+        the rotary factors of positions 0..max_len-1 as the dynamic path computes them (partial
+        and interleaved rotaries included: the attention turns its channels with them alike)."""
+        attn = self.layers[0].self_attn
+        w = attn.o_proj.weight
+        cache = StaticKVCache(self.config.num_layers, slots, max_len, attn.kv_heads, attn.head_dim, dtype=w.dtype, device=w.device)
+        cache.rope_table = self.rotary.table(max_len, w.dtype, w.device)
+        return cache
+
     def plan_notes(self) -> dict:
         """Model-wide lines for `layer-boundary plan`: the collectives compute issues itself."""
         attn = self.layers[0].self_attn if len(self.layers) else None
@@ -142,7 +156,14 @@ class ResidualCausalLM(nn.Module):
     def forward(self, input_ids: torch.Tensor, forward, step: StepLayout, cache: Optional[KVCache] = None) -> Optional[torch.Tensor]:
         """Logits [tokens, vocab] for this rank's attention rows; None on an earlier pipeline stage."""
         hidden_states = enter_stage(self, input_ids, forward, step)
-        rope = self.rotary(step.positions, hidden_states.dtype)
+        if isinstance(cache, StaticKVCache):
+            if forward.extras.get("tbo"):
+                raise NotImplementedError(f"{self.config.model_type} runs two-batch overlap with its per-request cache (new_cache), not a static one")
+            if isinstance(step, DecodeLayout):
+                step = cache.bind(step)  # the step's write index and mask, once for every layer
+            rope = cache.rope(step.positions)
+        else:
+            rope = self.rotary(step.positions, hidden_states.dtype)
         hidden_states = run_layers(self.layers, hidden_states, forward, step, rope, cache)
         logits = leave_stage(self, hidden_states, forward, self.norm)
         if logits is not None and self.config.logit_scale is not None:
