@@ -5,6 +5,7 @@
 #
 #   bash scripts/gpu_tests.sh stage             unpack what .gpu/ holds into /tmp (idempotent)
 #   bash scripts/gpu_tests.sh run [GROUP ...]   run groups (default: all), logs and JSON under $OUT
+#   bash scripts/gpu_tests.sh together GROUP ... run groups side by side (correctness only: they share the GPU)
 #   bash scripts/gpu_tests.sh summary           the table of everything run on this machine so far
 #
 # Groups (each fits one 10-minute device command; `run all` is for a machine without that limit):
@@ -297,7 +298,23 @@ while [ $i -lt ${#steps[@]} ]; do
         log "group $g"
         group "$g" || status=1
       done ;;
-    *) log "unknown step $step (stage, run [GROUP ...], summary)"; exit 2 ;;
+    together)
+      # groups side by side, each in its own background job: for correctness checks only (they share
+      # the GPU and the cores, so timings mean nothing); each group's printout follows when all end
+      groups=() pids=()
+      while [ $((i + 1)) -lt ${#steps[@]} ] && [ "${steps[$((i + 1))]}" != stage ] && [ "${steps[$((i + 1))]}" != summary ]; do
+        i=$((i + 1)); groups+=("${steps[$i]}")
+      done
+      for g in "${groups[@]}"; do
+        log "group $g (side by side)"
+        group "$g" > "$OUT/together_$g.out" 2>&1 &
+        pids+=($!)
+      done
+      for k in "${!groups[@]}"; do
+        wait "${pids[$k]}" || status=1
+        log "group ${groups[$k]} ended"; cat "$OUT/together_${groups[$k]}.out"
+      done ;;
+    *) log "unknown step $step (stage, run [GROUP ...], together [GROUP ...], summary)"; exit 2 ;;
   esac
   i=$((i + 1))
 done
