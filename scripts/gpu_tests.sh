@@ -11,7 +11,8 @@
 # Groups (each fits one 10-minute device command; `run all` is for a machine without that limit):
 #   core        the core's GPU tests (graph decode, fused qkv), tbo's
 #   core-ranks  ranks on the GPU: collectives on CUDA tensors, the CLI at TP=2 against a single rank
-#   moe-verdicts the MoE models' `run --device cuda` default check (bf16 against Hugging Face, plugins on)
+#   moe-verdicts the MoE models' `run --device cuda` default check (bf16 against Hugging Face, plugins on);
+#               moe-qwen3-tp2, moe-qwen3-tp4 (attention DP 2) and moe-deepseek: its cases one at a time
 #   cutedsl     CuTe DSL kernels, the model with the plugin, the fused one-shot all-reduce
 #   cutedsl-allreduce the fused one-shot all-reduce's GPU tests alone (ranks as processes on the GPUs)
 #   flashinfer  the flashinfer plugin's fused all-reduce + add + RMSNorm at 2 ranks (workspace memory,
@@ -146,6 +147,9 @@ UNEXPECTED_SKIP_FILTER='needs 2 GPUs for timing'
 
 run_pytest() {  # name timeout pytest-args...
   local name=$1 limit=$2; shift 2
+  # GPU_TESTS_CAP: no group runs longer (a device command ends at its own limit, and what this
+  # script has not yet copied back is lost with it)
+  [ -n "${GPU_TESTS_CAP:-}" ] && [ "$GPU_TESTS_CAP" -lt "$limit" ] && limit=$GPU_TESTS_CAP
   local t0=$SECONDS
   timeout "$limit" python3 -m pytest -q -p no:cacheprovider -m gpu -rs --junitxml="$OUT/$name.xml" "$@" > "$OUT/$name.log" 2>&1
   local rc=$?
@@ -186,6 +190,10 @@ group() {
     # qwen3_moe (TP=2, TP=4 with attention DP 2) and deepseek_v4 (TP=2): `run --device cuda`'s default bf16 check
     # against Hugging Face with every plugin on
     moe-verdicts) run_pytest moe_verdicts 580 -s tests/models/test_gpu_ranks.py -k default_bf16 ;;
+    # its three cases one by one (to run side by side with `together`: each takes minutes)
+    moe-qwen3-tp2) run_pytest moe_qwen3_tp2 580 -s tests/models/test_gpu_ranks.py -k "default_bf16 and qwen3_moe and tp2" ;;
+    moe-qwen3-tp4) run_pytest moe_qwen3_tp4 580 -s tests/models/test_gpu_ranks.py -k "default_bf16 and qwen3_moe and tp4" ;;
+    moe-deepseek) run_pytest moe_deepseek 580 -s tests/models/test_gpu_ranks.py -k "default_bf16 and deepseek_v4" ;;
     cutedsl) run_pytest cutedsl 560 tests/plugins/cutedsl ;;
     # torch.compile: reduce-overhead decode vs CapturedStep and vs the Inductor step captured whole (timings
     # printed and in compile_gpu.json), TP=2 with the flashinfer plugin or the CuTe DSL fusion compiled fullgraph
