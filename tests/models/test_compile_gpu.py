@@ -290,12 +290,13 @@ def test_reduce_overhead_at_the_bench_size_against_captured_step():
     at batch 1: where the GPU's time per step dwarfs the host's, `reduce-overhead` against
     `CapturedStep`, synced every step and pipelined (timings recorded, not asserted)."""
     from layer_boundary._cuda_graphs import CapturedStep
-    from layer_boundary.bench.decode import REALISTIC, _random_init
+    from layer_boundary.bench.decode import _random_init
+    from layer_boundary_models.presets import realistic
 
     torch._dynamo.reset()
     reset_graph_breaks()
     parallel = Parallel.single()
-    config = model_config("qwen3", dict(REALISTIC))
+    config = model_config("qwen3", realistic("qwen3"))
     model = build_model(config, parallel, dtype=torch.bfloat16, device="cuda").eval()
     _random_init(model)
     prompts, decode, base = _steps(config, 1, 2, "cuda")

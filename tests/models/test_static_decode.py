@@ -133,7 +133,7 @@ def test_rows_as_slots_refuse_more_rows_than_slots():
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a GPU")
-@pytest.mark.parametrize("name", ["qwen3", "qwen3_moe"])
+@pytest.mark.parametrize("name", STATIC_FAMILIES)
 @torch.inference_mode()
 def test_cuda_graph_decode_step_replays_the_eager_step(name):
     from layer_boundary._cuda_graphs import CapturedStep

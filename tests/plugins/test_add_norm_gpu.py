@@ -136,10 +136,11 @@ def test_kernels_run_inside_a_cuda_graph():
 
 
 def _qwen3(layers=2):
-    from layer_boundary.bench.decode import REALISTIC, _random_init
+    from layer_boundary.bench.decode import _random_init
+    from layer_boundary_models.presets import realistic
     from layer_boundary_models import build_model, model_config
 
-    config = model_config("qwen3", dict(REALISTIC, num_hidden_layers=layers))
+    config = model_config("qwen3", dict(realistic("qwen3"), num_hidden_layers=layers))
     model = build_model(config, Parallel.single(), dtype=torch.bfloat16, device="cuda")
     _random_init(model)
     return config, model.eval()

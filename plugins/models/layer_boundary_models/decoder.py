@@ -121,7 +121,7 @@ class CausalLM(nn.Module):
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         h = self.embed_tokens(input_ids)
         if self.config.embed_scale is not None:
-            h = h * torch.tensor(self.config.embed_scale, dtype=h.dtype, device=h.device)
+            h = h * torch.full((), self.config.embed_scale, dtype=h.dtype, device=h.device)
         return h
 
     def forward(self, input_ids: torch.Tensor, forward, step: StepLayout, cache: Optional[KVCache] = None) -> Optional[torch.Tensor]:

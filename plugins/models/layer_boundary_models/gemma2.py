@@ -119,7 +119,7 @@ class GemmaSandwichLM(nn.Module):
 
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         h = self.embed_tokens(input_ids)
-        return h * torch.tensor(self.config.embed_scale, dtype=h.dtype, device=h.device)
+        return h * torch.full((), self.config.embed_scale, dtype=h.dtype, device=h.device)
 
     def forward(self, input_ids: torch.Tensor, forward, step, cache: Optional[KVCache] = None) -> Optional[torch.Tensor]:
         """Logits [tokens, vocab] for this rank's attention rows; None on an earlier pipeline
