@@ -16,6 +16,7 @@ completion. They return `(compute_input, new_residual)`; new tensors out, inputs
 
 from __future__ import annotations
 
+import functools
 import weakref
 from typing import Callable, Optional
 
@@ -92,9 +93,8 @@ class PostNormRead:
         return run(value, residual)
 
     def torch_read(self, value, residual):
-        """The unfused completion: the post-norm module (its own chosen norm kernel), then the
-        read's update and read (the read norm's chosen add + norm)."""
-        return self.read.update_and_read(PLAIN_ADD, self.post_norm(value), residual, self.norm)
+        """The unfused completion (`unfused_post_norm_read`)."""
+        return unfused_post_norm_read(self.post_norm, self.read, self.norm, value, residual)
 
     def _first_call(self, value, residual):
         if torch.compiler.is_compiling() or (residual.is_cuda and torch.cuda.is_current_stream_capturing()):
@@ -158,16 +158,27 @@ def local_read(read, norm, post_norm=None):
     return LocalRead(read, norm) if post_norm is None else post_norm_read(post_norm, read, norm)
 
 
-def post_norm_read(post_norm, read, norm) -> PostNormRead:
+def post_norm_read(post_norm, read, norm) -> Callable:
     """The one `PostNormRead` of (post_norm, read, norm), kept on the read norm: every plan of a
     stage (and a final norm reading the same pair) shares its kernel choice, and `prepare_model`
-    finds it there (`prepare_norms`)."""
-    reads = norm.__dict__.setdefault("_post_norm_reads", {}) if hasattr(norm, "__dict__") else {}
-    key = (id(post_norm), id(read))
-    found = reads.get(key)
-    if found is None or found.post_norm is not post_norm or found.read is not read:
-        found = reads[key] = PostNormRead(post_norm, read, norm)
+    finds it there (`prepare_norms`). Inside a trace it is only looked up (Dynamo cannot follow a
+    write into a module's `__dict__`); a pair no eager call has met yet runs unfused there."""
+    reads = getattr(norm, "_post_norm_reads", None)
+    found = None if reads is None else reads.get((id(post_norm), id(read)))
+    if found is not None and found.post_norm is post_norm and found.read is read:
+        return found
+    if torch.compiler.is_compiling():
+        return functools.partial(unfused_post_norm_read, post_norm, read, norm)
+    found = PostNormRead(post_norm, read, norm)
+    if hasattr(norm, "__dict__"):
+        norm.__dict__.setdefault("_post_norm_reads", {})[(id(post_norm), id(read))] = found
     return found
+
+
+def unfused_post_norm_read(post_norm, read, norm, value, residual):
+    """`read(residual + post_norm(value))` unfused: the post-norm module (its own chosen norm
+    kernel), then the read's update and read (the read norm's chosen add + norm)."""
+    return read.update_and_read(PLAIN_ADD, post_norm(value), residual, norm)
 
 
 def _refusal(post_norm, read, norm) -> str:
