@@ -145,11 +145,14 @@ EOF
 # expected skips: none, except what this machine's GPU count makes irrelevant
 UNEXPECTED_SKIP_FILTER='needs 2 GPUs for timing'
 
+# GPU_TESTS_CAP: no group's command runs longer than this many seconds (a device command ends at
+# its own limit, and what this script has not yet copied back is lost with it)
+capped() {  # a runner's time limit
+  if [ -n "${GPU_TESTS_CAP:-}" ] && [ "$GPU_TESTS_CAP" -lt "$1" ]; then echo "$GPU_TESTS_CAP"; else echo "$1"; fi
+}
+
 run_pytest() {  # name timeout pytest-args...
-  local name=$1 limit=$2; shift 2
-  # GPU_TESTS_CAP: no group runs longer (a device command ends at its own limit, and what this
-  # script has not yet copied back is lost with it)
-  [ -n "${GPU_TESTS_CAP:-}" ] && [ "$GPU_TESTS_CAP" -lt "$limit" ] && limit=$GPU_TESTS_CAP
+  local name=$1 limit; limit=$(capped "$2"); shift 2
   local t0=$SECONDS
   timeout "$limit" python3 -m pytest -q -p no:cacheprovider -m gpu -rs --junitxml="$OUT/$name.xml" "$@" > "$OUT/$name.log" 2>&1
   local rc=$?
@@ -163,7 +166,7 @@ run_pytest() {  # name timeout pytest-args...
 }
 
 run_bench() {  # name timeout command...: a benchmark; its table is the log's tail
-  local name=$1 limit=$2; shift 2
+  local name=$1 limit; limit=$(capped "$2"); shift 2
   local t0=$SECONDS
   timeout "$limit" "$@" > "$OUT/$name.log" 2>&1
   local rc=$?
@@ -173,7 +176,7 @@ run_bench() {  # name timeout command...: a benchmark; its table is the log's ta
 }
 
 run_check() {  # name timeout command...
-  local name=$1 limit=$2; shift 2
+  local name=$1 limit; limit=$(capped "$2"); shift 2
   local t0=$SECONDS
   timeout "$limit" "$@" > "$OUT/$name.log" 2>&1
   local rc=$?
@@ -287,6 +290,15 @@ sys.exit(0 if ok else 1)
 EOF
 }
 
+# the GROUP words after step $i (up to the next step word) into `groups`; i moves past them
+take_groups() {
+  groups=()
+  while [ $((i + 1)) -lt ${#steps[@]} ]; do
+    case ${steps[$((i + 1))]} in stage | summary | run | together) break ;; esac
+    i=$((i + 1)); groups+=("${steps[$i]}")
+  done
+}
+
 status=0
 steps=("$@")
 [ ${#steps[@]} -eq 0 ] && steps=(stage run)
@@ -297,10 +309,7 @@ while [ $i -lt ${#steps[@]} ]; do
     stage) stage ;;
     summary) ;;
     run)
-      groups=()
-      while [ $((i + 1)) -lt ${#steps[@]} ] && [ "${steps[$((i + 1))]}" != stage ] && [ "${steps[$((i + 1))]}" != summary ]; do
-        i=$((i + 1)); groups+=("${steps[$i]}")
-      done
+      take_groups
       [ ${#groups[@]} -eq 0 ] && groups=(core core-ranks cutedsl flashinfer flashinfer4 contract soak addnorm decode-kernels compile-cpu compile compile-ops)
       for g in "${groups[@]}"; do
         log "group $g"
@@ -309,10 +318,7 @@ while [ $i -lt ${#steps[@]} ]; do
     together)
       # groups side by side, each in its own background job: for correctness checks only (they share
       # the GPU and the cores, so timings mean nothing); each group's printout follows when all end
-      groups=() pids=()
-      while [ $((i + 1)) -lt ${#steps[@]} ] && [ "${steps[$((i + 1))]}" != stage ] && [ "${steps[$((i + 1))]}" != summary ]; do
-        i=$((i + 1)); groups+=("${steps[$i]}")
-      done
+      take_groups; pids=()
       for g in "${groups[@]}"; do
         log "group $g (side by side)"
         group "$g" > "$OUT/together_$g.out" 2>&1 &
