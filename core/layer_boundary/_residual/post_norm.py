@@ -163,15 +163,16 @@ def post_norm_read(post_norm, read, norm) -> Callable:
     stage (and a final norm reading the same pair) shares its kernel choice, and `prepare_model`
     finds it there (`prepare_norms`). Inside a trace it is only looked up (Dynamo cannot follow a
     write into a module's `__dict__`); a pair no eager call has met yet runs unfused there."""
+    key = (id(post_norm), id(read))
     reads = getattr(norm, "_post_norm_reads", None)
-    found = None if reads is None else reads.get((id(post_norm), id(read)))
+    found = None if reads is None else reads.get(key)
     if found is not None and found.post_norm is post_norm and found.read is read:
         return found
     if torch.compiler.is_compiling():
         return functools.partial(unfused_post_norm_read, post_norm, read, norm)
     found = PostNormRead(post_norm, read, norm)
     if hasattr(norm, "__dict__"):
-        norm.__dict__.setdefault("_post_norm_reads", {})[(id(post_norm), id(read))] = found
+        norm.__dict__.setdefault("_post_norm_reads", {})[key] = found
     return found
 
 

@@ -5,8 +5,8 @@ what one step launches (torch.profiler: kernel count and summed kernel time) for
 Hugging Face transformers on the same config and GPU (sdpa attention, eager, its DynamicCache);
 and the weight-streaming floor of a step: the bytes of every weight a decode step reads (all
 parameters but the input embedding, of which it reads a row per token) over the rate this GPU
-copies device to device, measured in the same run (about 4.3 TB/s on an H200). Targets: kernel time <= 0.8x HF's, graph
-replay <= 1.5x the floor. The family's model needs `new_static_cache(slots, max_len)` (a cache
+copies device to device, measured in the same run (about 4.3 TB/s on an H200). Targets: kernel
+time <= 0.8x HF's, graph replay <= 1.5x the floor. The family's model needs `new_static_cache(slots, max_len)` (a cache
 with `snapshot()` and `restore()`), driven by `DecodeLayout` steps.
 
 TP=1 runs in this process on one GPU. TP>1 (fused vs unfused with the flashinfer plugin) needs as

@@ -151,10 +151,9 @@ def fused_add_norms(
         check_rows(dtype, device, rows_shape, **named)
         check_rows(dtype, device, (hidden,), **{k: v for k, v in weights.items()})
     rows = x.numel() // hidden if hidden else 0
-    # two empty tensors may share an address (no storage): only rows written can overlap
-    if rows and out is not None and out.data_ptr() == residual_out.data_ptr():
-        raise ValueError("out and residual_out must not be the same memory")
-    if rows:
+    if rows:  # two empty tensors may share an address (no storage): only rows written can overlap
+        if out is not None and out.data_ptr() == residual_out.data_ptr():
+            raise ValueError("out and residual_out must not be the same memory")
         entry = _entry(NormsVariant(dtype, hidden, shape), device)
         addresses = [t.data_ptr() if t is not None else 0 for t in (x, residual, weights["gamma"], weights["beta"], weights["post_gamma"],
                                                                   residual_out, out)]
